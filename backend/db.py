@@ -1,0 +1,58 @@
+"""The panel's SQLite database: where it lives, how it is opened.
+
+WAL mode lets the poller write while pages read; a busy timeout absorbs the brief write locks instead of failing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, SQLModel, create_engine
+
+from backend import models  # noqa: F401  (registers the tables)
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    """The panel's data folder: $GRPO_PANEL_DATA, else `data/` in the project."""
+    folder = Path(os.environ.get("GRPO_PANEL_DATA") or PROJECT_ROOT / "data")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def default_db_path() -> Path:
+    return data_dir() / "panel.sqlite3"
+
+
+class Database:
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path is not None else default_db_path()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.engine: Engine = create_engine(
+            f"sqlite:///{self.path}", connect_args={"check_same_thread": False, "timeout": 30}
+        )
+        event.listen(self.engine, "connect", _configure_connection)
+        SQLModel.metadata.create_all(self.engine)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        with Session(self.engine, expire_on_commit=False) as session:
+            yield session
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _configure_connection(connection, _record) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()

@@ -1,0 +1,155 @@
+"""The panel's SQLite tables.
+
+SQLite holds what the panel has read from the store and the launchers, so pages render without touching the bucket.
+Every user-visible row carries its `owner`, and every query a service makes filters on it. Time columns are seconds
+since the epoch as the writer's clock reported them; nothing compares clocks across machines for correctness.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Column, Index, LargeBinary, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+class Run(SQLModel, table=True):
+    id: str = Field(primary_key=True)  # the run id of its spec
+    owner: str = Field(index=True)
+    name: str = ""
+    # draft, launching, running, degraded, stalled, stopping, finished, failed, stopped
+    status: str = "draft"
+    status_message: str = ""
+    spec_json: str
+    storage_uri: str
+    backend: str
+    parent_run_id: str | None = Field(default=None, index=True)
+    parent_version: int | None = None
+    credential_id: int | None = None
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    step: int = 0
+    max_steps: int = 0
+    latest_reward: float | None = None
+    cost_usd: float = 0.0
+    last_telemetry_at: float | None = None  # panel clock when telemetry last arrived (stall detection)
+
+
+class Job(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("run_id", "role", "attempt"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True)
+    owner: str = Field(index=True)
+    role: str  # trainer, replica-0, replica-1, ...
+    attempt: int = 0  # a relaunched trainer is a new attempt
+    backend_job_id: str = ""
+    stage: str = "scheduling"  # scheduling, running, completed, error, canceled
+    url: str | None = None  # the job's page
+    endpoint: str | None = None  # a replica's base URL once exposed
+    flavor: str = ""
+    price_per_hour: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    log_tail: str = ""
+    message: str = ""
+
+
+class AdapterVersion(SQLModel, table=True):
+    __table_args__ = (UniqueConstraint("run_id", "version"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True)
+    owner: str = Field(index=True)
+    version: int
+    step: int | None = None
+    created_at: float
+    size_bytes: int = 0
+    manifest_json: str = "{}"
+    reward: float | None = None  # smoothed reward around `step`, filled by the poller
+    audit_max_diff: float | None = None  # largest log-prob difference the policy audit saw across replicas
+
+
+class MetricPoint(SQLModel, table=True):
+    __table_args__ = (Index("ix_metric_run_name_step", "run_id", "name", "step"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id")
+    owner: str
+    step: int
+    name: str
+    value: float
+    time: float | None = None
+
+
+class RolloutSample(SQLModel, table=True):
+    __table_args__ = (
+        Index("ix_sample_run_step", "run_id", "step"),
+        Index("ix_sample_run_reward", "run_id", "reward"),
+    )
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id")
+    owner: str
+    step: int  # the optimizer step that consumed it
+    policy_version: int  # the adapter version that generated it
+    staleness: int
+    group_id: int
+    prompt: str
+    completion: str
+    reward: float | None = None
+    rewards_json: str = "{}"  # score per reward function
+    advantage: float = 0.0
+    time: float | None = None
+
+
+class ProxySnapshot(SQLModel, table=True):
+    __table_args__ = (Index("ix_proxy_run_time", "run_id", "time"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id")
+    owner: str
+    time: float
+    stats_json: str
+
+
+class ReplicaStatus(SQLModel, table=True):
+    """The latest heartbeat of each replica (and of the trainer), replaced as new ones arrive."""
+
+    __table_args__ = (UniqueConstraint("run_id", "role"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True)
+    owner: str
+    role: str
+    time: float
+    data_json: str
+
+
+class Event(SQLModel, table=True):
+    """Alerts and notable happenings, shown as banners and in a run's history."""
+
+    __table_args__ = (Index("ix_event_run_time", "run_id", "time"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str | None = Field(default=None, foreign_key="run.id")
+    owner: str = Field(index=True)
+    time: float
+    level: str = "info"  # info, warning, error
+    kind: str  # e.g. ratio_drift, replica_lag, stalled, job_error, cost_cap
+    message: str
+    active: bool = True  # an alert still in force
+
+
+class PollCursor(SQLModel, table=True):
+    """Where the poller stopped reading a stream, so a restarted panel continues exactly there."""
+
+    run_id: str = Field(primary_key=True, foreign_key="run.id")
+    stream: str = Field(primary_key=True)  # metrics, samples, proxy, adapters, audit
+    cursor: str = ""  # the last store key ingested
+    updated_at: float = 0.0
+
+
+class Credential(SQLModel, table=True):
+    """A secret entered once; stored encrypted, shown masked, handed to launchers as Job secrets only."""
+
+    __table_args__ = (UniqueConstraint("owner", "name"),)
+    id: int | None = Field(default=None, primary_key=True)
+    owner: str = Field(index=True)
+    name: str
+    kind: str  # hf_token, s3
+    ciphertext: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    masked: str  # e.g. "hf_…x3Fq" — all the UI ever shows
+    created_at: float

@@ -1,0 +1,47 @@
+"""The one vocabulary shared by the panel and the jobs: the run spec, derived values and the store layout."""
+
+from jobs.contract import derived, layout
+from jobs.contract.spec import (
+    BUILTIN_REWARDS,
+    DEMO_DATASET_ID,
+    DEMO_MODEL_ID,
+    SCHEMA_VERSION,
+    VLLM_LORA_RANKS,
+    ComputeSpec,
+    DatasetSpec,
+    GrpoSpec,
+    LoraSpec,
+    ModelSpec,
+    ParentSpec,
+    RewardSpec,
+    RunSpec,
+    SpecError,
+    StorageSpec,
+    parse_spec,
+    timeout_seconds,
+)
+from jobs.contract.storage_uri import StorageLocation, parse_storage_uri
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "DEMO_DATASET_ID",
+    "DEMO_MODEL_ID",
+    "SCHEMA_VERSION",
+    "VLLM_LORA_RANKS",
+    "ComputeSpec",
+    "DatasetSpec",
+    "GrpoSpec",
+    "LoraSpec",
+    "ModelSpec",
+    "ParentSpec",
+    "RewardSpec",
+    "RunSpec",
+    "SpecError",
+    "StorageLocation",
+    "StorageSpec",
+    "derived",
+    "layout",
+    "parse_spec",
+    "parse_storage_uri",
+    "timeout_seconds",
+]

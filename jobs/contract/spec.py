@@ -1,0 +1,377 @@
+"""The run specification: everything a run needs, validated once, shared by the panel and every job.
+
+A `RunSpec` is written to the store as `spec.json` and read back by the trainer and the replicas, so it must
+round-trip through JSON exactly and must never hold a secret (credentials travel as Job secrets or environment).
+Defaults follow the public recipe (Qwen2.5-Math-1.5B, LoRA r=1 all-linear, 8 generations, lr 4e-5, max staleness 4,
+weight sync every 4 steps, a checkpoint every 50 steps).
+
+Validation errors name the field and say how to fix it; `parse_spec` turns pydantic's errors into `SpecError`, whose
+`errors` map dotted field names to messages so a form can show each one next to its field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from jobs.contract.storage_uri import parse_storage_uri
+from jobs.secrets import find_secret
+
+SCHEMA_VERSION = 1
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+MAX_REPLICAS = 16
+# vLLM holds max_staleness + 2 adapters at once; beyond this they crowd out the KV cache for no gain.
+MAX_STALENESS = 16
+RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{1,46}[a-z0-9]$")
+DEMO_MODEL_ID = "builtin:tiny-qwen2"
+DEMO_DATASET_ID = "digits"
+# Built-in rewards and the parameters each accepts (implementations live in jobs.trainer.rewards).
+BUILTIN_REWARDS: dict[str, frozenset[str]] = {
+    "math_boxed": frozenset(),
+    "format": frozenset({"tags"}),
+    "length": frozenset({"target"}),
+    "regex": frozenset({"pattern"}),
+    "digit_frac": frozenset(),
+}
+MAX_REWARD_SOURCE_BYTES = 200_000
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+_NAMED_FIELD = re.compile(r"^([a-z_][\w.\[\]]*): (.+)$", re.S)
+_DURATION_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class SpecError(ValueError):
+    """A spec that does not validate. `errors` maps a dotted field name to what is wrong and how to fix it."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = errors
+        super().__init__("; ".join(f"{field}: {message}" for field, message in errors.items()))
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors, so a typo ("max_stalenes") is reported rather than silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    id: str = "Qwen/Qwen2.5-Math-1.5B"
+    revision: str | None = None
+    max_model_len: Annotated[int, Field(ge=64, le=1_048_576)] = 4096
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+
+    @field_validator("id")
+    @classmethod
+    def _model_id(cls, value: str) -> str:
+        value = value.strip()
+        if value == DEMO_MODEL_ID or value.startswith("/"):
+            return value
+        if ".." in value or "--" in value or not _HUB_ID.match(value):
+            raise ValueError(
+                f"{value!r} is not a Hub model id; use 'owner/name' (e.g. 'Qwen/Qwen2.5-0.5B-Instruct'), "
+                f"an absolute local path, or '{DEMO_MODEL_ID}' for the built-in demo model"
+            )
+        return value
+
+
+class DatasetSpec(_Section):
+    source: Literal["hub", "store", "builtin"] = "hub"
+    # A Hub dataset id, a JSONL/CSV/Parquet path relative to the store root, or a built-in dataset name.
+    id: str = "sail/Sanity-Test-R1D-1.5B"
+    split: str = "train"
+    prompt_column: str = "prompt"
+    answer_column: str | None = "solution"
+    system_prompt: str | None = None
+    limit: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _dataset_id(self) -> DatasetSpec:
+        if self.source == "hub" and (".." in self.id or not _HUB_ID.match(self.id)):
+            raise ValueError(f"id: {self.id!r} is not a Hub dataset id; use 'owner/name'")
+        if self.source == "store":
+            if self.id.startswith("/") or ".." in self.id.split("/"):
+                raise ValueError(f"id: {self.id!r} must be a path inside the store, e.g. 'datasets/train.jsonl'")
+            if not self.id.endswith((".jsonl", ".json", ".csv", ".parquet")):
+                raise ValueError(f"id: {self.id!r} must end in .jsonl, .json, .csv or .parquet")
+        if self.source == "builtin" and self.id != DEMO_DATASET_ID:
+            raise ValueError(f"id: {self.id!r} is not a built-in dataset; the built-in one is '{DEMO_DATASET_ID}'")
+        return self
+
+
+class RewardSpec(_Section):
+    kind: Literal["builtin", "code"] = "builtin"
+    # Built-in name, or for code the name shown in metrics (`rewards/<name>`).
+    name: str = "math_boxed"
+    params: dict[str, float | int | str | bool | list[str]] = Field(default_factory=dict)
+    source: str | None = None
+    entry_point: str | None = None
+    weight: float = 1.0
+
+    @model_validator(mode="after")
+    def _reward(self) -> RewardSpec:
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$", self.name):
+            raise ValueError(f"name: {self.name!r} must be a Python identifier (letters, digits, underscores)")
+        if self.kind == "builtin":
+            if self.name not in BUILTIN_REWARDS:
+                known = ", ".join(sorted(BUILTIN_REWARDS))
+                raise ValueError(f"name: unknown built-in reward {self.name!r}; use one of {known}, or kind 'code'")
+            unknown = set(self.params) - BUILTIN_REWARDS[self.name]
+            if unknown:
+                allowed = ", ".join(sorted(BUILTIN_REWARDS[self.name])) or "none"
+                raise ValueError(f"params: {self.name} takes no parameter {sorted(unknown)}; allowed: {allowed}")
+            if self.source is not None:
+                raise ValueError("source: only for kind 'code'; remove it or set kind to 'code'")
+        else:
+            if not self.source or not self.source.strip():
+                raise ValueError("source: kind 'code' needs Python code defining the reward function")
+            if len(self.source.encode()) > MAX_REWARD_SOURCE_BYTES:
+                raise ValueError(f"source: larger than {MAX_REWARD_SOURCE_BYTES // 1000} kB; keep rewards small")
+            if not self.entry_point or not self.entry_point.isidentifier():
+                raise ValueError("entry_point: kind 'code' needs the name of the reward function in source")
+        if self.weight != self.weight or abs(self.weight) > 1e6:
+            raise ValueError("weight: must be a finite number")
+        return self
+
+
+class LoraSpec(_Section):
+    rank: int = 1
+    alpha: float = 2.0
+    target_modules: str | list[str] = "all-linear"
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, value: int) -> int:
+        if value not in VLLM_LORA_RANKS:
+            accepted = ", ".join(map(str, VLLM_LORA_RANKS))
+            raise ValueError(f"{value} is not a rank vLLM can serve; use one of {accepted}")
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        names = [value] if isinstance(value, str) else value
+        if not names or any(not name.strip() for name in names):
+            raise ValueError("name at least one module, or 'all-linear'")
+        if any(name in ("lm_head", "embed_tokens") for name in names):
+            raise ValueError("LoRA on lm_head or embed_tokens cannot be synced to vLLM; remove it")
+        return value
+
+
+class GrpoSpec(_Section):
+    num_generations: Annotated[int, Field(ge=2, le=64)] = 8
+    completions_per_step: Annotated[int, Field(ge=2)] = 128
+    max_completion_length: Annotated[int, Field(ge=1)] = 3000
+    temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    learning_rate: Annotated[float, Field(gt=0.0, lt=1.0)] = 4e-5
+    adam_beta2: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.95
+    epsilon: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.2
+    max_steps: Annotated[int, Field(ge=1)] = 500
+    max_staleness: int = 4
+    weight_sync_steps: Annotated[int, Field(ge=1)] = 4
+    max_inflight: Annotated[int, Field(ge=1)] = 128
+    queue_size: Annotated[int, Field(ge=1)] | None = None  # None: max_staleness x 128, as in the recipe
+    token_budget: Annotated[int, Field(ge=0)] = 0  # 0: exactly completions_per_step per step
+    gradient_checkpointing: bool = True
+    save_steps: Annotated[int, Field(ge=1)] = 50
+    seed: Annotated[int, Field(ge=0)] = 42
+    audit_every: Annotated[int, Field(ge=0)] = 10  # policy audit every k-th version (0: only the final one)
+
+    @field_validator("max_staleness")
+    @classmethod
+    def _staleness(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("cannot be negative; use 0 (strictly on-policy) or more")
+        if value > MAX_STALENESS:
+            raise ValueError(
+                f"{value} is too large: replicas must hold max_staleness + 2 adapters; use at most {MAX_STALENESS}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _shape(self) -> GrpoSpec:
+        if self.completions_per_step % self.num_generations:
+            raise ValueError(
+                f"completions_per_step: {self.completions_per_step} must be a multiple of num_generations "
+                f"({self.num_generations}) so every step trains whole groups"
+            )
+        if self.max_inflight < self.num_generations:
+            raise ValueError(f"max_inflight: must be at least num_generations ({self.num_generations})")
+        if self.queue_size is not None and self.queue_size < self.completions_per_step:
+            raise ValueError(
+                f"queue_size: {self.queue_size} cannot hold one step's completions "
+                f"({self.completions_per_step}); raise it or lower completions_per_step"
+            )
+        return self
+
+
+class ComputeSpec(_Section):
+    backend: Literal["local", "hf_jobs"] = "local"
+    namespace: str | None = None
+    trainer_flavor: str = "h200x2"
+    replica_flavor: str = "h200"
+    replicas: int = 2
+    timeout: str = "4h"
+    replica_image: str = "vllm/vllm-openai:v0.27.1"
+    trainer_image: str = "vllm/vllm-openai:v0.27.1"
+    engine: Literal["auto", "vllm", "cpu"] = "auto"  # auto: vLLM where CUDA is present, else the CPU engine
+    cost_cap_usd: Annotated[float, Field(gt=0)] | None = None
+
+    @field_validator("replicas")
+    @classmethod
+    def _replicas(cls, value: int) -> int:
+        if not 1 <= value <= MAX_REPLICAS:
+            raise ValueError(f"{value} is out of range; use 1 to {MAX_REPLICAS} replicas")
+        return value
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout(cls, value: str) -> str:
+        timeout_seconds(value)
+        return value
+
+    @field_validator("trainer_flavor", "replica_flavor", "namespace")
+    @classmethod
+    def _name(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z0-9][\w.-]{0,95}$", value):
+            raise ValueError(f"{value!r} is not a valid name (letters, digits, '-', '_', '.')")
+        return value
+
+    @model_validator(mode="after")
+    def _hub(self) -> ComputeSpec:
+        if self.backend == "hf_jobs" and not self.namespace:
+            raise ValueError("namespace: required for HF Jobs: your username or an organisation you can bill")
+        return self
+
+
+class StorageSpec(_Section):
+    uri: str = "file:///tmp/grpo-panel/store"
+    endpoint: str | None = None
+    region: str | None = None
+
+    @model_validator(mode="after")
+    def _location(self) -> StorageSpec:
+        try:
+            parse_storage_uri(self.uri, endpoint=self.endpoint, region=self.region)
+        except ValueError as error:
+            field = "endpoint" if str(error).startswith("endpoint") else "uri"
+            raise ValueError(f"{field}: {error}") from None
+        return self
+
+
+class ParentSpec(_Section):
+    run_id: str
+    version: Annotated[int, Field(ge=1)]
+
+
+class RunSpec(_Section):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    run_id: str
+    name: Annotated[str, Field(max_length=120)] = ""
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
+    rewards: Annotated[list[RewardSpec], Field(min_length=1, max_length=8)] = Field(
+        default_factory=lambda: [RewardSpec()]
+    )
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    grpo: GrpoSpec = Field(default_factory=GrpoSpec)
+    compute: ComputeSpec = Field(default_factory=ComputeSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
+    parent: ParentSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_secrets(cls, data: Any) -> Any:
+        for path, text in _strings(data):
+            kind = find_secret(text)
+            if kind:
+                raise ValueError(
+                    f"{path}: holds what looks like {kind}; secrets never go in a run spec: enter them in the "
+                    "credentials form (they travel as Job secrets)"
+                )
+        return data
+
+    @field_validator("run_id", mode="before")
+    @classmethod
+    def _run_id(cls, value: Any) -> Any:
+        if not isinstance(value, str) or not RUN_ID_PATTERN.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid run id; use 3-48 lowercase letters, digits and '-', "
+                "starting and ending with a letter or digit (e.g. 'math-r1-0412')"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunSpec:
+        names = [reward.name for reward in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError("rewards: each reward needs a distinct name (it becomes the metric rewards/<name>)")
+        if self.grpo.max_completion_length >= self.model.max_model_len:
+            raise ValueError(
+                f"grpo.max_completion_length: {self.grpo.max_completion_length} must be below model.max_model_len "
+                f"({self.model.max_model_len}) to leave room for the prompt"
+            )
+        if self.parent is not None and self.parent.run_id == self.run_id:
+            raise ValueError("parent.run_id: must name another run; a branch gets its own run id")
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunSpec:
+        return parse_spec(json.loads(text))
+
+
+def parse_spec(data: dict[str, Any]) -> RunSpec:
+    """Validate `data` into a RunSpec, raising `SpecError` with one message per offending field."""
+    try:
+        return RunSpec.model_validate(data)
+    except ValidationError as error:
+        raise SpecError(_field_errors(error)) from None
+
+
+def timeout_seconds(value: str | int | float) -> int:
+    """Seconds in a timeout written as 90, '90s', '30m', '2h' or '1d' (the forms HF Jobs accepts)."""
+    match = _DURATION.match(str(value).strip())
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{value!r} is not a duration; write e.g. '90s', '30m', '4h' or '1d'")
+    seconds = float(match.group(1)) * _DURATION_SECONDS[match.group(2)]
+    if seconds > 7 * 86400:
+        raise ValueError(f"{value!r} is longer than 7 days; jobs that long are not allowed")
+    return int(seconds)
+
+
+def _strings(data: Any, path: str = "") -> list[tuple[str, str]]:
+    """Every string in a JSON-like value, with the dotted path to it."""
+    if isinstance(data, str):
+        return [(path or "spec", data)]
+    if isinstance(data, dict):
+        return [item for key, value in data.items() for item in _strings(value, f"{path}.{key}".lstrip("."))]
+    if isinstance(data, list):
+        return [item for index, value in enumerate(data) for item in _strings(value, f"{path}[{index}]")]
+    if isinstance(data, BaseModel):
+        return _strings(data.model_dump(), path)
+    return []
+
+
+def _field_errors(error: ValidationError) -> dict[str, str]:
+    errors: dict[str, str] = {}
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"] if not str(part).startswith("function-"))
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "is not a known field; check its spelling or remove it"
+        elif item["type"] == "missing":
+            message = "is required"
+        # Model-level checks start their message with the field they concern ("queue_size: ..."): attach it there.
+        named = _NAMED_FIELD.match(message)
+        if named and item["type"] == "value_error":
+            location = f"{location}.{named.group(1)}".lstrip(".")
+            message = named.group(2)
+        errors.setdefault(location or "spec", message)
+    return errors

@@ -1,0 +1,91 @@
+"""What every job entry point needs: logging with redaction, the run's spec and store, status files.
+
+Jobs find their run through a *spec URI*: the storage URI of the run's `spec.json`, e.g.
+`file:///data/store/runs/demo-1/spec.json` or `s3://bucket/prefix/runs/demo-1/spec.json` (with the S3 endpoint and
+region passed separately, since they are not part of an s3:// URI). Secrets arrive only through the environment
+(Job secrets on HF Jobs); the names are defined here, once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from jobs.contract import RunSpec, layout, parse_storage_uri
+from jobs.contract.spec import StorageSpec
+from jobs.secrets import install_log_redaction, register_secret
+from jobs.store import ObjectStore, StoreCredentials, open_store
+
+# Environment variables that carry secrets into jobs.
+ENV_HF_TOKEN = "HF_TOKEN"
+ENV_UPSTREAM_TOKEN = "UPSTREAM_TOKEN"  # the bearer token the proxy sends to replicas
+ENV_REPLICA_TOKEN = "REPLICA_TOKEN"  # the bearer token a replica demands (when nothing in front checks it)
+SECRET_ENV = (ENV_HF_TOKEN, ENV_UPSTREAM_TOKEN, ENV_REPLICA_TOKEN, "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+# Not secret, but not part of an s3:// URI either.
+ENV_STORE_ENDPOINT = "STORE_ENDPOINT"
+ENV_STORE_REGION = "STORE_REGION"
+
+_SPEC_SUFFIX = "spec.json"
+
+
+def setup_logging(role: str, level: int = logging.INFO) -> None:
+    """Log to stderr with the role in every line; mask every secret this process was given."""
+    install_log_redaction()
+    for name in SECRET_ENV:
+        register_secret(os.environ.get(name))
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+def spec_uri(storage: StorageSpec, run_id: str) -> str:
+    """The URI a job is given to find its run."""
+    return storage.uri.rstrip("/") + "/" + layout.spec_key(run_id)
+
+
+@dataclass
+class RunContext:
+    spec: RunSpec
+    store: ObjectStore
+
+
+def open_run(
+    uri: str,
+    endpoint: str | None = None,
+    region: str | None = None,
+    credentials: StoreCredentials | None = None,
+) -> RunContext:
+    """Read the spec a job was pointed at and open its store (S3 credentials from the environment by default)."""
+    root, run_id = _split_spec_uri(uri)
+    endpoint = endpoint or os.environ.get(ENV_STORE_ENDPOINT) or None
+    region = region or os.environ.get(ENV_STORE_REGION) or None
+    store = open_store(parse_storage_uri(root, endpoint=endpoint, region=region), credentials)
+    spec = RunSpec.from_json(store.get_bytes(layout.spec_key(run_id)))
+    if spec.run_id != run_id:
+        raise ValueError(f"{uri} holds the spec of run {spec.run_id!r}, not {run_id!r}")
+    return RunContext(spec=spec, store=store)
+
+
+def _split_spec_uri(uri: str) -> tuple[str, str]:
+    parts = uri.rstrip("/").split("/")
+    if len(parts) < 4 or parts[-1] != _SPEC_SUFFIX or parts[-3] != layout.RUNS:
+        raise ValueError(f"{uri!r} is not a spec URI; expected <storage uri>/runs/<run_id>/spec.json")
+    return "/".join(parts[:-3]) or "/", parts[-2]
+
+
+def write_status(store: ObjectStore, run_id: str, role: str, payload: dict[str, Any]) -> None:
+    """Replace `status/<role>.json`. `time` is this machine's clock: for display, never compared across machines."""
+    body = {"role": role, "time": time.time(), **payload}
+    store.put_bytes(layout.status_key(run_id, role), json.dumps(body).encode())
+
+
+def read_json(store: ObjectStore, key: str) -> Any:
+    return json.loads(store.get_bytes(key))

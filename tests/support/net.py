@@ -1,0 +1,29 @@
+"""Small helpers for loopback servers."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.error
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    """Wait until `url` answers at all (any HTTP status counts as up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not come up within {timeout:.0f}s") from None
+            time.sleep(0.1)

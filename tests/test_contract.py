@@ -1,0 +1,171 @@
+"""RunSpec validation, defaults, JSON round trip, derived values and the store layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs.contract import RunSpec, SpecError, derived, layout, parse_spec, parse_storage_uri, timeout_seconds
+
+
+def errors_of(data: dict) -> dict[str, str]:
+    with pytest.raises(SpecError) as raised:
+        parse_spec(data)
+    return raised.value.errors
+
+
+def test_defaults_follow_the_public_recipe():
+    spec = RunSpec(run_id="recipe-1")
+    assert (spec.lora.rank, spec.lora.alpha, spec.lora.target_modules) == (1, 2.0, "all-linear")
+    assert spec.grpo.num_generations == 8
+    assert spec.grpo.learning_rate == 4e-5
+    assert (spec.grpo.max_staleness, spec.grpo.weight_sync_steps, spec.grpo.save_steps) == (4, 4, 50)
+    assert spec.compute.replica_image == "vllm/vllm-openai:v0.27.1"
+
+
+def test_json_round_trip_is_exact():
+    spec = parse_spec(
+        {
+            "run_id": "round-trip",
+            "name": "a name",
+            "rewards": [
+                {"kind": "builtin", "name": "regex", "params": {"pattern": r"\d+"}, "weight": 0.5},
+                {
+                    "kind": "code",
+                    "name": "mine",
+                    "source": "def f(completions, **kw):\n    return [1.0]\n",
+                    "entry_point": "f",
+                },
+            ],
+            "lora": {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]},
+            "parent": {"run_id": "other-run", "version": 3},
+        }
+    )
+    text = spec.to_json()
+    assert RunSpec.from_json(text) == spec
+    assert json.loads(text)["schema_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "fragment"),
+    [
+        ({"run_id": "../etc"}, "run_id", "not a valid run id"),
+        ({"run_id": "UPPER"}, "run_id", "lowercase"),
+        ({"run_id": "ab"}, "run_id", "3-48"),
+        ({"lora": {"rank": 4}}, "lora.rank", "use one of 1, 8, 16"),
+        ({"lora": {"rank": 600}}, "lora.rank", "use one of"),
+        ({"lora": {"target_modules": ["q_proj", "lm_head"]}}, "lora.target_modules", "lm_head"),
+        ({"compute": {"replicas": 0}}, "compute.replicas", "1 to 16"),
+        ({"compute": {"replicas": 17}}, "compute.replicas", "1 to 16"),
+        ({"compute": {"timeout": "4 hours"}}, "compute.timeout", "'30m'"),
+        ({"compute": {"backend": "hf_jobs"}}, "compute.namespace", "required for HF Jobs"),
+        ({"grpo": {"max_staleness": -1}}, "grpo.max_staleness", "cannot be negative"),
+        ({"grpo": {"max_staleness": 40}}, "grpo.max_staleness", "at most 16"),
+        ({"grpo": {"queue_size": 64}}, "grpo.queue_size", "cannot hold one step"),
+        ({"grpo": {"completions_per_step": 100}}, "grpo.completions_per_step", "multiple of num_generations"),
+        ({"grpo": {"max_stalenes": 2}}, "grpo.max_stalenes", "not a known field"),
+        ({"grpo": {"max_completion_length": 5000}}, "grpo.max_completion_length", "below model.max_model_len"),
+        ({"rewards": [{"name": "accuracy"}]}, "rewards.0.name", "unknown built-in reward"),
+        ({"rewards": [{"name": "regex", "params": {"patern": "x"}}]}, "rewards.0.params", "allowed: pattern"),
+        ({"rewards": [{"kind": "code", "name": "mine"}]}, "rewards.0.source", "needs"),
+        ({"rewards": [{"kind": "code", "name": "m", "source": "x=1"}]}, "rewards.0.entry_point", "name of the reward"),
+        ({"rewards": []}, "rewards", "at least 1"),
+        ({"storage": {"uri": "bucket/prefix"}}, "storage.uri", "not a storage URI"),
+        ({"storage": {"uri": "s3://Bad_Bucket"}}, "storage.uri", "not a bucket name"),
+        ({"storage": {"uri": "file://relative/path"}}, "storage.uri", "absolute path"),
+        ({"storage": {"uri": "s3://bucket", "endpoint": "htps:/typo"}}, "storage.endpoint", "not a URL"),
+        ({"model": {"id": "not a model"}}, "model.id", "not a Hub model id"),
+        ({"model": {"id": "a/../b"}}, "model.id", "not a Hub model id"),
+        ({"dataset": {"source": "store", "id": "../secrets.jsonl"}}, "dataset.id", "inside the store"),
+        ({"parent": {"run_id": "same-run", "version": 1}, "run_id": "same-run"}, "parent.run_id", "another run"),
+    ],
+)
+def test_each_rule_names_the_field_and_the_fix(data, field, fragment):
+    errors = errors_of({"run_id": "valid-run", **data})
+    assert field in errors, errors
+    assert fragment in errors[field]
+
+
+@pytest.mark.parametrize(
+    "secret",
+    [
+        "hf_abcdefghijklmnopqrstuvwxyz0123",
+        "AKIAIOSFODNN7EXAMPLE",
+        "Bearer eyJhbGciOiJIUzI1NiJ9.payload",
+        "https://user:hunter2@minio.local",
+        "password='correct-horse-battery'",
+    ],
+)
+def test_a_spec_carrying_a_secret_is_refused(secret):
+    errors = errors_of({"run_id": "leaky", "dataset": {"system_prompt": f"use {secret} please"}})
+    assert "dataset.system_prompt" in errors
+    assert "secrets never go in a run spec" in errors["dataset.system_prompt"]
+    assert secret not in json.dumps(errors)
+
+
+def test_secrets_in_reward_code_are_refused():
+    source = (
+        'TOKEN = "hf_abcdefghijklmnopqrstuvwxyz0123"\ndef f(completions, **kw):\n    return [0.0] * len(completions)\n'
+    )
+    errors = errors_of(
+        {"run_id": "leaky", "rewards": [{"kind": "code", "name": "f", "source": source, "entry_point": "f"}]}
+    )
+    assert "rewards[0].source" in errors
+
+
+def test_timeouts_parse_like_hf_jobs():
+    assert timeout_seconds("90s") == 90
+    assert timeout_seconds("30m") == 1800
+    assert timeout_seconds("4h") == 14400
+    assert timeout_seconds("1d") == 86400
+    assert timeout_seconds(120) == 120
+    for bad in ("0s", "-5m", "soon", "10y", "8d"):
+        with pytest.raises(ValueError):
+            timeout_seconds(bad)
+
+
+def test_derived_values():
+    assert [derived.vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
+    assert derived.vllm_max_loras(4) == 6
+    spec = RunSpec(run_id="derive")
+    assert derived.queue_size(spec.grpo) == 512
+    assert derived.batch_shape(spec.grpo) == (64, 2)
+    assert derived.replica_adapter_name("derive", 7) == "derive-v7"
+    assert derived.parse_trl_adapter_name(derived.trl_adapter_name(12)) == 12
+    assert derived.parse_trl_adapter_name("trl-policy-v0") is None
+    assert derived.parse_trl_adapter_name("../trl-policy-v1") is None
+
+
+def test_layout_keys_are_zero_padded_and_validated():
+    assert layout.spec_key("run-a") == "runs/run-a/spec.json"
+    assert layout.adapter_prefix("run-a", 7) == "runs/run-a/adapters/v000007/"
+    assert layout.manifest_key(layout.adapter_prefix("run-a", 7)) == "runs/run-a/adapters/v000007/manifest.json"
+    assert layout.telemetry_key("run-a", "metrics", 42) == "runs/run-a/telemetry/metrics/000000000042.jsonl"
+    assert layout.telemetry_key("run-a", "proxy", 3).endswith("000000000003.json")
+    assert layout.checkpoint_prefix("run-a", 50) == "runs/run-a/checkpoints/step-00000050/"
+    assert layout.status_key("run-a", "replica-1") == "runs/run-a/status/replica-1.json"
+    assert layout.control_key("run-a", "upstreams") == "runs/run-a/control/upstreams.json"
+    assert layout.parse_version_dir("v000007") == 7 and layout.parse_version_dir("x") is None
+    assert layout.parse_checkpoint_dir("step-00000050") == 50
+    ordered = [layout.telemetry_key("r-1", "samples", n) for n in (9, 10, 100, 1000)]
+    assert ordered == sorted(ordered)
+    for bad in (
+        lambda: layout.spec_key("../x"),
+        lambda: layout.status_key("run-a", "../x"),
+        lambda: layout.adapter_prefix("run-a", 0),
+        lambda: layout.control_key("run-a", "a/b"),
+    ):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_storage_uris():
+    hf = parse_storage_uri("hf://buckets/alice/grpo/runs")
+    assert (hf.kind, hf.provider, hf.bucket, hf.prefix, hf.region) == ("s3", "hf", "grpo", "runs", "us-east-1")
+    s3 = parse_storage_uri("s3://my-bucket/a/b/", endpoint="https://acct.r2.cloudflarestorage.com/", region="auto")
+    assert (s3.bucket, s3.prefix, s3.endpoint) == ("my-bucket", "a/b", "https://acct.r2.cloudflarestorage.com")
+    assert "my-bucket" in s3.describe() and "r2.cloudflarestorage.com" in s3.describe()
+    assert parse_storage_uri("file:///tmp/x/").root == "/tmp/x"
+    with pytest.raises(ValueError, match="credentials"):
+        parse_storage_uri("s3://bucket", endpoint="https://key:secret@host")
