@@ -1,0 +1,125 @@
+"""The built-in demo model: a ~0.4 M-parameter Qwen2 built locally and deterministically.
+
+Nothing is downloaded: the trainer and every replica build the same weights and tokenizer from fixed seeds, so the
+panel runs end to end with no account and no network. The settings are the ones measured to learn under TRL 1.16 on
+two cores (see shared/reference/tiny-demo-findings.md): hidden 128, 2 layers, vocabulary 512, and an
+`initializer_range` of 0.1 — with the usual 0.02 the frozen LM head caps how far logits can move and LoRA cannot
+learn at all.
+
+Digits are split into single tokens by the pre-tokenizer, so "fraction of digit tokens" equals "digit characters per
+completion token", which the demo reward uses without needing the tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import shutil
+from pathlib import Path
+
+BUILD_VERSION = 1  # bump when anything below changes: caches are keyed on it
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
+_NOUNS = (
+    "apple river stone cloud forest window garden candle mirror ladder bridge island rocket violin pepper harbor "
+    "meadow lantern pillow marble thunder basket feather compass"
+).split()
+_VERBS = "sees finds carries paints counts follows builds opens hears keeps".split()
+_ADJECTIVES = "red quiet small bright old green heavy soft cold tall".split()
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GRPO_MODEL_CACHE") or Path.home() / ".cache" / "grpo-panel" / "models")
+
+
+def ensure_tiny_model(root: str | os.PathLike | None = None) -> Path:
+    """Return the folder of the demo model, building it first if this machine has not yet.
+
+    Safe to call from several processes at once: each builds into its own temporary folder and the first rename wins.
+    """
+    target = Path(root or cache_root()) / f"tiny-qwen2-v{BUILD_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    staging = target.parent / f".tmp-{secrets.token_hex(6)}"
+    staging.mkdir(parents=True)
+    try:
+        _build(staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _corpus(rng: random.Random, sentences: int = 3000) -> list[str]:
+    """Short sentences mixing words and numbers, and the chat scaffolding, so the BPE learns both."""
+    lines = []
+    for _ in range(sentences):
+        words = [rng.choice(_ADJECTIVES), rng.choice(_NOUNS), rng.choice(_VERBS), "the", rng.choice(_NOUNS)]
+        if rng.random() < 0.5:
+            words.insert(rng.randrange(len(words)), str(rng.randrange(10_000)))
+        lines.append(" ".join(words).capitalize() + ".")
+    lines += ["<|im_start|>user\nWrite some numbers.<|im_end|>\n<|im_start|>assistant\n"] * 50
+    return lines
+
+
+def _build(folder: Path) -> None:
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from trl.chat_template_utils import qwen3_instruct_2507_chat_template
+
+    rng = random.Random(1234)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(rng), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+        model_max_length=1024,
+    )
+    # One of TRL's recognised templates, verbatim: a one-character edit makes the rollout worker refuse it.
+    fast.chat_template = qwen3_instruct_2507_chat_template
+    fast.save_pretrained(folder)
+
+    config = Qwen2Config(
+        vocab_size=len(fast),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.generation_config.pad_token_id = fast.pad_token_id
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "demo.json").write_text(
+        json.dumps({"build_version": BUILD_VERSION, "parameters": model.num_parameters()})
+    )
