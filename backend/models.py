@@ -23,13 +23,17 @@ class Run(SQLModel, table=True):
     backend: str
     parent_run_id: str | None = Field(default=None, index=True)
     parent_version: int | None = None
-    credential_id: int | None = None
+    store_credential_id: int | None = None  # the bucket keys this run uses (None: a local folder)
+    hf_credential_id: int | None = None  # the HF token its jobs get (None: local runs on public models)
     created_at: float
     started_at: float | None = None
     finished_at: float | None = None
+    stop_requested_at: float | None = None
     step: int = 0
     max_steps: int = 0
     latest_reward: float | None = None
+    current_version: int | None = None  # alias "current": what adapters/CURRENT names
+    best_version: int | None = None  # alias "best": the version with the highest smoothed reward
     cost_usd: float = 0.0
     last_telemetry_at: float | None = None  # panel clock when telemetry last arrived (stall detection)
 
@@ -65,6 +69,8 @@ class AdapterVersion(SQLModel, table=True):
     manifest_json: str = "{}"
     reward: float | None = None  # smoothed reward around `step`, filled by the poller
     audit_max_diff: float | None = None  # largest log-prob difference the policy audit saw across replicas
+    audit_ok: bool | None = None
+    attempt: int | None = None
 
 
 class MetricPoint(SQLModel, table=True):
@@ -76,6 +82,7 @@ class MetricPoint(SQLModel, table=True):
     name: str
     value: float
     time: float | None = None
+    attempt: int = 1  # the trainer attempt that logged it (a resumed run supersedes what a lost attempt logged)
 
 
 class RolloutSample(SQLModel, table=True):
@@ -95,7 +102,9 @@ class RolloutSample(SQLModel, table=True):
     reward: float | None = None
     rewards_json: str = "{}"  # score per reward function
     advantage: float = 0.0
+    dropped: bool = False  # pulled by the trainer but discarded as too stale
     time: float | None = None
+    attempt: int = 1
 
 
 class ProxySnapshot(SQLModel, table=True):

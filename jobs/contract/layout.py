@@ -9,7 +9,7 @@ lexicographic order is numeric order: a reader lists with `start_after` the last
     runs/<run_id>/adapters/CURRENT
     runs/<run_id>/checkpoints/step-00000050/{files, manifest.json}
     runs/<run_id>/final/{adapter files, manifest.json}
-    runs/<run_id>/telemetry/<stream>/<seq>.jsonl|json
+    runs/<run_id>/telemetry/<stream>/<seq>.jsonl|json   (metrics, samples, events; proxy snapshots as .json)
     runs/<run_id>/status/<role>.json
     runs/<run_id>/control/<name>.json
     runs/<run_id>/audit/v000007.json
@@ -24,9 +24,11 @@ from jobs.contract.spec import RUN_ID_PATTERN
 
 RUNS = "runs"
 MANIFEST = "manifest.json"
-TelemetryStream = Literal["metrics", "samples", "proxy"]
-TELEMETRY_STREAMS: tuple[TelemetryStream, ...] = ("metrics", "samples", "proxy")
-_SUFFIX = {"metrics": "jsonl", "samples": "jsonl", "proxy": "json"}
+# metrics: one record per logged step; samples: one per consumed rollout; events: reward errors, resumes, audits,
+# stops; proxy: one routing/sync snapshot per chunk.
+TelemetryStream = Literal["metrics", "samples", "events", "proxy"]
+TELEMETRY_STREAMS: tuple[TelemetryStream, ...] = ("metrics", "samples", "events", "proxy")
+_SUFFIX = {"metrics": "jsonl", "samples": "jsonl", "events": "jsonl", "proxy": "json"}
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _ROLE = re.compile(r"^(trainer|proxy|replica-\d{1,2}|launcher|panel)$")
 _CONTROL = re.compile(r"^[a-z][a-z0-9_-]{0,40}$")
@@ -105,14 +107,16 @@ def telemetry_prefix(run_id: str, stream: TelemetryStream) -> str:
     return run_prefix(run_id) + f"telemetry/{stream}/"
 
 
-def telemetry_key(run_id: str, stream: TelemetryStream, seq: int, writer: str = "") -> str:
-    """A telemetry chunk. `writer` separates writers of one stream (e.g. a resumed trainer's epoch)."""
+def telemetry_key(run_id: str, stream: TelemetryStream, seq: int) -> str:
+    """A telemetry chunk. A restarted writer continues after the highest sequence number already stored."""
     if seq < 0:
         raise ValueError("sequence numbers are not negative")
-    if writer and not re.fullmatch(r"[a-z0-9]{1,16}", writer):
-        raise ValueError("a writer tag is 1-16 lowercase letters or digits")
-    suffix = f"-{writer}" if writer else ""
-    return telemetry_prefix(run_id, stream) + f"{seq:012d}{suffix}.{_SUFFIX[stream]}"
+    return telemetry_prefix(run_id, stream) + f"{seq:012d}.{_SUFFIX[stream]}"
+
+
+def parse_telemetry_seq(key: str) -> int | None:
+    match = re.search(r"/(\d{12})\.jsonl?$", key)
+    return int(match.group(1)) if match else None
 
 
 def status_key(run_id: str, role: str) -> str:

@@ -1,0 +1,115 @@
+"""Alerts and version aliases, re-evaluated after every poll of a run.
+
+An alert is an `Event` with `active=True`; it is raised once when its condition starts and deactivated when the
+condition clears, so the banner shows what is wrong now, and the run's history keeps when it happened.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from sqlalchemy import func
+from sqlmodel import Session, select
+
+from backend.db import Database
+from backend.models import AdapterVersion, Event, MetricPoint, ProxySnapshot, Run
+from jobs.contract import RunSpec
+
+RATIO_TOLERANCE = 0.01  # |ratio - 1| above this ...
+RATIO_STEPS = 5  # ... for this many consecutive logged steps
+STALENESS_NEAR = 0.9  # staleness_mean above this fraction of max_staleness
+
+
+def _set_alert(session: Session, run: Run, kind: str, active: bool, message: str, level: str = "warning") -> None:
+    current = session.exec(select(Event).where(Event.run_id == run.id, Event.kind == kind, Event.active)).first()
+    if active and current is None:
+        session.add(Event(run_id=run.id, owner=run.owner, time=time.time(), level=level, kind=kind, message=message))
+    elif not active and current is not None:
+        current.active = False
+        session.add(current)
+
+
+def _series(session: Session, run_id: str, name: str, last: int) -> list[float]:
+    rows = session.exec(
+        select(MetricPoint.value)
+        .where(MetricPoint.run_id == run_id, MetricPoint.name == name)
+        .order_by(MetricPoint.step.desc())
+        .limit(last)
+    ).all()
+    return list(rows)
+
+
+def evaluate(db: Database, run_id: str) -> None:
+    with db.session() as session:
+        run = session.get(Run, run_id)
+        if run is None:
+            return
+        spec = RunSpec.from_json(run.spec_json)
+        ratios = _series(session, run_id, "ratio", RATIO_STEPS)
+        drift = len(ratios) == RATIO_STEPS and all(abs(r - 1) > RATIO_TOLERANCE for r in ratios)
+        _set_alert(
+            session,
+            run,
+            "ratio_drift",
+            drift,
+            f"ratio has been outside 1 ± {RATIO_TOLERANCE} for {RATIO_STEPS} steps (last {ratios[0]:.3f})"
+            if ratios
+            else "",
+            "warning",
+        )
+        staleness = _series(session, run_id, "sample/staleness_mean", 1)
+        near = (
+            bool(staleness)
+            and spec.grpo.max_staleness > 0
+            and (staleness[0] >= STALENESS_NEAR * spec.grpo.max_staleness)
+        )
+        _set_alert(
+            session,
+            run,
+            "staleness",
+            near,
+            f"samples arrive near the staleness limit ({staleness[0]:.2f} of {spec.grpo.max_staleness}): "
+            "generation outruns training"
+            if staleness
+            else "",
+            "info",
+        )
+        _set_alert(session, run, "stalled", run.status == "stalled", run.status_message or "no telemetry", "warning")
+        lag = _replica_lag(session, run)
+        _set_alert(session, run, "replica_lag", bool(lag), lag, "warning")
+        _update_aliases(session, run)
+        session.add(run)
+        session.commit()
+
+
+def _replica_lag(session: Session, run: Run) -> str:
+    newest = session.exec(select(func.max(AdapterVersion.version)).where(AdapterVersion.run_id == run.id)).first()
+    snapshot = session.exec(
+        select(ProxySnapshot.stats_json).where(ProxySnapshot.run_id == run.id).order_by(ProxySnapshot.time.desc())
+    ).first()
+    if not newest or snapshot is None:
+        return ""
+    lagging = []
+    for replica in json.loads(snapshot).get("replicas") or []:
+        loaded = replica.get("loaded_versions")
+        if replica.get("healthy", True) and loaded is not None and loaded and max(loaded) < newest - 1:
+            lagging.append(f"{replica.get('role', '?')} holds up to v{max(loaded)}")
+    return f"replicas lag the newest version v{newest}: {', '.join(lagging)}" if lagging else ""
+
+
+def _update_aliases(session: Session, run: Run) -> None:
+    versions = list(session.exec(select(AdapterVersion).where(AdapterVersion.run_id == run.id)).all())
+    for version in versions:
+        if version.reward is None and version.step is not None:
+            version.reward = session.exec(
+                select(func.avg(MetricPoint.value)).where(
+                    MetricPoint.run_id == run.id,
+                    MetricPoint.name == "reward",
+                    MetricPoint.step > version.step - 5,
+                    MetricPoint.step <= version.step,
+                )
+            ).first()
+            session.add(version)
+    scored = [v for v in versions if v.reward is not None]
+    run.best_version = max(scored, key=lambda v: (v.reward, v.version)).version if scored else None

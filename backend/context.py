@@ -1,0 +1,71 @@
+"""What the services and the poller share: the database, the credential vault, stores and launchers per run."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from backend.db import Database, data_dir
+from backend.launchers.base import JobHandle, Launcher, RunSecrets
+from backend.launchers.local import LocalLauncher
+from backend.models import Job, Run
+from backend.vault import Vault
+from jobs.contract import RunSpec
+from jobs.store import ObjectStore, open_store
+
+
+class PanelContext:
+    def __init__(self, db: Database | None = None, folder: Path | None = None):
+        self.db = db or Database()
+        self.folder = Path(folder or data_dir())
+        self.vault = Vault(self.db)
+        self.local_launcher = LocalLauncher(self.folder / "jobs")
+        self._hf_launchers: dict[tuple[str, int | None], Launcher] = {}
+        self._stores: dict[str, ObjectStore] = {}
+        self._lock = threading.Lock()
+
+    def spec(self, run: Run) -> RunSpec:
+        return RunSpec.from_json(run.spec_json)
+
+    def store_for(self, run: Run) -> ObjectStore:
+        """The run's store, opened with the run's own bucket credentials (cached per run)."""
+        with self._lock:
+            if run.id not in self._stores:
+                credentials = (
+                    self.vault.store_credentials(run.owner, run.store_credential_id)
+                    if run.store_credential_id is not None
+                    else None
+                )
+                self._stores[run.id] = open_store(self.spec(run).storage, credentials)
+            return self._stores[run.id]
+
+    def secrets_for(self, run: Run) -> RunSecrets:
+        hf_token = self.vault.hf_token(run.owner, run.hf_credential_id) if run.hf_credential_id is not None else None
+        store = (
+            self.vault.store_credentials(run.owner, run.store_credential_id)
+            if run.store_credential_id is not None
+            else None
+        )
+        secrets = RunSecrets(hf_token=hf_token, store=store)
+        if run.backend == "hf_jobs" and hf_token:
+            secrets.replica_token = hf_token  # HF Jobs checks the HF token in front of every exposed port
+        return secrets
+
+    def launcher_for(self, run: Run) -> Launcher:
+        if run.backend == "local":
+            return self.local_launcher
+        from backend.launchers.hf_jobs import HfJobsLauncher
+
+        key = (run.owner, run.hf_credential_id)
+        with self._lock:
+            if key not in self._hf_launchers:
+                if run.hf_credential_id is None:
+                    raise ValueError("this run has no HF token; add one in the credentials form")
+                self._hf_launchers[key] = HfJobsLauncher(self.vault.hf_token(run.owner, run.hf_credential_id))
+            return self._hf_launchers[key]
+
+    @staticmethod
+    def handle(job: Job) -> JobHandle:
+        return JobHandle(
+            run_id=job.run_id, role=job.role, job_id=job.backend_job_id, backend="", url=job.url, endpoint=job.endpoint
+        )

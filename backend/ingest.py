@@ -1,0 +1,129 @@
+"""Turning telemetry records from the store into SQLite rows, in bulk.
+
+One function per stream; each takes the records of one chunk and inserts them with a single executemany, inside the
+caller's transaction (the poller commits the rows and its cursor together, which is what makes ingestion exactly
+once).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+from sqlalchemy import delete, insert
+from sqlmodel import Session
+
+from backend.models import Event, MetricPoint, ProxySnapshot, RolloutSample
+
+# Columns every metric record carries that are not metrics.
+_RECORD_FIELDS = {"step", "time", "attempt"}
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def metric_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for record in records:
+        step, when, attempt = int(record.get("step", 0)), record.get("time"), int(record.get("attempt", 1))
+        for name, value in record.items():
+            number = _number(value)
+            if name not in _RECORD_FIELDS and number is not None:
+                rows.append(
+                    {
+                        "run_id": run_id,
+                        "owner": owner,
+                        "step": step,
+                        "name": name,
+                        "value": number,
+                        "time": when,
+                        "attempt": attempt,
+                    }
+                )
+    return rows
+
+
+def sample_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            "run_id": run_id,
+            "owner": owner,
+            "step": int(record.get("step", 0)),
+            "policy_version": int(record.get("policy_version", 0)),
+            "staleness": int(record.get("staleness", 0)),
+            "group_id": int(record.get("group_id", 0)),
+            "prompt": str(record.get("prompt", "")),
+            "completion": str(record.get("completion", "")),
+            "reward": _number(record.get("reward")),
+            "rewards_json": json.dumps(record.get("rewards") or {}),
+            "advantage": _number(record.get("advantage")) or 0.0,
+            "dropped": bool(record.get("dropped", False)),
+            "time": record.get("time"),
+            "attempt": int(record.get("attempt", 1)),
+        }
+        for record in records
+    ]
+
+
+def ingest_metrics(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
+    rows = metric_rows(run_id, owner, records)
+    if rows:
+        session.execute(insert(MetricPoint), rows)
+    return len(rows)
+
+
+def ingest_samples(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
+    rows = sample_rows(run_id, owner, records)
+    if rows:
+        session.execute(insert(RolloutSample), rows)
+    return len(rows)
+
+
+def ingest_events(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
+    for record in records:
+        if record.get("kind") == "resume" and record.get("resumed_from_step") is not None:
+            supersede(session, run_id, int(record["resumed_from_step"]), int(record.get("attempt", 1)))
+    rows = [
+        {
+            "run_id": run_id,
+            "owner": owner,
+            "time": float(record.get("time") or time.time()),
+            "level": str(record.get("level", "info")),
+            "kind": str(record.get("kind", "event")),
+            "message": str(record.get("message", ""))[:4000],
+            # Errors and failed audits stay active until someone (or a later success) clears them.
+            "active": str(record.get("level")) == "error",
+        }
+        for record in records
+    ]
+    if rows:
+        session.execute(insert(Event), rows)
+    return len(rows)
+
+
+def ingest_proxy(session: Session, run_id: str, owner: str, snapshot: dict[str, Any]) -> int:
+    session.execute(
+        insert(ProxySnapshot),
+        [
+            {
+                "run_id": run_id,
+                "owner": owner,
+                "time": float(snapshot.get("time") or time.time()),
+                "stats_json": json.dumps(snapshot),
+            }
+        ],
+    )
+    return 1
+
+
+def supersede(session: Session, run_id: str, resumed_from_step: int, attempt: int) -> None:
+    """Drop what earlier attempts logged after the checkpoint a later attempt resumed from: those steps are redone."""
+    for table in (MetricPoint, RolloutSample):
+        session.execute(
+            delete(table).where(table.run_id == run_id, table.step > resumed_from_step, table.attempt < attempt)
+        )

@@ -1,0 +1,220 @@
+"""One launcher interface for every execution backend, and the launch sequence they all share.
+
+A run is launched the same way everywhere: start the replica jobs, wait until each answers `/health` (with its bearer
+token), record their URLs in `control/upstreams.json` and the jobs in `control/jobs.json`, then start the trainer. If
+any job fails to start or errors on the way, everything already started is cancelled and the error carries that job's
+log tail: nothing keeps running, nothing keeps billing. Backends differ only in how one job is started, inspected,
+logged and cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import sys
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import requests
+
+from jobs.contract import RunSpec, layout
+from jobs.contract.control import JOBS, UPSTREAMS, JobRef, JobsRecord, Upstream, UpstreamsRecord
+from jobs.runtime import ENV_HF_TOKEN, ENV_REPLICA_TOKEN, ENV_UPSTREAM_TOKEN, spec_uri
+from jobs.store import ObjectStore, StoreCredentials
+
+log = logging.getLogger(__name__)
+Stage = Literal["scheduling", "running", "completed", "error", "canceled"]
+TERMINAL: frozenset[str] = frozenset({"completed", "error", "canceled"})
+REPLICA_PORT = 8000
+
+
+@dataclass
+class RunSecrets:
+    """What a run's jobs need to know and nobody else may see. Travels only as Job secrets / process environment."""
+
+    hf_token: str | None = None
+    store: StoreCredentials | None = None
+    # The bearer token replicas demand and the proxy sends. On HF Jobs it is the HF token (the platform checks it);
+    # locally a random one per run.
+    replica_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
+
+    def __repr__(self) -> str:
+        return "RunSecrets(***)"
+
+    def store_env(self) -> dict[str, str]:
+        return self.store.as_env() if self.store else {}
+
+
+@dataclass
+class JobHandle:
+    run_id: str
+    role: str  # trainer, replica-<i>
+    job_id: str
+    backend: str
+    url: str | None = None  # a page about the job, if the backend has one
+    endpoint: str | None = None  # a replica's base URL
+
+
+@dataclass
+class JobState:
+    stage: Stage
+    message: str = ""
+    started_at: float | None = None
+    finished_at: float | None = None
+
+
+class LaunchError(RuntimeError):
+    """A run could not be started; `role` and `log_tail` say which job failed and why."""
+
+    def __init__(self, message: str, role: str | None = None, log_tail: str = ""):
+        super().__init__(message)
+        self.role, self.log_tail = role, log_tail
+
+
+def job_command(spec: RunSpec, role: str, port: int = REPLICA_PORT, host: str = "0.0.0.0") -> list[str]:
+    """The command a job runs, as an argument list (no shell): the same on every backend."""
+    uri = spec_uri(spec.storage, spec.run_id)
+    store_args: list[str] = []
+    if spec.storage.endpoint:
+        store_args += ["--store-endpoint", spec.storage.endpoint]
+    if spec.storage.region:
+        store_args += ["--store-region", spec.storage.region]
+    if role == "trainer":
+        return [sys.executable, "-m", "jobs.trainer", "--spec", uri, *store_args]
+    index = role.removeprefix("replica-")
+    return [
+        sys.executable,
+        "-m",
+        "jobs.replica",
+        "--spec",
+        uri,
+        "--index",
+        index,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--engine",
+        spec.compute.engine,
+        *store_args,
+    ]
+
+
+class Launcher(ABC):
+    backend: str
+    health_deadline: float = 900.0  # seconds for a replica to answer /health after it starts
+    poll_interval: float = 2.0
+
+    # --- what each backend implements ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def start_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobHandle:
+        """Start one job and return at once (the replica's endpoint may only be known later, see `endpoint`)."""
+
+    @abstractmethod
+    def state(self, job: JobHandle) -> JobState: ...
+
+    @abstractmethod
+    def logs(self, job: JobHandle, tail: int = 50) -> list[str]: ...
+
+    @abstractmethod
+    def cancel(self, job: JobHandle) -> None:
+        """Stop the job; cancelling a finished job is not an error."""
+
+    def endpoint(self, job: JobHandle) -> str | None:
+        """The replica's base URL once the backend exposes it."""
+        return job.endpoint
+
+    def describe_jobs(self, spec: RunSpec, jobs: list[JobHandle]) -> JobsRecord:
+        return JobsRecord(
+            backend=spec.compute.backend,
+            namespace=spec.compute.namespace,
+            jobs=[JobRef(role=job.role, job_id=job.job_id) for job in jobs],
+        )
+
+    # --- the launch sequence every backend shares ----------------------------------------------------------------
+
+    def launch(
+        self,
+        spec: RunSpec,
+        secrets: RunSecrets,
+        store: ObjectStore,
+        on_started: Callable[[JobHandle], None] = lambda job: None,
+    ) -> list[JobHandle]:
+        """Start replicas, wait until they are healthy, publish their URLs, then start the trainer.
+
+        `on_started` sees each job as soon as it exists, so the panel can show it while the others start.
+        """
+        started: list[JobHandle] = []
+        try:
+            for index in range(spec.compute.replicas):
+                started.append(self.start_job(spec, f"replica-{index}", secrets))
+                on_started(started[-1])
+            self.wait_healthy(started, secrets)
+            upstreams = UpstreamsRecord(replicas=[Upstream(role=job.role, url=job.endpoint) for job in started])
+            store.put_bytes(layout.control_key(spec.run_id, UPSTREAMS), upstreams.model_dump_json().encode())
+            store.put_bytes(
+                layout.control_key(spec.run_id, JOBS), self.describe_jobs(spec, started).model_dump_json().encode()
+            )
+            started.append(self.start_job(spec, "trainer", secrets))
+            on_started(started[-1])
+        except BaseException:
+            self.cancel_all(started)
+            raise
+        return started
+
+    def wait_healthy(self, replicas: list[JobHandle], secrets: RunSecrets) -> None:
+        deadline = time.monotonic() + self.health_deadline
+        pending = list(replicas)
+        headers = {"Authorization": f"Bearer {secrets.replica_token}"}
+        while pending:
+            for job in list(pending):
+                state = self.state(job)
+                if state.stage in TERMINAL:
+                    tail = "\n".join(self.logs(job, 30))
+                    raise LaunchError(
+                        f"{job.role} ended before it was ready ({state.stage}: {state.message})", job.role, tail
+                    )
+                job.endpoint = self.endpoint(job)
+                if job.endpoint and _healthy(job.endpoint, headers):
+                    log.info("%s is healthy at %s", job.role, job.endpoint)
+                    pending.remove(job)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                job = pending[0]
+                raise LaunchError(
+                    f"{job.role} did not become healthy within {self.health_deadline:.0f}s",
+                    job.role,
+                    "\n".join(self.logs(job, 30)),
+                )
+            time.sleep(self.poll_interval)
+
+    def cancel_all(self, jobs: list[JobHandle]) -> None:
+        for job in jobs:
+            try:
+                self.cancel(job)
+            except Exception as error:  # keep cancelling the others
+                log.error("could not cancel %s (%s): %s", job.role, job.job_id, error)
+
+
+def _healthy(endpoint: str, headers: dict[str, str]) -> bool:
+    try:
+        return requests.get(endpoint.rstrip("/") + "/health", headers=headers, timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def job_env(role: str, secrets: RunSecrets, on_hf_jobs: bool) -> dict[str, str]:
+    """The secret environment of one job (passed as Job secrets on HF Jobs, process environment locally)."""
+    env = dict(secrets.store_env())
+    if secrets.hf_token:
+        env[ENV_HF_TOKEN] = secrets.hf_token
+    if role == "trainer":
+        env[ENV_UPSTREAM_TOKEN] = secrets.replica_token
+    elif not on_hf_jobs:  # on HF Jobs the platform checks the bearer in front of the replica
+        env[ENV_REPLICA_TOKEN] = secrets.replica_token
+    return env

@@ -1,0 +1,164 @@
+"""The embedded default: every job is a local process in its own process group.
+
+Each job gets a folder under the launcher's work directory holding its log, its process group id, and — once it ends —
+its exit code, so a restarted panel can still tell how a job ended. Replicas listen on free ports on 127.0.0.1 and
+demand a per-run bearer token. Cancelling sends SIGTERM to the whole group (the job and every child it started), then
+SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import time
+from pathlib import Path
+from secrets import token_hex
+
+from backend.db import PROJECT_ROOT
+from backend.launchers.base import JobHandle, JobState, Launcher, RunSecrets, job_command, job_env
+from jobs.contract import RunSpec, timeout_seconds
+from jobs.contract.control import JobRef, JobsRecord
+from jobs.processes import group_alive, terminate_group
+
+CANCEL_GRACE_S = 15.0
+# Environment a local job inherits; anything else (other credentials of the panel's user) stays out.
+_INHERITED_ENV = (
+    "PATH",
+    "HOME",
+    "LANG",
+    "LC_ALL",
+    "TMPDIR",
+    "GRPO_MODEL_CACHE",
+    "GRPO_TORCH_THREADS",
+    "HF_HOME",
+    "HF_ENDPOINT",
+    "HF_HUB_OFFLINE",
+    "HF_HUB_DISABLE_TELEMETRY",
+    "NO_PROXY",
+    "PYTHONPATH",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LocalLauncher(Launcher):
+    backend = "local"
+    health_deadline = 300.0
+    poll_interval = 0.5
+
+    def __init__(self, workdir: str | os.PathLike):
+        self.workdir = Path(workdir)
+        self._processes: dict[str, subprocess.Popen] = {}
+
+    def _folder(self, job: JobHandle) -> Path:
+        return self.workdir / job.run_id / job.job_id
+
+    def _pgid(self, job: JobHandle) -> int:
+        return int((self._folder(job) / "pgid").read_text())
+
+    def start_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobHandle:
+        port = free_port() if role != "trainer" else None
+        command = job_command(spec, role, port=port or 0, host="127.0.0.1")
+        if role == "trainer":
+            command += ["--proxy-port", str(free_port())]
+        env = {name: os.environ[name] for name in _INHERITED_ENV if name in os.environ}
+        env.update(job_env(role, secrets, on_hf_jobs=False))
+        env["PYTHONUNBUFFERED"] = "1"
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        job = JobHandle(
+            run_id=spec.run_id,
+            role=role,
+            job_id=f"{role}-{token_hex(4)}",
+            backend=self.backend,
+            endpoint=f"http://127.0.0.1:{port}" if port else None,
+        )
+        folder = self._folder(job)
+        folder.mkdir(parents=True)
+        (folder / "command").write_text(shlex.join(command))  # the command only: secrets are in the environment
+        (folder / "timeout").write_text(str(timeout_seconds(spec.compute.timeout)))
+        with open(folder / "log", "ab") as log_file:
+            # `sh` stays the group leader and records the exit code, so a restarted panel still knows how it ended.
+            process = subprocess.Popen(
+                ["/bin/sh", "-c", '"$@"; echo $? > "$JOB_EXIT_FILE"', "sh", *command],
+                cwd=PROJECT_ROOT,
+                env={**env, "JOB_EXIT_FILE": str(folder / "exit")},
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        (folder / "pgid").write_text(str(process.pid))
+        (folder / "started").write_text(str(time.time()))
+        self._processes[job.job_id] = process
+        return job
+
+    def state(self, job: JobHandle) -> JobState:
+        folder = self._folder(job)
+        process = self._processes.get(job.job_id)
+        if process is not None:
+            process.poll()  # reap, so a finished leader does not linger as a zombie
+        started = _read_float(folder / "started")
+        code = _read_int(folder / "exit")
+        if (folder / "canceled").exists() and code in (None, 143, 137):
+            return JobState("canceled", "cancelled", started, _mtime(folder / "canceled"))
+        if code is not None:
+            finished = _mtime(folder / "exit")
+            if code == 0:
+                return JobState("completed", "exit code 0", started, finished)
+            return JobState("error", f"exit code {code}", started, finished)
+        if group_alive(self._pgid(job)):
+            limit = _read_float(folder / "timeout")
+            if started is not None and limit is not None and time.time() - started > limit:
+                self.cancel(job)
+                return JobState("error", f"timed out after {limit:.0f}s", started, time.time())
+            return JobState("running", "", started)
+        return JobState("error", "the process ended without an exit code", started, None)
+
+    def logs(self, job: JobHandle, tail: int = 50) -> list[str]:
+        path = self._folder(job) / "log"
+        if not path.exists():
+            return []
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - 256 * 1024))
+            lines = handle.read().decode(errors="replace").splitlines()
+        return lines[-tail:]
+
+    def cancel(self, job: JobHandle) -> None:
+        folder = self._folder(job)
+        if not (folder / "exit").exists():
+            (folder / "canceled").write_text(str(time.time()))
+        process = self._processes.get(job.job_id)
+        terminate_group(self._pgid(job), CANCEL_GRACE_S, reap=process.poll if process else None)
+
+    def describe_jobs(self, spec: RunSpec, jobs: list[JobHandle]) -> JobsRecord:
+        return JobsRecord(
+            backend="local", jobs=[JobRef(role=job.role, job_id=job.job_id, pgid=self._pgid(job)) for job in jobs]
+        )
+
+
+def _read_float(path: Path) -> float | None:
+    try:
+        return float(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None

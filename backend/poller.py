@@ -1,0 +1,330 @@
+"""The poller: brings everything a run writes to its store, and every job's stage, into SQLite.
+
+Exactly once: a stream is listed after the last key ingested, and each chunk's rows are committed in the same
+transaction as the cursor that moves past it, so a panel killed at any moment resumes where it stopped with nothing
+lost or duplicated. Every run is polled independently; a store or Hub error on one run backs off that run only, and
+the loop itself survives any failed iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+from sqlalchemy import func
+from sqlmodel import Session, select
+
+from backend import alerts, ingest
+from backend.context import PanelContext
+from backend.launchers.base import TERMINAL
+from backend.models import AdapterVersion, Job, MetricPoint, PollCursor, ReplicaStatus, Run
+from jobs.contract import layout
+from jobs.store import ObjectStore, StoreError, VersionNotPublished, read_manifest
+from jobs.telemetry import decode_jsonl
+
+log = logging.getLogger(__name__)
+ACTIVE = ("launching", "running", "degraded", "stalled", "stopping")
+TERMINAL_PHASES = ("finished", "failed", "stopped")
+STREAM_INGESTERS = {
+    "metrics": ingest.ingest_metrics,
+    "samples": ingest.ingest_samples,
+    "events": ingest.ingest_events,
+}
+
+
+class Poller:
+    def __init__(
+        self,
+        ctx: PanelContext,
+        interval: float = 2.0,
+        stall_after: float = 300.0,
+        chunks_per_pass: int = 200,
+        stop_grace: float = 120.0,
+    ):
+        self.ctx, self.interval, self.stall_after = ctx, interval, stall_after
+        self.chunks_per_pass, self.stop_grace = chunks_per_pass, stop_grace
+        self._backoff: dict[str, tuple[float, float]] = {}  # run id -> (retry at, current delay)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+
+    def start(self) -> Poller:
+        self._thread = threading.Thread(target=self._loop, name="poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:
+                log.exception("poller pass failed")
+            self._stop.wait(self.interval)
+
+    def poll_once(self) -> None:
+        with self.ctx.db.session() as session:
+            run_ids = list(session.exec(select(Run.id).where(Run.status.in_(ACTIVE))).all())
+        now = time.monotonic()
+        for run_id in run_ids:
+            retry_at, delay = self._backoff.get(run_id, (0.0, 0.0))
+            if now < retry_at:
+                continue
+            try:
+                self.poll_run(run_id)
+                self._backoff.pop(run_id, None)
+            except Exception as error:
+                delay = min(60.0, max(2.0, delay * 2))
+                self._backoff[run_id] = (time.monotonic() + delay, delay)
+                log.warning("polling %s failed (%s); retrying in %.0fs", run_id, error, delay)
+
+    # --- one run --------------------------------------------------------------------------------------------------
+
+    def poll_run(self, run_id: str) -> None:
+        with self.ctx.db.session() as session:
+            run = session.get(Run, run_id)
+        if run is None:
+            return
+        store = self.ctx.store_for(run)
+        arrived = False
+        for stream in (*STREAM_INGESTERS, "proxy"):
+            arrived |= self._ingest_stream(run, store, stream) > 0
+        self._ingest_versions(run, store)
+        self._ingest_current(run, store)
+        self._ingest_audits(run, store)
+        trainer = self._ingest_status(run, store)
+        self._update_jobs(run)
+        self._derive_status(run_id, trainer, arrived)
+        alerts.evaluate(self.ctx.db, run_id)
+
+    def _cursor(self, session: Session, run_id: str, stream: str) -> PollCursor:
+        cursor = session.get(PollCursor, (run_id, stream))
+        return cursor or PollCursor(run_id=run_id, stream=stream, cursor="")
+
+    def _ingest_stream(self, run: Run, store: ObjectStore, stream: str) -> int:
+        with self.ctx.db.session() as session:
+            start = self._cursor(session, run.id, stream).cursor or None
+        chunks = list(
+            store.list(layout.telemetry_prefix(run.id, stream), start_after=start, limit=self.chunks_per_pass)
+        )
+        for info in chunks:
+            data = store.get_bytes(info.key)
+            with self.ctx.db.session() as session:
+                if stream == "proxy":
+                    ingest.ingest_proxy(session, run.id, run.owner, json.loads(data))
+                else:
+                    STREAM_INGESTERS[stream](session, run.id, run.owner, decode_jsonl(data))
+                cursor = self._cursor(session, run.id, stream)
+                cursor.cursor, cursor.updated_at = info.key, time.time()
+                session.add(cursor)
+                session.commit()  # rows and cursor together: exactly once
+        return len(chunks)
+
+    def _ingest_versions(self, run: Run, store: ObjectStore) -> None:
+        with self.ctx.db.session() as session:
+            start = self._cursor(session, run.id, "adapters").cursor or None
+        for info in store.list(layout.adapters_prefix(run.id), start_after=start):
+            rest = info.key[len(layout.adapters_prefix(run.id)) :]
+            if not rest.endswith("/" + layout.MANIFEST):
+                continue
+            version = layout.parse_version_dir(rest.split("/")[0])
+            if version is None:
+                continue
+            try:
+                manifest = read_manifest(store, layout.adapter_prefix(run.id, version))
+            except VersionNotPublished:
+                continue
+            with self.ctx.db.session() as session:
+                exists = session.exec(
+                    select(AdapterVersion.id).where(AdapterVersion.run_id == run.id, AdapterVersion.version == version)
+                ).first()
+                if exists is None:
+                    session.add(
+                        AdapterVersion(
+                            run_id=run.id,
+                            owner=run.owner,
+                            version=version,
+                            step=manifest.meta.get("step"),
+                            created_at=manifest.created,
+                            size_bytes=manifest.total_size,
+                            manifest_json=manifest.to_json().decode(),
+                            attempt=manifest.meta.get("attempt"),
+                            reward=_reward_near(session, run.id, manifest.meta.get("step")),
+                        )
+                    )
+                cursor = self._cursor(session, run.id, "adapters")
+                cursor.cursor, cursor.updated_at = info.key, time.time()
+                session.add(cursor)
+                session.commit()
+
+    def _ingest_current(self, run: Run, store: ObjectStore) -> None:
+        try:
+            current = int(store.get_bytes(layout.current_key(run.id)).decode().strip())
+        except (StoreError, ValueError):
+            return
+        with self.ctx.db.session() as session:
+            row = session.get(Run, run.id)
+            if row.current_version != current:
+                row.current_version = current
+                session.add(row)
+                session.commit()
+
+    def _ingest_audits(self, run: Run, store: ObjectStore) -> None:
+        with self.ctx.db.session() as session:
+            start = self._cursor(session, run.id, "audit").cursor or None
+        for info in store.list(layout.audit_prefix(run.id), start_after=start):
+            record = json.loads(store.get_bytes(info.key))
+            diffs = [r.get("max_abs_diff") for r in record.get("replicas", {}).values()]
+            worst = max((d for d in diffs if d is not None), default=None)
+            with self.ctx.db.session() as session:
+                version = session.exec(
+                    select(AdapterVersion).where(
+                        AdapterVersion.run_id == run.id, AdapterVersion.version == record.get("version")
+                    )
+                ).first()
+                if version is None:
+                    return  # the manifest is not ingested yet; read this audit on the next pass
+                version.audit_max_diff, version.audit_ok = worst, bool(record.get("ok"))
+                session.add(version)
+                cursor = self._cursor(session, run.id, "audit")
+                cursor.cursor, cursor.updated_at = info.key, time.time()
+                session.add(cursor)
+                session.commit()
+
+    def _ingest_status(self, run: Run, store: ObjectStore) -> dict[str, Any] | None:
+        trainer = None
+        for info in store.list(layout.status_prefix(run.id)):
+            role = info.key.rsplit("/", 1)[-1].removesuffix(".json")
+            try:
+                body = json.loads(store.get_bytes(info.key))
+            except (StoreError, ValueError):
+                continue
+            if role == "trainer":
+                trainer = body
+            with self.ctx.db.session() as session:
+                row = session.exec(
+                    select(ReplicaStatus).where(ReplicaStatus.run_id == run.id, ReplicaStatus.role == role)
+                ).first()
+                row = row or ReplicaStatus(run_id=run.id, owner=run.owner, role=role, time=0.0, data_json="{}")
+                row.time, row.data_json = float(body.get("time") or time.time()), json.dumps(body)
+                session.add(row)
+                session.commit()
+        return trainer
+
+    def _update_jobs(self, run: Run) -> None:
+        launcher = self.ctx.launcher_for(run)
+        with self.ctx.db.session() as session:
+            jobs = list(session.exec(select(Job).where(Job.run_id == run.id, Job.stage.not_in(TERMINAL))).all())
+        for job in jobs:
+            handle = self.ctx.handle(job)
+            state = launcher.state(handle)
+            tail = "\n".join(launcher.logs(handle, 20))
+            with self.ctx.db.session() as session:
+                row = session.get(Job, job.id)
+                row.stage, row.message, row.log_tail = state.stage, state.message, tail
+                row.started_at = state.started_at or row.started_at
+                row.finished_at = state.finished_at if state.stage in TERMINAL else None
+                session.add(row)
+                session.commit()
+
+    def _derive_status(self, run_id: str, trainer: dict[str, Any] | None, arrived: bool) -> None:
+        now = time.time()
+        with self.ctx.db.session() as session:
+            run = session.get(Run, run_id)
+            jobs = list(session.exec(select(Job).where(Job.run_id == run_id)).all())
+            latest_step = session.exec(select(func.max(MetricPoint.step)).where(MetricPoint.run_id == run_id)).first()
+            reward = session.exec(
+                select(MetricPoint.value)
+                .where(MetricPoint.run_id == run_id, MetricPoint.name == "reward")
+                .order_by(MetricPoint.step.desc())
+            ).first()
+            if arrived:
+                run.last_telemetry_at = now
+            run.step = int(latest_step or run.step or 0)
+            run.latest_reward = reward if reward is not None else run.latest_reward
+            run.cost_usd = sum(_job_cost(job, now) for job in jobs)
+            phase = (trainer or {}).get("phase")
+            trainer_job = max((j for j in jobs if j.role == "trainer"), key=lambda j: j.attempt, default=None)
+            replica_jobs = [j for j in jobs if j.role.startswith("replica-")]
+            status, message = run.status, run.status_message
+            if phase in TERMINAL_PHASES:
+                status = phase
+                message = (
+                    ((trainer or {}).get("last_error") or "") if phase == "failed" else f"{phase} at step {run.step}"
+                )
+            elif trainer_job is not None and trainer_job.stage in TERMINAL:
+                status = "failed" if run.status != "stopping" else "stopped"
+                last = trainer_job.log_tail.strip().splitlines()[-1:] or [""]
+                message = f"the trainer job ended ({trainer_job.stage}: {trainer_job.message}) {last[0]}"[:2000]
+            elif any(j.stage in ("error", "canceled") for j in replica_jobs):
+                status = "degraded"
+                message = "a replica job ended; training continues on the others"
+            elif run.status == "stopping":
+                pass
+            elif phase == "training":
+                stalled = run.last_telemetry_at is not None and now - run.last_telemetry_at > self.stall_after
+                status = "stalled" if stalled else ("degraded" if _proxy_degraded(session, run_id) else "running")
+                message = f"no telemetry for {now - run.last_telemetry_at:.0f}s" if stalled else ""
+            elif phase in ("starting", "waiting_replicas", "saving"):
+                status = "running" if phase == "saving" else "launching"
+            run.status, run.status_message = status, message
+            if status in TERMINAL_PHASES and run.finished_at is None:
+                run.finished_at = now
+            session.add(run)
+            session.commit()
+        if status in TERMINAL_PHASES or status == "stopping":
+            self._reap_jobs(run_id, status)
+
+    def _reap_jobs(self, run_id: str, status: str) -> None:
+        """Cancel whatever still runs once a run has ended (the trainer normally stops its replicas itself)."""
+        with self.ctx.db.session() as session:
+            run = session.get(Run, run_id)
+            jobs = list(session.exec(select(Job).where(Job.run_id == run_id, Job.stage.not_in(TERMINAL))).all())
+        if status == "stopping" and time.time() - (run.stop_requested_at or 0) < self.stop_grace:
+            return  # the trainer is saving and exiting on its own; cancel only if it overruns the grace period
+        launcher = self.ctx.launcher_for(run)
+        for job in jobs:
+            launcher.cancel(self.ctx.handle(job))
+        if jobs:
+            self._update_jobs(run)
+
+
+def _reward_near(session: Session, run_id: str, step: int | None, window: int = 5) -> float | None:
+    """The mean reward over the steps around `step`, for the version list."""
+    if step is None:
+        return None
+    return session.exec(
+        select(func.avg(MetricPoint.value)).where(
+            MetricPoint.run_id == run_id,
+            MetricPoint.name == "reward",
+            MetricPoint.step > step - window,
+            MetricPoint.step <= step,
+        )
+    ).first()
+
+
+def _job_cost(job: Job, now: float) -> float:
+    if not job.price_per_hour or job.started_at is None:
+        return 0.0
+    end = job.finished_at or now
+    return max(0.0, end - job.started_at) / 3600 * job.price_per_hour
+
+
+def _proxy_degraded(session: Session, run_id: str) -> bool:
+    from backend.models import ProxySnapshot
+
+    latest = session.exec(
+        select(ProxySnapshot.stats_json).where(ProxySnapshot.run_id == run_id).order_by(ProxySnapshot.time.desc())
+    ).first()
+    if latest is None:
+        return False
+    replicas = json.loads(latest).get("replicas") or []
+    return any(not r.get("healthy", True) or r.get("ejected") for r in replicas)

@@ -1,0 +1,162 @@
+"""Read-only queries the UI and the CLI make: metric series, samples, router stats, job cards, summaries.
+
+All of them take the owner and only return that owner's data.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func
+from sqlmodel import col, select
+
+from backend.context import PanelContext
+from backend.models import AdapterVersion, Event, Job, MetricPoint, ProxySnapshot, ReplicaStatus, RolloutSample, Run
+
+
+class QueryService:
+    def __init__(self, ctx: PanelContext, owner: str):
+        self.ctx, self.owner = ctx, owner
+
+    def _check(self, run_id: str) -> Run:
+        from backend.services.runs import RunNotFound
+
+        with self.ctx.db.session() as session:
+            run = session.get(Run, run_id)
+        if run is None or run.owner != self.owner:
+            raise RunNotFound(f"no run {run_id!r}")
+        return run
+
+    def metric_names(self, run_id: str) -> list[str]:
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            return list(session.exec(select(MetricPoint.name).where(MetricPoint.run_id == run_id).distinct()).all())
+
+    def metric_series(self, run_id: str, name: str, max_points: int | None = 2000) -> list[tuple[int, float]]:
+        """(step, value) pairs in step order; long series are thinned to about `max_points` evenly spaced points."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            count = session.exec(
+                select(func.count()).where(MetricPoint.run_id == run_id, MetricPoint.name == name)
+            ).one()
+            query = select(MetricPoint.step, MetricPoint.value).where(
+                MetricPoint.run_id == run_id, MetricPoint.name == name
+            )
+            if max_points and count > max_points:
+                stride = -(-count // max_points)
+                # Thin in SQL: keep every stride-th step, so a 100k-point series costs one index range scan.
+                query = query.where(MetricPoint.step % stride == 0)
+            rows = session.exec(query.order_by(MetricPoint.step)).all()
+        return [(int(step), float(value)) for step, value in rows]
+
+    def samples(
+        self,
+        run_id: str,
+        step_from: int | None = None,
+        step_to: int | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        limit: int = 50,
+        offset: int = 0,
+    ) -> list[RolloutSample]:
+        self._check(run_id)
+        query = select(RolloutSample).where(RolloutSample.run_id == run_id)
+        if step_from is not None:
+            query = query.where(RolloutSample.step >= step_from)
+        if step_to is not None:
+            query = query.where(RolloutSample.step <= step_to)
+        if min_reward is not None:
+            query = query.where(RolloutSample.reward >= min_reward)
+        if max_reward is not None:
+            query = query.where(RolloutSample.reward <= max_reward)
+        with self.ctx.db.session() as session:
+            return list(
+                session.exec(
+                    query.order_by(col(RolloutSample.step).desc(), RolloutSample.id).offset(offset).limit(limit)
+                ).all()
+            )
+
+    def group(self, run_id: str, step: int, group_id: int) -> list[RolloutSample]:
+        """Every sample of one group at one step, best first."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            rows = session.exec(
+                select(RolloutSample).where(
+                    RolloutSample.run_id == run_id, RolloutSample.step == step, RolloutSample.group_id == group_id
+                )
+            ).all()
+        return sorted(rows, key=lambda s: -(s.reward if s.reward is not None else float("-inf")))
+
+    def proxy_snapshots(self, run_id: str, limit: int = 500) -> list[dict[str, Any]]:
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            rows = session.exec(
+                select(ProxySnapshot.stats_json)
+                .where(ProxySnapshot.run_id == run_id)
+                .order_by(col(ProxySnapshot.time).desc())
+                .limit(limit)
+            ).all()
+        return [json.loads(row) for row in reversed(rows)]
+
+    def jobs(self, run_id: str) -> list[Job]:
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            return list(session.exec(select(Job).where(Job.run_id == run_id).order_by(Job.role, Job.attempt)).all())
+
+    def heartbeats(self, run_id: str) -> dict[str, dict[str, Any]]:
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            rows = session.exec(select(ReplicaStatus).where(ReplicaStatus.run_id == run_id)).all()
+        return {row.role: json.loads(row.data_json) for row in rows}
+
+    def versions(self, run_id: str) -> list[AdapterVersion]:
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            return list(
+                session.exec(
+                    select(AdapterVersion).where(AdapterVersion.run_id == run_id).order_by(AdapterVersion.version)
+                ).all()
+            )
+
+    def alerts(self, run_id: str | None = None) -> list[Event]:
+        query = select(Event).where(Event.owner == self.owner, Event.active)
+        if run_id is not None:
+            self._check(run_id)
+            query = query.where(Event.run_id == run_id)
+        with self.ctx.db.session() as session:
+            return list(session.exec(query.order_by(col(Event.time).desc())).all())
+
+    def events(self, run_id: str, limit: int = 200) -> list[Event]:
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            return list(
+                session.exec(
+                    select(Event).where(Event.run_id == run_id).order_by(col(Event.time).desc()).limit(limit)
+                ).all()
+            )
+
+    def summary(self, run_id: str) -> RunSummary:
+        run = self._check(run_id)
+        rewards = [value for _, value in self.metric_series(run_id, "reward", max_points=None)]
+        syncs = [value for _, value in self.metric_series(run_id, "perf/weight_sync_s", max_points=None)]
+        return RunSummary(
+            run=run,
+            steps=run.step,
+            reward_first5=statistics.fmean(rewards[:5]) if rewards else None,
+            reward_last5=statistics.fmean(rewards[-5:]) if rewards else None,
+            sync_p50=statistics.median(syncs) if syncs else None,
+            versions=len(self.versions(run_id)),
+        )
+
+
+@dataclass
+class RunSummary:
+    run: Run
+    steps: int
+    reward_first5: float | None
+    reward_last5: float | None
+    sync_p50: float | None
+    versions: int

@@ -1,0 +1,223 @@
+"""Run services: create, launch, stop, list, get and delete runs — always on behalf of one owner.
+
+Every method takes the owner at construction and never reads or changes another owner's run: a run id that belongs
+to someone else is reported exactly like one that does not exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sqlalchemy import delete
+from sqlmodel import select
+
+from backend.context import PanelContext
+from backend.launchers.base import JobHandle, LaunchError
+from backend.models import (
+    AdapterVersion,
+    Event,
+    Job,
+    MetricPoint,
+    PollCursor,
+    ProxySnapshot,
+    ReplicaStatus,
+    RolloutSample,
+    Run,
+)
+from jobs.contract import RunSpec, layout
+from jobs.contract.control import STOP, StopRequest
+
+log = logging.getLogger(__name__)
+TERMINAL_STATUSES = ("finished", "failed", "stopped")
+
+
+class RunNotFound(LookupError):
+    pass
+
+
+class RunStateError(RuntimeError):
+    pass
+
+
+class RunService:
+    def __init__(self, ctx: PanelContext, owner: str):
+        self.ctx, self.owner = ctx, owner
+
+    # --- reading ------------------------------------------------------------------------------------------------
+
+    def get(self, run_id: str) -> Run:
+        with self.ctx.db.session() as session:
+            run = session.get(Run, run_id)
+        if run is None or run.owner != self.owner:
+            raise RunNotFound(f"no run {run_id!r}")
+        return run
+
+    def list(self) -> list[Run]:
+        with self.ctx.db.session() as session:
+            return list(session.exec(select(Run).where(Run.owner == self.owner).order_by(Run.created_at.desc())).all())
+
+    def jobs(self, run_id: str) -> list[Job]:
+        self.get(run_id)
+        with self.ctx.db.session() as session:
+            return list(session.exec(select(Job).where(Job.run_id == run_id).order_by(Job.role)).all())
+
+    # --- creating and launching -----------------------------------------------------------------------------------
+
+    def create(self, spec: RunSpec, store_credential_id: int | None = None, hf_credential_id: int | None = None) -> Run:
+        """Record a run and write its spec to its store. Validation of everything else happens in preflight."""
+        with self.ctx.db.session() as session:
+            if session.get(Run, spec.run_id) is not None:
+                raise RunStateError(f"run_id: {spec.run_id!r} is taken; choose another run id")
+        for credential_id in (store_credential_id, hf_credential_id):
+            if credential_id is not None:
+                self.ctx.vault.get(self.owner, credential_id)  # raises unless this owner holds it
+        run = Run(
+            id=spec.run_id,
+            owner=self.owner,
+            name=spec.name or spec.run_id,
+            status="draft",
+            spec_json=spec.to_json(),
+            storage_uri=spec.storage.uri,
+            backend=spec.compute.backend,
+            parent_run_id=spec.parent.run_id if spec.parent else None,
+            parent_version=spec.parent.version if spec.parent else None,
+            store_credential_id=store_credential_id,
+            hf_credential_id=hf_credential_id,
+            created_at=time.time(),
+            max_steps=spec.grpo.max_steps,
+        )
+        store = self.ctx.store_for(run)
+        store.put_bytes(layout.spec_key(spec.run_id), spec.to_json().encode())
+        with self.ctx.db.session() as session:
+            session.add(run)
+            session.commit()
+        return run
+
+    def launch(self, run_id: str, wait: bool = False) -> Run:
+        """Start the run's jobs. With `wait=False` the launch proceeds in the background (the panel stays live)."""
+        run = self.get(run_id)
+        if run.status != "draft":
+            raise RunStateError(f"run {run_id} is {run.status}; only a new run can be launched")
+        self._set(run_id, status="launching", started_at=time.time(), status_message="starting the replicas")
+        if wait:
+            self._launch(run_id)
+        else:
+            threading.Thread(target=self._launch, args=(run_id,), name=f"launch-{run_id}", daemon=True).start()
+        return self.get(run_id)
+
+    def _launch(self, run_id: str) -> None:
+        run = self.get(run_id)
+        spec = self.ctx.spec(run)
+        launcher = self.ctx.launcher_for(run)
+
+        def record(job: JobHandle) -> None:
+            with self.ctx.db.session() as session:
+                session.add(
+                    Job(
+                        run_id=run_id,
+                        owner=self.owner,
+                        role=job.role,
+                        backend_job_id=job.job_id,
+                        url=job.url,
+                        endpoint=job.endpoint,
+                        stage="scheduling",
+                        flavor=spec.compute.trainer_flavor if job.role == "trainer" else spec.compute.replica_flavor,
+                        price_per_hour=self._price(spec, job.role),
+                    )
+                )
+                session.commit()
+
+        try:
+            jobs = launcher.launch(spec, self.ctx.secrets_for(run), self.ctx.store_for(run), on_started=record)
+        except LaunchError as error:
+            message = f"{error}\n{error.log_tail}".strip()
+            self._set(run_id, status="failed", status_message=message[:4000], finished_at=time.time())
+            self._event(run_id, "job_error", str(error), "error")
+            return
+        except Exception as error:
+            log.exception("launching %s failed", run_id)
+            self._set(
+                run_id,
+                status="failed",
+                status_message=f"{type(error).__name__}: {error}"[:4000],
+                finished_at=time.time(),
+            )
+            return
+        with self.ctx.db.session() as session:
+            for job in jobs:  # replicas' endpoints are known only once they are healthy
+                row = session.exec(select(Job).where(Job.run_id == run_id, Job.backend_job_id == job.job_id)).first()
+                if row is not None:
+                    row.endpoint, row.url = job.endpoint, job.url
+                    session.add(row)
+            session.commit()
+        self._set(run_id, status_message="jobs started; the trainer is starting")
+
+    def _price(self, spec: RunSpec, role: str) -> float:
+        if spec.compute.backend == "local":
+            return 0.0
+        from backend.services.costs import flavor_price_per_hour
+
+        flavor = spec.compute.trainer_flavor if role == "trainer" else spec.compute.replica_flavor
+        return flavor_price_per_hour(self.ctx, self.get(spec.run_id), flavor) or 0.0
+
+    # --- stopping and deleting ------------------------------------------------------------------------------------
+
+    def stop(self, run_id: str, reason: str = "stopped from the panel") -> Run:
+        """Ask the trainer to save and exit; the poller cancels the jobs if it has not within the grace period."""
+        run = self.get(run_id)
+        if run.status in TERMINAL_STATUSES:
+            return run
+        store = self.ctx.store_for(run)
+        store.put_bytes(layout.control_key(run_id, STOP), StopRequest(reason=reason).model_dump_json().encode())
+        self._set(run_id, status="stopping", stop_requested_at=time.time(), status_message=reason)
+        self._event(run_id, "stop", reason, "info")
+        return self.get(run_id)
+
+    def delete(self, run_id: str, delete_bucket_data: bool = False) -> None:
+        """Forget a finished run. Its adapters stay in the bucket unless `delete_bucket_data` says otherwise."""
+        run = self.get(run_id)
+        if run.status not in (*TERMINAL_STATUSES, "draft"):
+            raise RunStateError(f"run {run_id} is {run.status}; stop it before deleting it")
+        if delete_bucket_data:
+            self.ctx.store_for(run).delete_prefix(layout.run_prefix(run_id))
+        with self.ctx.db.session() as session:
+            for table in (
+                MetricPoint,
+                RolloutSample,
+                ProxySnapshot,
+                ReplicaStatus,
+                Event,
+                PollCursor,
+                AdapterVersion,
+                Job,
+            ):
+                session.execute(delete(table).where(table.run_id == run_id))
+            session.delete(session.get(Run, run_id))
+            session.commit()
+
+    # --- helpers ----------------------------------------------------------------------------------------------------
+
+    def _set(self, run_id: str, **fields) -> None:
+        with self.ctx.db.session() as session:
+            run = session.get(Run, run_id)
+            for key, value in fields.items():
+                setattr(run, key, value)
+            session.add(run)
+            session.commit()
+
+    def _event(self, run_id: str, kind: str, message: str, level: str) -> None:
+        with self.ctx.db.session() as session:
+            session.add(
+                Event(
+                    run_id=run_id,
+                    owner=self.owner,
+                    time=time.time(),
+                    level=level,
+                    kind=kind,
+                    message=message[:4000],
+                    active=level == "error",
+                )
+            )
+            session.commit()

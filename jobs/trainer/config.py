@@ -1,0 +1,80 @@
+"""Every GRPO and LoRA field of a RunSpec mapped onto TRL's `AsyncGRPOConfig` and PEFT's `LoraConfig`, in one place."""
+
+from __future__ import annotations
+
+import torch
+
+from jobs.contract import RunSpec, derived
+
+# Seconds to wait for a completion: long generations through the HF Jobs proxy take minutes.
+REQUEST_TIMEOUT_S = 900
+
+
+def lora_config(spec: RunSpec):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=spec.lora.rank,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=spec.lora.target_modules,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def training_dtype(spec: RunSpec, cuda: bool) -> str:
+    """float32 on CPU (bf16 matmuls are slow there and TRL refuses bf16 without a GPU); the spec's dtype on GPU."""
+    if not cuda:
+        return "float32"
+    return "bfloat16" if spec.model.dtype == "auto" else spec.model.dtype
+
+
+def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | None = None):
+    """The AsyncGRPOConfig for `spec`, training into `output_dir` against the proxy at `server_url`."""
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    grpo = spec.grpo
+    per_device, accumulation = derived.batch_shape(grpo)
+    dtype = training_dtype(spec, cuda)
+    return AsyncGRPOConfig(
+        output_dir=output_dir,
+        # Model
+        dtype=dtype,
+        model_init_kwargs={"revision": spec.model.revision} if spec.model.revision else None,
+        use_cpu=not cuda,
+        bf16=cuda and dtype == "bfloat16",
+        fp16=cuda and dtype == "float16",
+        gradient_checkpointing=grpo.gradient_checkpointing,
+        # Generation
+        num_generations=grpo.num_generations,
+        max_completion_length=grpo.max_completion_length,
+        temperature=grpo.temperature,
+        top_p=grpo.top_p,
+        top_k=grpo.top_k,
+        vllm_server_base_url=server_url,
+        request_timeout=REQUEST_TIMEOUT_S,
+        # Optimisation
+        learning_rate=grpo.learning_rate,
+        adam_beta2=grpo.adam_beta2,
+        lr_scheduler_type="constant",
+        epsilon=grpo.epsilon,
+        max_steps=grpo.max_steps,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        token_budget=grpo.token_budget,
+        seed=grpo.seed,
+        # Asynchrony
+        max_staleness=grpo.max_staleness,
+        weight_sync_steps=grpo.weight_sync_steps,
+        max_inflight_tasks=grpo.max_inflight,
+        queue_maxsize=derived.queue_size(grpo),
+        # Bookkeeping
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=grpo.save_steps,
+        save_total_limit=2,
+        report_to="none",
+        disable_tqdm=True,
+    )

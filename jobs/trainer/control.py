@@ -1,0 +1,76 @@
+"""Callbacks that let the outside steer a running trainer: graceful stop, and the step hint for the proxy."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+from transformers import TrainerCallback
+
+from jobs.contract import layout
+from jobs.contract.control import STOP, StopRequest
+from jobs.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+
+class GracefulStop(TrainerCallback):
+    """Stops training after the current step, with a checkpoint, when asked.
+
+    Asked means a stop request in the store (`control/stop.json`, written by the panel) or a first SIGTERM (a job
+    being cancelled). A second SIGTERM is not caught: the default handler ends the process at once.
+    """
+
+    def __init__(self, store: ObjectStore, run_id: str, telemetry=None, check_every: float = 5.0):
+        self.store, self.run_id, self.telemetry, self.check_every = store, run_id, telemetry, check_every
+        self.reason: str | None = None
+        self._checked = 0.0
+        self._signalled = threading.Event()
+
+    def install_signal_handler(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, _signum, _frame) -> None:
+        self.reason = self.reason or "the job received SIGTERM"
+        self._signalled.set()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    def requested(self) -> bool:
+        if self._signalled.is_set():
+            return True
+        now = time.monotonic()
+        if now - self._checked < self.check_every:
+            return False
+        self._checked = now
+        try:
+            body = self.store.get_bytes(layout.control_key(self.run_id, STOP))
+        except StoreError:
+            return False
+        self.reason = StopRequest.model_validate_json(body).reason
+        return True
+
+    def on_step_end(self, _args, state, control, **_kwargs):
+        if self.requested():
+            log.info("stopping after step %d: %s", state.global_step, self.reason)
+            if self.telemetry is not None:
+                self.telemetry.event("stop", f"stopping after step {state.global_step}: {self.reason}")
+            control.should_save = True
+            control.should_training_stop = True
+
+
+class StepHint(TrainerCallback):
+    """Tells the proxy the optimizer step before each sync, so every published version records its step.
+
+    Runs before TRL's own callbacks (it is passed to the constructor), hence before the sync of the same step.
+    """
+
+    def __init__(self, post_step):
+        self.post_step = post_step
+
+    def on_train_begin(self, _args, state, _control, **_kwargs):
+        self.post_step(state.global_step)
+
+    def on_step_end(self, _args, state, _control, **_kwargs):
+        self.post_step(state.global_step)

@@ -1,0 +1,144 @@
+"""From a spec's dataset section to the conversational prompts TRL's AsyncGRPOTrainer needs.
+
+TRL needs a `prompt` column of chat messages: plain-string prompts crash its rollout child and the trainer then
+hangs. Prompts longer than the model can take alongside a full completion are dropped here, because vLLM answers such
+a request with 400 and TRL retries it ~90 times before its rollout worker dies.
+
+The panel uses the same functions to preview a dataset and check its columns before anything is launched.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from jobs.contract import DatasetSpec
+from jobs.store import ObjectNotFound, ObjectStore
+
+log = logging.getLogger(__name__)
+ANSWER = "answer"  # rewards receive the gold answer under this name, whatever the dataset calls it
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used as specified; the message names the field and what to do."""
+
+
+def load_rows(spec: DatasetSpec, store: ObjectStore | None = None, limit: int | None = None):
+    """The raw rows as a `datasets.Dataset` (at most `limit`, or the spec's own limit)."""
+    import datasets
+
+    limit = min(filter(None, (limit, spec.limit)), default=None)
+    if spec.source == "builtin":
+        from jobs.demo.dataset import digits_rows
+
+        rows = datasets.Dataset.from_list(digits_rows())
+    elif spec.source == "store":
+        rows = _load_store_file(spec, store)
+    else:
+        split = f"{spec.split}[:{limit}]" if limit else spec.split
+        try:
+            rows = datasets.load_dataset(spec.id, split=split)
+        except ValueError as error:
+            if "split" in str(error).lower() or "Unknown split" in str(error):
+                raise DatasetError(f"dataset.split: {spec.id} has no split {spec.split!r} ({error})") from None
+            raise DatasetError(f"dataset.id: could not load {spec.id!r}: {error}") from None
+        except FileNotFoundError:
+            raise DatasetError(f"dataset.id: {spec.id!r} was not found on the Hub; check the id") from None
+        except Exception as error:  # network, auth, gated: say so without a traceback
+            raise DatasetError(
+                f"dataset.id: could not load {spec.id!r} ({type(error).__name__}: {str(error)[:200]})"
+            ) from None
+    if limit is not None and len(rows) > limit:
+        rows = rows.select(range(limit))
+    if len(rows) == 0:
+        raise DatasetError(f"dataset.id: {spec.id!r} ({spec.split}) has no rows")
+    return rows
+
+
+def _load_store_file(spec: DatasetSpec, store: ObjectStore | None):
+    import datasets
+
+    if store is None:
+        raise DatasetError("dataset.source: a dataset in the store needs the run's store")
+    suffix = Path(spec.id).suffix
+    builder = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}[suffix]
+    with tempfile.TemporaryDirectory() as folder:
+        local = Path(folder) / f"data{suffix}"
+        try:
+            store.get_file(spec.id, local)
+        except ObjectNotFound:
+            raise DatasetError(f"dataset.id: {spec.id!r} is not in {store.describe()}; upload it first") from None
+        try:
+            return datasets.load_dataset(builder, data_files=str(local), split="train", keep_in_memory=True)
+        except Exception as error:
+            raise DatasetError(f"dataset.id: {spec.id!r} could not be parsed as {builder}: {error}") from None
+
+
+def check_columns(rows, spec: DatasetSpec) -> None:
+    """Raise DatasetError naming a missing prompt or answer column and the columns that do exist."""
+    columns = list(rows.column_names)
+    for field, column in (("prompt_column", spec.prompt_column), ("answer_column", spec.answer_column)):
+        if column is not None and column not in columns:
+            raise DatasetError(
+                f"dataset.{field}: column {column!r} is not in the dataset; its columns are {', '.join(columns)}"
+            )
+
+
+def to_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, str]]:
+    """One prompt as chat messages: strings become a user turn; message lists pass through (validated)."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "role" in m for m in prompt):
+        messages = [{"role": str(m["role"]), "content": str(m.get("content") or "")} for m in prompt]
+    else:
+        raise DatasetError(
+            "dataset.prompt_column: each prompt must be a string or a list of {role, content} messages, "
+            f"got {type(prompt).__name__}"
+        )
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def prompt_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The token ids TRL sends for `messages`: the chat template with the generation prompt appended."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: int | None = None):
+    """The dataset TRL trains on: `prompt` (messages) and `answer`, plus the other plain columns for user rewards.
+
+    With a tokenizer and `max_prompt_tokens`, prompts that would leave no room for a full completion are dropped.
+    """
+    import datasets
+
+    check_columns(rows, spec)
+    plain = [
+        name
+        for name, feature in rows.features.items()
+        if name not in (spec.prompt_column, spec.answer_column, "prompt", ANSWER)
+        and isinstance(feature, datasets.Value)
+    ]
+    records, dropped = [], 0
+    for row in rows:
+        messages = to_messages(row[spec.prompt_column], spec.system_prompt)
+        limited = tokenizer is not None and max_prompt_tokens is not None
+        if limited and len(prompt_token_ids(tokenizer, messages)) > max_prompt_tokens:
+            dropped += 1
+            continue
+        record = {"prompt": messages, ANSWER: "" if spec.answer_column is None else str(row[spec.answer_column])}
+        record.update({name: row[name] for name in plain})
+        records.append(record)
+    if dropped:
+        log.warning(
+            "dropped %d prompts longer than %d tokens (no room left for a completion)", dropped, max_prompt_tokens
+        )
+    if not records:
+        raise DatasetError(
+            f"dataset: every prompt is longer than {max_prompt_tokens} tokens; raise model.max_model_len or lower "
+            "grpo.max_completion_length"
+        )
+    return datasets.Dataset.from_list(records)

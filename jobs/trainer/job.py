@@ -1,0 +1,215 @@
+"""The trainer job: TRL's AsyncGRPOTrainer with LoRA, pointed at our proxy, writing everything to the store.
+
+    python -m jobs.trainer --spec <storage uri>/runs/<run_id>/spec.json
+
+Order of events: start the proxy and wait for replicas; build dataset, rewards and trainer; resume from the newest
+stored checkpoint (or start a branch from its parent's adapter); train; publish and audit the final version; and, on
+every way out (success, error, SIGTERM), stop the proxy and the replicas and say why in `status/trainer.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from jobs.contract import layout
+from jobs.models import resolve_model
+from jobs.runtime import ENV_UPSTREAM_TOKEN, RunContext, open_run, read_json, setup_logging, spec_uri
+from jobs.store import StoreError
+from jobs.trainer import cpu_compat
+from jobs.trainer.audit import AuditCallback, PolicyAudit, tolerance_for
+from jobs.trainer.checkpoints import (
+    CheckpointUploader,
+    ContinueVersions,
+    download_checkpoint,
+    latest_checkpoint,
+    load_parent_adapter,
+    publish_final,
+)
+from jobs.trainer.config import grpo_config, lora_config, training_dtype
+from jobs.trainer.control import GracefulStop, StepHint
+from jobs.trainer.dataset import build_prompts, load_rows
+from jobs.trainer.proxy_process import ProxyProcess, ReplicasLost, ReplicaWatchdog
+from jobs.trainer.replicas import stop_replicas
+from jobs.trainer.rewards import build_rewards
+from jobs.trainer.telemetry import RecordingQueue, RewardErrorForwarder, TelemetryCallback, TrainerTelemetry
+
+log = logging.getLogger("jobs.trainer")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m jobs.trainer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--spec", required=True, help="storage URI of the run's spec.json")
+    parser.add_argument("--store-endpoint", help="S3 endpoint URL (not part of an s3:// URI)")
+    parser.add_argument("--store-region")
+    parser.add_argument("--output-dir", help="local working folder (default: a temporary one)")
+    parser.add_argument("--proxy-port", type=int, default=8000)
+    parser.add_argument("--replica-wait", type=float, default=900.0, help="seconds to wait for healthy replicas")
+    parser.add_argument(
+        "--replica-loss-timeout", type=float, default=180.0, help="fail the run after this long with no replica"
+    )
+    parser.add_argument("--torch-threads", type=int, default=int(os.environ.get("GRPO_TORCH_THREADS", "0")) or None)
+    return parser.parse_args(argv)
+
+
+def previous_attempt(ctx: RunContext) -> int:
+    try:
+        return int(read_json(ctx.store, layout.status_key(ctx.spec.run_id, "trainer")).get("attempt", 0))
+    except (StoreError, ValueError, TypeError):
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_logging("trainer")
+    cuda = torch.cuda.is_available()
+    if args.torch_threads or not cuda:
+        torch.set_num_threads(args.torch_threads or 1)  # on CPU the replicas need the other cores
+    ctx = open_run(args.spec, args.store_endpoint, args.store_region)
+    spec, store = ctx.spec, ctx.store
+    attempt = previous_attempt(ctx) + 1
+    telemetry = TrainerTelemetry(store, spec.run_id, attempt, spec.grpo.max_steps)
+    telemetry.status("starting")
+    proxy = ProxyProcess(spec_uri(spec.storage, spec.run_id), args.proxy_port, args.store_endpoint, args.store_region)
+    watchdog: ReplicaWatchdog | None = None
+    stop = GracefulStop(store, spec.run_id, telemetry)
+    stop.install_signal_handler()
+    outcome, exit_code = "failed", 1
+    workdir = Path(args.output_dir or tempfile.mkdtemp(prefix=f"trainer-{spec.run_id}-"))
+    errors = None
+    try:
+        if not cuda:
+            cpu_compat.apply_cpu_patches()
+        proxy.start()
+        telemetry.status("waiting_replicas")
+        proxy.wait_healthy(args.replica_wait, on_wait=lambda waited: telemetry.status(force=False, waited_s=waited))
+        watchdog = ReplicaWatchdog(proxy, args.replica_loss_timeout).start()
+
+        from transformers import AutoTokenizer
+        from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+        model_path = resolve_model(spec.model)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
+        max_prompt = spec.model.max_model_len - spec.grpo.max_completion_length
+        dataset = build_prompts(spec.dataset, load_rows(spec.dataset, store), tokenizer, max_prompt)
+        error_log = workdir / "reward_errors.jsonl"
+        errors = RewardErrorForwarder(error_log, telemetry).start()
+        rewards = build_rewards(spec.rewards, [tokenizer.eos_token_id], error_log)
+
+        resume_step = latest_checkpoint(store, spec.run_id)
+        resume_path = None
+        if resume_step is not None:
+            resume_path = str(download_checkpoint(store, spec.run_id, resume_step, workdir))
+            telemetry.event(
+                "resume",
+                f"attempt {attempt} resumes from the checkpoint of step {resume_step}",
+                resumed_from_step=resume_step,
+            )
+        continue_versions = ContinueVersions(store, spec.run_id)
+        trainer = AsyncGRPOTrainer(
+            model=model_path,
+            reward_funcs=rewards,
+            args=grpo_config(spec, str(workdir / "output"), proxy.url, cuda),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            callbacks=[
+                TelemetryCallback(telemetry),
+                CheckpointUploader(store, spec.run_id, attempt, telemetry),
+                continue_versions,
+                StepHint(proxy.post_step),
+                stop,
+            ],
+            peft_config=lora_config(spec),
+        )
+        continue_versions.trainer = trainer
+        if spec.parent is not None and resume_path is None:
+            load_parent_adapter(store, spec.parent, trainer.model, workdir)
+        trainer.rollout_queue = RecordingQueue(trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness)
+        _drain_queues_on_stop(trainer.rollout_worker)
+        audit = PolicyAudit(
+            trainer,
+            tokenizer,
+            store,
+            spec.run_id,
+            proxy.replicas,
+            os.environ.get(ENV_UPSTREAM_TOKEN),
+            spec.grpo.temperature,
+            tolerance_for(training_dtype(spec, cuda)),
+            telemetry,
+        )
+        trainer.add_callback(AuditCallback(audit, spec.grpo.audit_every))
+
+        telemetry.status("training", resumed_from_step=resume_step)
+        trainer.train(resume_from_checkpoint=resume_path)
+
+        telemetry.status("saving")
+        if trainer.state.global_step % spec.grpo.weight_sync_steps:
+            trainer._sync_weight()  # publish the final weights as a version, so replicas and audit see them
+        audit.run(int(trainer.model_version), trainer.state.global_step)
+        publish_final(
+            store,
+            spec.run_id,
+            trainer.model,
+            workdir,
+            {"step": trainer.state.global_step, "version": int(trainer.model_version), "attempt": attempt},
+        )
+        outcome, exit_code = ("stopped", 0) if stop.reason else ("finished", 0)
+        telemetry.event(
+            outcome,
+            f"training {outcome} at step {trainer.state.global_step}" + (f" ({stop.reason})" if stop.reason else ""),
+        )
+    except ReplicasLost as error:
+        telemetry.fail(str(error))
+    except Exception as error:
+        log.exception("training failed")
+        telemetry.fail(f"{type(error).__name__}: {error}"[:2000])
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+        if errors is not None:
+            errors.close()
+        proxy.stop()
+        stopped = stop_replicas(store, spec.run_id, reason=f"the trainer {outcome}")
+        telemetry.status(outcome, replicas_stopped=stopped)
+        telemetry.close()
+    return exit_code
+
+
+def _drain_queues_on_stop(worker) -> None:
+    """Let TRL's rollout child exit promptly when training ends.
+
+    The child cannot exit while its multiprocessing queues hold unread samples and metrics, so TRL's stop usually
+    waits its full 15 s and then kills it. Draining both queues while TRL joins the child lets it exit in ~2 s.
+    """
+    import queue
+    import threading
+
+    if worker is None:
+        return
+    original_stop = worker.stop
+
+    def stop_draining() -> None:
+        done = threading.Event()
+
+        def drain() -> None:
+            while not done.is_set():
+                for source in (worker.rollout_buffer, worker.metrics_queue):
+                    try:
+                        source.get(timeout=0.05)
+                    except (queue.Empty, OSError, ValueError):
+                        pass
+
+        thread = threading.Thread(target=drain, daemon=True)
+        thread.start()
+        try:
+            original_stop()
+        finally:
+            done.set()
+            thread.join(timeout=5)
+
+    worker.stop = stop_draining

@@ -1,0 +1,129 @@
+"""The proxy as a child of the trainer job, and the watchdog that notices when every replica is gone.
+
+The proxy runs in its own process so routing never competes with the training loop for the GIL. The trainer talks to
+it at 127.0.0.1 as if it were one vLLM server.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import requests
+
+log = logging.getLogger(__name__)
+
+
+class ProxyUnavailable(RuntimeError):
+    pass
+
+
+class ProxyProcess:
+    def __init__(self, spec_uri: str, port: int, store_endpoint: str | None = None, store_region: str | None = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.command = [sys.executable, "-m", "jobs.proxy", "--spec", spec_uri, "--port", str(port)]
+        if store_endpoint:
+            self.command += ["--store-endpoint", store_endpoint]
+        if store_region:
+            self.command += ["--store-region", store_region]
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> ProxyProcess:
+        self.process = subprocess.Popen(self.command)
+        return self
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_healthy(self, timeout: float, on_wait: Callable[[float], None] | None = None) -> None:
+        """Block until at least the minimum of replicas answers through the proxy, or raise after `timeout` s."""
+        started = time.monotonic()
+        while not self.healthy():
+            if self.process is not None and self.process.poll() is not None:
+                raise ProxyUnavailable(f"the proxy exited with code {self.process.returncode} at start; see its log")
+            waited = time.monotonic() - started
+            if waited > timeout:
+                raise ProxyUnavailable(f"no replica became healthy within {timeout:.0f}s; check the replica jobs' logs")
+            if on_wait is not None:
+                on_wait(waited)
+            time.sleep(1.0)
+
+    def replicas(self) -> list[dict]:
+        """Healthy replicas as the proxy sees them: [{"role", "url", ...}]."""
+        response = requests.get(self.url + "/proxy/replicas", timeout=10)
+        response.raise_for_status()
+        body = response.json()
+        replicas = body["replicas"] if isinstance(body, dict) else body
+        return [replica for replica in replicas if replica.get("healthy", True) and not replica.get("ejected")]
+
+    def post_step(self, step: int) -> None:
+        """Tell the proxy the optimizer step, which it stamps into the next adapter version it publishes."""
+        try:
+            requests.post(self.url + "/proxy/trainer_state", json={"step": step}, timeout=5)
+        except requests.RequestException as error:
+            log.warning("could not tell the proxy the step: %s", error)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class ReplicasLost(RuntimeError):
+    """Raised in the training thread when no replica has answered for too long."""
+
+
+class ReplicaWatchdog:
+    """Interrupts training when the proxy has had no healthy replica for `timeout` seconds.
+
+    TRL retries a failing generation for ~20 minutes before its rollout worker dies, and meanwhile the trainer just
+    waits; a run whose replicas are all gone should fail within a bounded, configurable time instead. The watchdog
+    raises `ReplicasLost` in the main thread through a signal, the one way to interrupt a thread blocked in a queue.
+    """
+
+    def __init__(self, proxy: ProxyProcess, timeout: float, interval: float = 5.0):
+        self.proxy, self.timeout, self.interval = proxy, timeout, interval
+        self.reason: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="replica-watchdog", daemon=True)
+
+    def start(self) -> ReplicaWatchdog:
+        signal.signal(signal.SIGUSR1, self._raise)
+        self._thread.start()
+        return self
+
+    def _raise(self, _signum, _frame):
+        raise ReplicasLost(self.reason or "every replica is gone")
+
+    def _run(self) -> None:
+        unhealthy_since: float | None = None
+        while not self._stop.wait(self.interval):
+            if self.proxy.healthy():
+                unhealthy_since = None
+                continue
+            unhealthy_since = unhealthy_since or time.monotonic()
+            if time.monotonic() - unhealthy_since >= self.timeout:
+                self.reason = (
+                    f"no replica has answered for {self.timeout:.0f}s; the run cannot generate rollouts. "
+                    "Check the replica jobs (they may have been stopped, preempted or crashed) and relaunch"
+                )
+                log.error(self.reason)
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+                return
+
+    def stop(self) -> None:
+        self._stop.set()

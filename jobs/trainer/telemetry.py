@@ -1,0 +1,190 @@
+"""What the trainer tells the panel: every logged metric, every consumed rollout sample, events and its status.
+
+Metrics come from TRL's `on_log` (all of its names: reward, rewards/*, ratio, kl, perf/*, sample/*, rollout/*,
+batch/*). Samples come from a thin wrapper around TRL's rollout queue (TRL 1.16 writes no completions table): it sees
+every sample the trainer pulls, including those then dropped as stale. Each record carries the trainer `attempt`, so
+after a resume the panel can drop what the lost attempt logged past the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from jobs.runtime import write_status
+from jobs.store import ObjectStore, StoreError
+from jobs.telemetry import ChunkWriter
+from jobs.trainer.rewards import completion_text
+
+MAX_TEXT_CHARS = 20_000  # a sample's prompt or completion beyond this is cut (the panel shows text, not novels)
+STATUS_EVERY_S = 5.0
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _text(messages: Any) -> str:
+    if isinstance(messages, list):
+        return "\n".join(f"{m.get('role', '')}: {m.get('content') or ''}" for m in messages)[:MAX_TEXT_CHARS]
+    return str(messages)[:MAX_TEXT_CHARS]
+
+
+class TrainerTelemetry:
+    """Owns the trainer's telemetry streams and its status file."""
+
+    def __init__(self, store: ObjectStore, run_id: str, attempt: int, max_steps: int, interval: float = 3.0):
+        self.store, self.run_id, self.attempt, self.max_steps = store, run_id, attempt, max_steps
+        self.metrics = ChunkWriter(store, run_id, "metrics", interval).start()
+        self.samples = ChunkWriter(store, run_id, "samples", interval).start()
+        self.events = ChunkWriter(store, run_id, "events", interval).start()
+        self.phase = "starting"
+        self.step = 0
+        self.last_error: str | None = None
+        self.details: dict[str, Any] = {}
+        self._status_at = 0.0
+        self._lock = threading.Lock()
+
+    def event(self, kind: str, message: str, level: str = "info", **fields: Any) -> None:
+        self.events.add(
+            {"time": time.time(), "attempt": self.attempt, "kind": kind, "level": level, "message": message, **fields}
+        )
+
+    def status(self, phase: str | None = None, force: bool = True, **details: Any) -> None:
+        """Write status/trainer.json (throttled unless `force`). Never raises: status is best-effort."""
+        with self._lock:
+            if phase is not None:
+                self.phase = phase
+            self.details.update(details)
+            now = time.time()
+            if not force and now - self._status_at < STATUS_EVERY_S:
+                return
+            self._status_at = now
+            payload = {
+                "phase": self.phase,
+                "step": self.step,
+                "max_steps": self.max_steps,
+                "attempt": self.attempt,
+                "last_error": self.last_error,
+                **self.details,
+            }
+        try:
+            write_status(self.store, self.run_id, "trainer", payload)
+        except StoreError:
+            pass
+
+    def fail(self, message: str) -> None:
+        self.last_error = message
+        self.event("error", message, level="error")
+        self.status("failed")
+
+    def close(self) -> None:
+        for writer in (self.metrics, self.samples, self.events):
+            writer.close()
+
+
+class TelemetryCallback(TrainerCallback):
+    """Forwards every log line to the metrics stream and keeps the status file's step current."""
+
+    def __init__(self, telemetry: TrainerTelemetry):
+        self.telemetry = telemetry
+
+    def on_log(self, _args, state, _control, logs=None, **_kwargs):
+        if logs:
+            record = {"step": state.global_step, "time": time.time(), "attempt": self.telemetry.attempt}
+            record.update({key: _finite(value) for key, value in logs.items() if isinstance(value, int | float)})
+            self.telemetry.metrics.add(record)
+
+    def on_step_end(self, _args, state, _control, **_kwargs):
+        self.telemetry.step = state.global_step
+        self.telemetry.status("training", force=False)
+
+
+class RecordingQueue:
+    """Stands in for TRL's rollout queue: forwards `get` and `qsize`, and records each sample it hands out."""
+
+    def __init__(self, queue, telemetry: TrainerTelemetry, trainer, max_staleness: int):
+        self.queue, self.telemetry, self.trainer, self.max_staleness = queue, telemetry, trainer, max_staleness
+
+    def qsize(self) -> int:
+        return self.queue.qsize()
+
+    def get(self, *args, **kwargs):
+        sample = self.queue.get(*args, **kwargs)
+        try:
+            self._record(sample)
+        except Exception:  # recording must never break training
+            pass
+        return sample
+
+    def __getattr__(self, name: str):
+        return getattr(self.queue, name)
+
+    def _record(self, sample) -> None:
+        version = int(self.trainer.model_version)
+        staleness = version - int(sample.model_version)
+        metrics = dict(sample.metrics or {})
+        self.telemetry.samples.add(
+            {
+                "step": int(self.trainer.state.global_step) + 1,  # the step this sample is pulled for
+                "time": time.time(),
+                "attempt": self.telemetry.attempt,
+                "policy_version": int(sample.model_version),
+                "staleness": staleness,
+                "dropped": staleness > self.max_staleness,
+                "group_id": int(sample.group_id),
+                "prompt": _text(sample.prompt),
+                "completion": completion_text(sample.completion)[:MAX_TEXT_CHARS],
+                "reward": _finite(metrics.get("reward")),
+                "rewards": {k[len("rewards/") :]: _finite(v) for k, v in metrics.items() if k.startswith("rewards/")},
+                "advantage": _finite(float(sample.advantage)),
+            }
+        )
+
+
+class RewardErrorForwarder:
+    """Tails the JSONL file where rewards (in TRL's rollout child) report failures, and forwards them as events."""
+
+    def __init__(self, path: str | os.PathLike, telemetry: TrainerTelemetry, interval: float = 2.0):
+        self.path, self.telemetry, self.interval = Path(path), telemetry, interval
+        self._offset = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reward-errors", daemon=True)
+
+    def start(self) -> RewardErrorForwarder:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as handle:
+            handle.seek(self._offset)
+            lines = handle.readlines()
+            self._offset = handle.tell()
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            message = f"reward {record.get('reward')} failed: {record.get('error')}"
+            self.telemetry.event("reward_error", message, level="warning", row=record.get("row"))
+            self.telemetry.last_error = message
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll()

@@ -1,0 +1,180 @@
+"""Built-in rewards on real examples, user code, weights, and failures reported with the reward's name and row."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+
+from jobs.contract import BUILTIN_REWARDS, RewardSpec
+from jobs.trainer.rewards import (
+    MAX_CONSECUTIVE_FAILED_CALLS,
+    CheckedReward,
+    DigitFraction,
+    FormatTags,
+    LengthTarget,
+    MathBoxed,
+    RegexMatch,
+    RewardError,
+    build_rewards,
+    last_boxed,
+    normalize_answer,
+)
+
+EOS = 2
+
+
+def assistant(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def test_last_boxed_is_brace_balanced_and_takes_the_last():
+    assert last_boxed(r"first \boxed{1} then \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert last_boxed(r"\boxed{a{b}c}") == "a{b}c"
+    assert last_boxed("no box here") is None
+    assert last_boxed(r"\boxed{unclosed") is None
+
+
+@pytest.mark.parametrize(
+    ("predicted", "gold"),
+    [
+        (r"\dfrac{1}{2}", r"\frac{1}{2}"),
+        (r"\frac12", r"\frac{1}{2}"),
+        (r"\left(1,2\right)", "(1,2)"),
+        ("1,000", "1000"),
+        ("5.0", "5"),
+        (r"90^\circ", "90"),
+        (r"\$42", "42"),
+        (r"\text{ 7 }", "7"),
+        ("x = 3.", "x=3"),
+    ],
+)
+def test_normalisation_makes_equivalent_answers_equal(predicted, gold):
+    assert normalize_answer(predicted) == normalize_answer(gold)
+
+
+def test_math_boxed_scores_the_last_box_and_zeroes_truncated_completions():
+    reward = MathBoxed(eos_token_ids=[EOS])
+    completions = [
+        assistant(r"so the answer is \boxed{\dfrac{1}{2}}"),
+        assistant(r"\boxed{3} no wait \boxed{4}"),
+        assistant(r"\boxed{\frac{1}{2}}"),  # right answer but truncated (no EOS)
+        assistant("I don't know"),
+    ]
+    ids = [[5, 6, EOS], [5, EOS], [5, 6, 7], [5, EOS]]
+    gold = [r"\frac{1}{2}", "3", r"\frac{1}{2}", "1"]
+    assert reward(completions=completions, completion_ids=ids, answer=gold) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_math_boxed_reads_a_boxed_gold_answer():
+    reward = MathBoxed()
+    assert reward(completions=[assistant(r"\boxed{12}")], answer=[r"The answer is $\boxed{12}$."]) == [1.0]
+
+
+def test_format_counts_tags_in_order():
+    reward = FormatTags(["<think>", "</think>", "<answer>", "</answer>"])
+    scores = reward(
+        completions=[
+            assistant("<think>x</think><answer>1</answer>"),
+            assistant("<answer>1</answer><think>"),
+            assistant("nothing"),
+        ]
+    )
+    assert scores == [1.0, 0.25, 0.0]
+
+
+def test_length_peaks_at_the_target():
+    reward = LengthTarget(target=4)
+    assert reward(completions=[None] * 4, completion_ids=[[1] * 4, [1] * 2, [1] * 8, [1] * 12]) == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_regex_matches_anywhere_and_pickles():
+    reward = pickle.loads(pickle.dumps(RegexMatch(r"\d{3}")))
+    assert reward(completions=[assistant("code 123 here"), assistant("12")]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match="does not compile"):
+        RegexMatch("(unclosed")
+
+
+def test_digit_fraction_counts_digit_tokens():
+    reward = DigitFraction()
+    scores = reward(completions=[assistant("12 apples"), assistant("none")], completion_ids=[[1, 2, 3, 4], [1, 2]])
+    assert scores == [0.5, 0.0]
+
+
+def test_every_builtin_in_the_contract_builds():
+    params = {"regex": {"pattern": "x"}, "format": {"tags": ["<a>"]}, "length": {"target": 5}}
+    specs = [RewardSpec(name=name, params=params.get(name, {})) for name in BUILTIN_REWARDS]
+    rewards = build_rewards(specs, [EOS])
+    assert [r.__name__ for r in rewards] == list(BUILTIN_REWARDS)
+    pickle.dumps(rewards)  # TRL ships them to a spawned child
+
+
+SOURCE = """
+def score(completions, answer, **kwargs):
+    return [1.0 if a in c[0]["content"] else 0.0 for c, a in zip(completions, answer)]
+"""
+
+
+def test_user_code_runs_is_weighted_and_pickles():
+    spec = RewardSpec(kind="code", name="contains", source=SOURCE, entry_point="score", weight=2.0)
+    (reward,) = build_rewards([spec])
+    reward = pickle.loads(pickle.dumps(reward))
+    assert reward.__name__ == "contains"
+    assert reward(completions=[assistant("x 7"), assistant("x")], answer=["7", "7"]) == [2.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("source", "fragment"),
+    [
+        ("def score(:\n  pass", "syntax error on line 1"),
+        ("raise RuntimeError('at import')", "failed when loaded"),
+        ("x = 1", "no function named 'score'"),
+    ],
+)
+def test_user_code_problems_name_the_reward(source, fragment):
+    spec = RewardSpec(kind="code", name="mine", source=source, entry_point="score")
+    with pytest.raises(ValueError, match=fragment) as raised:
+        build_rewards([spec])
+    assert "reward mine" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("returns", "fragment"),
+    [
+        ("[1.0]", "returned 1 scores for 2 completions"),
+        ("[1.0, 'high']", "row 1: returned str"),
+        ("[float('nan'), 1.0]", "row 0: returned nan"),
+        ("0.5", "returned float, expected a list"),
+        ("[1/0, 1]", "ZeroDivisionError"),
+    ],
+)
+def test_bad_returns_are_reported_with_name_and_row_without_killing(tmp_path, returns, fragment):
+    log = tmp_path / "errors.jsonl"
+    source = f"def score(completions, **kw):\n    return {returns}\n"
+    (reward,) = build_rewards([RewardSpec(kind="code", name="bad", source=source, entry_point="score")], error_log=log)
+    assert reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"]) == [None, None]
+    record = json.loads(log.read_text().splitlines()[-1])
+    assert record["reward"] == "bad" and fragment in record["error"]
+    assert "completion" in record["row"] and "answer" in record["row"]
+
+
+def test_a_reward_that_always_fails_stops_the_run_after_a_while(tmp_path):
+    def broken(completions, **kw):
+        raise KeyError("answer")
+
+    reward = CheckedReward(broken, "broken", error_log=str(tmp_path / "e.jsonl"))
+    for _ in range(MAX_CONSECUTIVE_FAILED_CALLS - 1):
+        assert reward(completions=[assistant("a")]) == [None]
+    with pytest.raises(RewardError, match="broken failed on"):
+        reward(completions=[assistant("a")])
+
+
+def test_returning_none_on_purpose_is_not_a_failure(tmp_path):
+    def unsure(completions, **kw):
+        return [None] * len(completions)
+
+    reward = CheckedReward(unsure, "unsure", error_log=str(tmp_path / "e.jsonl"))
+    for _ in range(MAX_CONSECUTIVE_FAILED_CALLS + 5):
+        assert reward(completions=[assistant("a")]) == [None]
+    assert not (tmp_path / "e.jsonl").exists()

@@ -1,0 +1,203 @@
+"""Trainer pieces that do not need a running system: CPU attention, spec→config, datasets, telemetry chunks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from jobs.contract import DatasetSpec, layout, parse_spec
+from jobs.telemetry import ChunkWriter, decode_jsonl, next_sequence
+from jobs.trainer import cpu_compat
+from jobs.trainer.config import grpo_config, lora_config
+from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows, to_messages
+
+
+def reference_attention(q, k, v, scale):
+    """Plain causal attention over one sequence, heads repeated for GQA: the ground truth."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    q_len, k_len = q.shape[0], k.shape[0]
+    mask = torch.arange(k_len)[None, :] <= (torch.arange(q_len)[:, None] + k_len - q_len)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_cpu_varlen_attention_matches_per_segment_causal_attention():
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    q_lens, k_lens = [3, 5, 2], [3, 7, 6]  # segments 2 and 3 attend to a longer path (tree packing)
+    q = torch.randn(sum(q_lens), heads, dim)
+    k = torch.randn(sum(k_lens), kv_heads, dim)
+    v = torch.randn(sum(k_lens), kv_heads, dim)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(k_lens).cumsum(0).tolist()], dtype=torch.int32)
+    out = cpu_compat.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), softmax_scale=0.3, causal=True)
+    for i in range(len(q_lens)):
+        qs, ks = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        expected = reference_attention(q[qs], k[ks], v[ks], 0.3)
+        torch.testing.assert_close(out[qs], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_patches_replace_the_three_names_and_refuse_a_moved_one(monkeypatch):
+    assert cpu_compat.apply_cpu_patches(force=True)
+    from trl.experimental.async_grpo import async_grpo_trainer, async_rollout_worker, packing
+
+    assert async_rollout_worker.is_vllm_available() is True
+    assert async_grpo_trainer.get_peak_flops_per_device(None, "float32") is None
+    assert packing._flash_attn().flash_attn_varlen_func is cpu_compat.varlen_attention
+    monkeypatch.delattr(packing, "_flash_attn")
+    with pytest.raises(cpu_compat.IncompatibleTRL, match="trl==1.16.0"):
+        cpu_compat.apply_cpu_patches(force=True)
+
+
+def test_every_grpo_field_reaches_the_trl_config(tmp_path):
+    spec = parse_spec(
+        {
+            "run_id": "mapping",
+            "grpo": {
+                "num_generations": 4,
+                "completions_per_step": 256,
+                "max_completion_length": 100,
+                "temperature": 0.7,
+                "top_p": 0.9,
+                "top_k": 20,
+                "learning_rate": 1e-4,
+                "adam_beta2": 0.99,
+                "epsilon": 0.3,
+                "max_steps": 7,
+                "max_staleness": 2,
+                "weight_sync_steps": 3,
+                "max_inflight": 96,
+                "queue_size": 300,
+                "token_budget": 0,
+                "gradient_checkpointing": False,
+                "save_steps": 5,
+                "seed": 9,
+            },
+            "lora": {"rank": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"], "dropout": 0.05},
+        }
+    )
+    config = grpo_config(spec, str(tmp_path), "http://127.0.0.1:9999", cuda=False)
+    assert (config.num_generations, config.max_completion_length, config.temperature) == (4, 100, 0.7)
+    assert (config.top_p, config.top_k, config.learning_rate, config.adam_beta2) == (0.9, 20, 1e-4, 0.99)
+    assert (config.epsilon, config.max_steps, config.max_staleness, config.weight_sync_steps) == (0.3, 7, 2, 3)
+    assert (config.max_inflight_tasks, config.queue_maxsize, config.token_budget) == (96, 300, 0)
+    assert (config.gradient_checkpointing, config.save_steps, config.seed) == (False, 5, 9)
+    assert config.per_device_train_batch_size * config.gradient_accumulation_steps == 256
+    assert config.vllm_server_base_url == "http://127.0.0.1:9999"
+    assert config.use_cpu and not config.bf16 and config.dtype == "float32"
+    assert config.lr_scheduler_type == "constant" and config.logging_steps == 1
+    lora = lora_config(spec)
+    assert (lora.r, lora.lora_alpha, set(lora.target_modules), lora.lora_dropout) == (
+        16,
+        32,
+        {"q_proj", "v_proj"},
+        0.05,
+    )
+
+
+def test_builtin_dataset_becomes_chat_prompts_with_system_prompt():
+    spec = DatasetSpec(
+        source="builtin",
+        id="digits",
+        prompt_column="prompt",
+        answer_column="answer",
+        system_prompt="Answer with digits.",
+    )
+    dataset = build_prompts(spec, load_rows(spec))
+    assert len(dataset) == 32
+    first = dataset[0]
+    assert first["prompt"][0] == {"role": "system", "content": "Answer with digits."}
+    assert first["prompt"][1]["role"] == "user" and first["answer"] == ""
+
+
+def test_store_dataset_with_renamed_columns(store):
+    rows = [{"question": f"What is {i}+{i}?", "solution": str(2 * i), "difficulty": i} for i in range(5)]
+    store.put_bytes("datasets/add.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    spec = DatasetSpec(source="store", id="datasets/add.jsonl", prompt_column="question", answer_column="solution")
+    dataset = build_prompts(spec, load_rows(spec, store, limit=3))
+    assert len(dataset) == 3
+    assert dataset[2]["answer"] == "4" and dataset[2]["difficulty"] == 2
+    assert dataset[2]["prompt"] == [{"role": "user", "content": "What is 2+2?"}]
+
+
+def test_dataset_errors_name_the_field_and_the_columns(store):
+    store.put_bytes("datasets/x.csv", b"q,a\nhi,1\n")
+    spec = DatasetSpec(source="store", id="datasets/x.csv", prompt_column="question", answer_column="a")
+    with pytest.raises(DatasetError, match=r"dataset.prompt_column: column 'question' .* columns are q, a"):
+        check_columns(load_rows(spec, store), spec)
+    missing = DatasetSpec(source="store", id="datasets/missing.jsonl")
+    with pytest.raises(DatasetError, match="not in"):
+        load_rows(missing, store)
+    store.put_bytes("datasets/empty.jsonl", b"")
+    with pytest.raises(DatasetError):
+        load_rows(DatasetSpec(source="store", id="datasets/empty.jsonl"), store)
+    with pytest.raises(DatasetError, match="string or a list"):
+        to_messages(42, None)
+
+
+def test_overlong_prompts_are_dropped_and_all_dropped_is_an_error():
+    class CharTokenizer:
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return {"input_ids": list("".join(m["content"] for m in messages))}
+
+    spec = DatasetSpec(source="builtin", id="digits", answer_column="answer")
+    kept = build_prompts(spec, load_rows(spec), CharTokenizer(), max_prompt_tokens=19)
+    assert 0 < len(kept) < 32
+    assert all(len(row["prompt"][0]["content"]) <= 19 for row in kept)
+    with pytest.raises(DatasetError, match="every prompt is longer"):
+        build_prompts(spec, load_rows(spec), CharTokenizer(), max_prompt_tokens=3)
+
+
+def test_chunk_writer_numbers_chunks_and_continues_after_a_restart(store):
+    writer = ChunkWriter(store, "run-t", "metrics", interval=60)
+    writer.add({"step": 1})
+    writer.add({"step": 2})
+    assert writer.flush()
+    assert writer.flush()  # nothing buffered: no empty chunk
+    writer.add({"step": 3})
+    writer.close()
+    keys = [info.key for info in store.list(layout.telemetry_prefix("run-t", "metrics"))]
+    assert keys == [layout.telemetry_key("run-t", "metrics", 0), layout.telemetry_key("run-t", "metrics", 1)]
+    assert decode_jsonl(store.get_bytes(keys[0])) == [{"step": 1}, {"step": 2}]
+    assert next_sequence(store, "run-t", "metrics") == 2
+    again = ChunkWriter(store, "run-t", "metrics")
+    assert again.seq == 2
+
+
+def test_chunk_writer_keeps_records_when_the_store_fails(moto_server):
+    from jobs.contract import parse_storage_uri
+    from jobs.retry import RetryPolicy
+    from jobs.store import S3Store
+    from tests.support.faulty_proxy import FaultyProxy
+
+    proxy = FaultyProxy(moto_server.url).start()
+    try:
+        bucket = moto_server.create_bucket()
+        store = S3Store(
+            parse_storage_uri(f"s3://{bucket}", endpoint=proxy.url),
+            moto_server.credentials,
+            retry=RetryPolicy(2, 0.01, 0.02),
+        )
+        writer = ChunkWriter(store, "run-f", "samples", interval=60)
+        writer.add({"n": 1})
+        proxy.inject("status", count=10, status=503)
+        assert not writer.flush()
+        proxy.clear()
+        writer.add({"n": 2})
+        assert writer.flush()
+        (key,) = [info.key for info in store.list(layout.telemetry_prefix("run-f", "samples"))]
+        assert decode_jsonl(store.get_bytes(key)) == [{"n": 1}, {"n": 2}]
+    finally:
+        proxy.stop()
+
+
+def test_demo_preset_is_valid_and_overridable(tmp_path):
+    from jobs.demo.preset import demo_spec
+
+    spec = demo_spec("demo-x", f"file://{tmp_path}", grpo={"max_steps": 5})
+    assert spec.model.id == "builtin:tiny-qwen2" and spec.rewards[0].name == "digit_frac"
+    assert spec.grpo.max_steps == 5 and spec.grpo.learning_rate == 2e-2
