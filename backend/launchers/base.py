@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -74,8 +73,8 @@ class LaunchError(RuntimeError):
         self.role, self.log_tail = role, log_tail
 
 
-def job_command(spec: RunSpec, role: str, port: int = REPLICA_PORT, host: str = "0.0.0.0") -> list[str]:
-    """The command a job runs, as an argument list (no shell): the same on every backend."""
+def job_module_args(spec: RunSpec, role: str, port: int = REPLICA_PORT, host: str = "0.0.0.0") -> list[str]:
+    """What a job runs, as `python -m <these>`: the same on every backend (each adds how Python is invoked)."""
     uri = spec_uri(spec.storage, spec.run_id)
     store_args: list[str] = []
     if spec.storage.endpoint:
@@ -83,24 +82,10 @@ def job_command(spec: RunSpec, role: str, port: int = REPLICA_PORT, host: str = 
     if spec.storage.region:
         store_args += ["--store-region", spec.storage.region]
     if role == "trainer":
-        return [sys.executable, "-m", "jobs.trainer", "--spec", uri, *store_args]
+        return ["jobs.trainer", "--spec", uri, *store_args]
     index = role.removeprefix("replica-")
-    return [
-        sys.executable,
-        "-m",
-        "jobs.replica",
-        "--spec",
-        uri,
-        "--index",
-        index,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--engine",
-        spec.compute.engine,
-        *store_args,
-    ]
+    return ["jobs.replica", "--spec", uri, "--index", index, "--host", host, "--port", str(port),
+            "--engine", spec.compute.engine, *store_args]
 
 
 class Launcher(ABC):

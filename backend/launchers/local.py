@@ -12,12 +12,13 @@ import os
 import shlex
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from secrets import token_hex
 
 from backend.db import PROJECT_ROOT
-from backend.launchers.base import JobHandle, JobState, Launcher, RunSecrets, job_command, job_env
+from backend.launchers.base import JobHandle, JobState, Launcher, RunSecrets, job_env, job_module_args
 from jobs.contract import RunSpec, timeout_seconds
 from jobs.contract.control import JobRef, JobsRecord
 from jobs.processes import group_alive, terminate_group
@@ -64,7 +65,7 @@ class LocalLauncher(Launcher):
 
     def start_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobHandle:
         port = free_port() if role != "trainer" else None
-        command = job_command(spec, role, port=port or 0, host="127.0.0.1")
+        command = [sys.executable, "-m", *job_module_args(spec, role, port=port or 0, host="127.0.0.1")]
         if role == "trainer":
             command += ["--proxy-port", str(free_port())]
         env = {name: os.environ[name] for name in _INHERITED_ENV if name in os.environ}

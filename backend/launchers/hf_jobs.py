@@ -1,0 +1,232 @@
+"""Hugging Face Jobs: replicas and the trainer as Jobs, through `huggingface_hub`'s HfApi.
+
+- Images are pinned (the spec's, default `vllm/vllm-openai:v0.27.1` for both); flavors, replica count and timeout
+  come from the spec; the namespace is always passed explicitly (no rate-limited whoami on every call).
+- The HF token, the bucket keys and the code bundle's presigned URL travel as **Job secrets** only; the command and
+  the environment carry nothing secret (tests check every submitted job spec).
+- Our code reaches the job through the store: a content-addressed bundle of `jobs/`, fetched by a short stdlib-only
+  bootstrap (jobs/bootstrap.py).
+- Replicas expose port 8000; their URLs come from the job's `expose_urls`. The platform checks the bearer (the HF
+  token) in front of every exposed port, so the proxy sends the HF token upstream.
+- Submissions are idempotent: each carries a unique label, and a submission whose answer was lost (5xx, timeout) is
+  looked up by that label before it is retried, so a flaky Hub never starts a job twice. 5xx and 429 are retried with
+  backoff (honouring Retry-After); 401 is reported as a rejected token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from secrets import token_hex
+from typing import TypeVar
+
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HfHubHTTPError
+
+from backend.bundle import bootstrap_source, upload_bundle
+from backend.launchers.base import (
+    REPLICA_PORT,
+    JobHandle,
+    JobState,
+    Launcher,
+    LaunchError,
+    RunSecrets,
+    job_env,
+    job_module_args,
+)
+from jobs.contract import RunSpec
+from jobs.retry import RetryPolicy
+from jobs.store import ObjectStore, S3Store
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+LABEL_RUN, LABEL_ROLE, LABEL_SUBMISSION = "grpo-run", "grpo-role", "grpo-submission"
+_STAGES = {
+    "SCHEDULING": "scheduling",
+    "RUNNING": "running",
+    "COMPLETED": "completed",
+    "ERROR": "error",
+    "CANCELED": "canceled",
+    "DELETED": "canceled",
+}
+# Non-secret environment of every job.
+_JOB_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
+
+
+class HubTokenRejected(LaunchError):
+    pass
+
+
+class UnknownFlavor(LaunchError):
+    pass
+
+
+def _status(error: BaseException) -> int | None:
+    response = getattr(error, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def _retry_after(error: BaseException) -> float | None:
+    response = getattr(error, "response", None)
+    value = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+class HfJobsLauncher(Launcher):
+    backend = "hf_jobs"
+    health_deadline = 900.0  # a cold vLLM image pull and model load take minutes
+    poll_interval = 5.0
+
+    def __init__(self, token: str, endpoint: str | None = None, retry: RetryPolicy = RetryPolicy(6, 1.0, 30.0)):
+        self.api = HfApi(token=token, endpoint=endpoint)
+        self.retry = retry
+        self._hardware: dict[str, float] | None = None
+        self._namespaces: dict[str, str] = {}  # job id -> namespace
+
+    # --- calling the Hub -----------------------------------------------------------------------------------------
+
+    def _call(self, fn: Callable[[], T], what: str) -> T:
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                return fn()
+            except HfHubHTTPError as error:
+                status = _status(error)
+                if status == 401:
+                    raise HubTokenRejected(
+                        f"the Hub rejected the token while trying to {what}; check that it is valid and may run Jobs "
+                        "in this namespace (a fine-grained token needs the 'jobs' permission)"
+                    ) from None
+                if status not in (429, 500, 502, 503, 504) or attempt == self.retry.attempts:
+                    raise LaunchError(f"the Hub refused to {what} (HTTP {status}): {str(error)[:300]}") from None
+                delay = _retry_after(error) or self.retry.delay(attempt)
+            except OSError as error:  # connection reset, timeout
+                if attempt == self.retry.attempts:
+                    raise LaunchError(f"could not reach the Hub to {what}: {error}") from None
+                delay = self.retry.delay(attempt)
+            log.warning("the Hub failed to %s; retry %d/%d in %.1fs", what, attempt, self.retry.attempts - 1, delay)
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # --- prices ----------------------------------------------------------------------------------------------------
+
+    def prices_per_hour(self) -> dict[str, float]:
+        """$/hour of every flavor the Hub offers (unit prices are per minute)."""
+        if self._hardware is None:
+            hardware = self._call(self.api.list_jobs_hardware, "list the hardware")
+            self._hardware = {
+                item.name: float(item.unit_cost_usd) * (60 if item.unit_label == "minute" else 1) for item in hardware
+            }
+        return self._hardware
+
+    def price_per_hour(self, flavor: str) -> float | None:
+        return self.prices_per_hour().get(flavor)
+
+    def check_flavors(self, spec: RunSpec) -> None:
+        prices = self.prices_per_hour()
+        for field, flavor in (
+            ("trainer_flavor", spec.compute.trainer_flavor),
+            ("replica_flavor", spec.compute.replica_flavor),
+        ):
+            if flavor not in prices:
+                raise UnknownFlavor(
+                    f"compute.{field}: the Hub has no flavor {flavor!r}; choose one of {', '.join(sorted(prices))}"
+                )
+
+    # --- the launcher interface ------------------------------------------------------------------------------------
+
+    def launch(self, spec: RunSpec, run_secrets: RunSecrets, store: ObjectStore, on_started=lambda job: None):
+        self.check_flavors(spec)
+        if not isinstance(store, S3Store):
+            raise LaunchError("storage.uri: HF Jobs cannot reach a local folder; use an hf:// or s3:// bucket")
+        if not run_secrets.hf_token:
+            raise LaunchError("an HF token is required to run HF Jobs; add one in the credentials form")
+        digest, key = upload_bundle(store, spec.run_id)
+        self._bundle = (digest, store.presigned_get(key))
+        return super().launch(spec, run_secrets, store, on_started)
+
+    def start_job(self, spec: RunSpec, role: str, run_secrets: RunSecrets) -> JobHandle:
+        digest, url = self._bundle
+        command = ["python3", "-c", bootstrap_source(), digest, *job_module_args(spec, role)]
+        job_secrets = {**job_env(role, run_secrets, on_hf_jobs=True), "GRPO_BUNDLE_URL": url}
+        submission = token_hex(8)
+        labels = {LABEL_RUN: spec.run_id, LABEL_ROLE: role, LABEL_SUBMISSION: submission}
+        replica = role != "trainer"
+        namespace = spec.compute.namespace
+
+        def submit():
+            existing = self._find(namespace, submission)
+            if existing is not None:  # an earlier try was accepted but its answer was lost
+                return existing
+            return self.api.run_job(
+                image=spec.compute.trainer_image if role == "trainer" else spec.compute.replica_image,
+                command=command,
+                env=dict(_JOB_ENV),
+                secrets=job_secrets,
+                flavor=spec.compute.replica_flavor if replica else spec.compute.trainer_flavor,
+                timeout=spec.compute.timeout,
+                labels=labels,
+                expose=[REPLICA_PORT] if replica else None,
+                namespace=namespace,
+            )
+
+        info = self._call(submit, f"start the {role} job")
+        self._namespaces[info.id] = namespace
+        return JobHandle(
+            run_id=spec.run_id,
+            role=role,
+            job_id=info.id,
+            backend=self.backend,
+            url=info.url,
+            endpoint=(info.status.expose_urls or [None])[0] if info.status else None,
+        )
+
+    def _find(self, namespace: str, submission: str):
+        jobs = self._call(
+            lambda: self.api.list_jobs(labels={LABEL_SUBMISSION: submission}, namespace=namespace),
+            "look up a submitted job",
+        )
+        return jobs[0] if jobs else None
+
+    def _inspect(self, job: JobHandle):
+        return self._call(
+            lambda: self.api.inspect_job(job_id=job.job_id, namespace=self._namespace(job)),
+            f"inspect the {job.role} job",
+        )
+
+    def _namespace(self, job: JobHandle) -> str | None:
+        """The job's namespace: remembered from submission, or read from its page URL (…/jobs/<ns>/<id>)."""
+        if job.job_id in self._namespaces:
+            return self._namespaces[job.job_id]
+        return job.url.rstrip("/").split("/")[-2] if job.url else None
+
+    def state(self, job: JobHandle) -> JobState:
+        info = self._inspect(job)
+        stage = _STAGES.get(info.status.stage if info.status else "", "scheduling")
+        started = info.started_at.timestamp() if getattr(info, "started_at", None) else None
+        finished = info.finished_at.timestamp() if getattr(info, "finished_at", None) else None
+        return JobState(stage, (info.status.message or "") if info.status else "", started, finished)
+
+    def endpoint(self, job: JobHandle) -> str | None:
+        info = self._inspect(job)
+        urls = info.status.expose_urls if info.status else None
+        return urls[0] if urls else None
+
+    def logs(self, job: JobHandle, tail: int = 50) -> list[str]:
+        try:
+            return list(
+                self._call(
+                    lambda: list(self.api.fetch_job_logs(job_id=job.job_id, namespace=self._namespace(job), tail=tail)),
+                    f"read the {job.role} job's logs",
+                )
+            )[-tail:]
+        except LaunchError as error:
+            return [f"(logs unavailable: {error})"]
+
+    def cancel(self, job: JobHandle) -> None:
+        self._call(
+            lambda: self.api.cancel_job(job_id=job.job_id, namespace=self._namespace(job)), f"cancel the {job.role} job"
+        )
