@@ -27,16 +27,23 @@ class PanelContext:
     def spec(self, run: Run) -> RunSpec:
         return RunSpec.from_json(run.spec_json)
 
+    def fresh_store(self, run: Run) -> ObjectStore:
+        """The run's store, opened with the run's own bucket credentials (never the panel's environment)."""
+        credentials = (
+            self.vault.store_credentials(run.owner, run.store_credential_id)
+            if run.store_credential_id is not None
+            else None
+        )
+        spec = self.spec(run)
+        if credentials is None and spec.storage.uri.startswith(("s3://", "hf://")):
+            raise ValueError("this run's bucket has no credentials; add an access key and secret")
+        return open_store(spec.storage, credentials)
+
     def store_for(self, run: Run) -> ObjectStore:
-        """The run's store, opened with the run's own bucket credentials (cached per run)."""
+        """`fresh_store`, cached per run."""
         with self._lock:
             if run.id not in self._stores:
-                credentials = (
-                    self.vault.store_credentials(run.owner, run.store_credential_id)
-                    if run.store_credential_id is not None
-                    else None
-                )
-                self._stores[run.id] = open_store(self.spec(run).storage, credentials)
+                self._stores[run.id] = self.fresh_store(run)
             return self._stores[run.id]
 
     def secrets_for(self, run: Run) -> RunSecrets:

@@ -264,7 +264,7 @@ class RewardError(RuntimeError):
     """A reward failed on every row for too long; the run stops with this message."""
 
 
-class _BadRow(ValueError):
+class InvalidScore(ValueError):
     def __init__(self, index: int, message: str):
         super().__init__(f"row {index}: {message}")
         self.index = index
@@ -280,12 +280,18 @@ class CheckedReward:
         self.fn, self.__name__, self.weight, self.error_log = fn, name, float(weight), error_log
         self._failed_calls = 0
 
+    def score(self, completions, **kwargs) -> list[float | None]:
+        """Weighted scores, raising on any problem (the reward sandbox shows these errors as they are)."""
+        scores = self._validate(self.fn(completions=completions, **kwargs), len(completions))
+        return [None if score is None else score * self.weight for score in scores]
+
     def __call__(self, completions, **kwargs) -> list[float | None]:
+        """What TRL calls: like `score`, but a failure is reported and scores nothing instead of raising."""
         try:
-            scores = self._validate(self.fn(completions=completions, **kwargs), len(completions))
+            scores = self.score(completions, **kwargs)
             self._failed_calls = 0
+            return scores
         except Exception as error:
-            scores = [None] * len(completions)
             self._failed_calls += 1
             self._report(error, _row_preview(completions, kwargs, getattr(error, "index", 0)))
             if self._failed_calls >= MAX_CONSECUTIVE_FAILED_CALLS:
@@ -293,7 +299,7 @@ class CheckedReward:
                     f"reward {self.__name__} failed on {self._failed_calls} consecutive groups, last with "
                     f"{type(error).__name__}: {error}; fix the reward and relaunch"
                 ) from None
-        return [None if score is None else score * self.weight for score in scores]
+            return [None] * len(completions)
 
     @staticmethod
     def _validate(raw: Any, expected: int) -> list[float | None]:
@@ -306,9 +312,9 @@ class CheckedReward:
             if value is None:  # TRL's "cannot score this row" (e.g. an unparseable gold answer)
                 scores.append(None)
             elif isinstance(value, bool) or not isinstance(value, int | float):
-                raise _BadRow(index, f"returned {type(value).__name__} {str(value)[:40]!r}, expected a number")
+                raise InvalidScore(index, f"returned {type(value).__name__} {str(value)[:40]!r}, expected a number")
             elif not math.isfinite(value):
-                raise _BadRow(index, f"returned {value}, expected a finite number")
+                raise InvalidScore(index, f"returned {value}, expected a finite number")
             else:
                 scores.append(float(value))
         return scores

@@ -1,0 +1,179 @@
+"""Everything checked before a run is launched, so bad input costs nothing and every error names its field.
+
+Checks, in order: the spec itself; the bucket (a probe object written, read back and deleted with the given keys);
+the compute (token, namespace, flavors known to the Hub, the $/hour estimate); the model (present on the Hub or on
+disk); the dataset (a few rows load, the prompt and answer columns exist); the rewards (run on those rows in the
+sandbox). The result maps dotted field names to messages, which the launch form shows next to each field.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.context import PanelContext
+from backend.launchers.base import LaunchError
+from backend.models import Run
+from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_rewards
+from backend.services.costs import estimate_per_hour
+from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, parse_spec
+from jobs.store import StoreAccessError, StoreError
+from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
+
+log = logging.getLogger(__name__)
+SAMPLE_ROWS = 4
+
+
+@dataclass
+class Preflight:
+    spec: RunSpec | None = None
+    errors: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    preview: list[dict[str, Any]] = field(default_factory=list)
+    trials: list[RewardTrial] = field(default_factory=list)
+    cost_per_hour: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.spec is not None and not self.errors
+
+
+def run_preflight(
+    ctx: PanelContext,
+    owner: str,
+    data: dict[str, Any] | RunSpec,
+    store_credential_id: int | None = None,
+    hf_credential_id: int | None = None,
+    sample_rows: int = SAMPLE_ROWS,
+    sandbox: SandboxLimits = SandboxLimits(),
+) -> Preflight:
+    result = Preflight()
+    try:
+        spec = data if isinstance(data, RunSpec) else parse_spec(data)
+    except SpecError as error:
+        result.errors.update(error.errors)
+        return result
+    result.spec = spec
+    probe = Run(
+        id=spec.run_id,
+        owner=owner,
+        spec_json=spec.to_json(),
+        storage_uri=spec.storage.uri,
+        backend=spec.compute.backend,
+        created_at=0.0,
+        store_credential_id=store_credential_id,
+        hf_credential_id=hf_credential_id,
+    )
+    store = _check_store(ctx, probe, result)
+    _check_compute(ctx, probe, spec, result)
+    _check_model(ctx, probe, spec, result)
+    rows = _check_dataset(spec, store, result, sample_rows)
+    if rows:
+        _check_rewards(spec, rows, result, sandbox)
+    return result
+
+
+def _check_store(ctx: PanelContext, run: Run, result: Preflight):
+    spec = result.spec
+    if spec.storage.uri.startswith(("s3://", "hf://")) and run.store_credential_id is None:
+        result.errors["storage.credentials"] = "this bucket needs an access key and secret; add them as credentials"
+        return None
+    try:
+        store = ctx.fresh_store(run)
+        store.probe()
+        return store
+    except StoreAccessError as error:
+        message = str(error)
+        if "credentials" in message:
+            result.errors["storage.credentials"] = message
+        elif "unreachable" in message:
+            result.errors["storage.endpoint"] = message
+        else:
+            result.errors["storage.uri"] = message
+    except StoreError as error:
+        result.errors["storage.uri"] = f"the bucket did not answer reliably: {error}"
+    except Exception as error:  # a credential that cannot be decrypted, a folder that cannot be created, ...
+        result.errors["storage.credentials"] = str(error)
+    return None
+
+
+def _check_compute(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) -> None:
+    if spec.compute.backend == "local":
+        result.cost_per_hour = 0.0
+        cores = os.cpu_count() or 1
+        if spec.compute.replicas > max(2, cores):
+            result.warnings.append(f"{spec.compute.replicas} replicas on {cores} cores will be slow")
+        if spec.compute.engine == "vllm":
+            result.errors["compute.engine"] = "vLLM needs a GPU; use 'cpu' or 'auto' for local runs"
+        return
+    if run.hf_credential_id is None:
+        result.errors["compute.token"] = "HF Jobs need an HF token that may run Jobs; add it as a credential"
+        return
+    if not spec.storage.uri.startswith(("s3://", "hf://")):
+        result.errors["storage.uri"] = "HF Jobs cannot reach a local folder; use an hf:// or s3:// bucket"
+    try:
+        launcher = ctx.launcher_for(run)
+        launcher.check_flavors(spec)
+        result.cost_per_hour = estimate_per_hour(spec, launcher.prices_per_hour())
+    except LaunchError as error:
+        field_name = str(error).split(":", 1)[0] if str(error).startswith("compute.") else "compute.token"
+        result.errors[field_name] = str(error).split(": ", 1)[-1] if field_name != "compute.token" else str(error)
+    except ValueError as error:
+        result.errors["compute.token"] = str(error)
+
+
+def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) -> None:
+    model = spec.model.id
+    if model == DEMO_MODEL_ID:
+        return
+    if model.startswith("/"):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            result.errors["model.id"] = f"{model} holds no config.json; point at a folder saved with save_pretrained"
+        elif spec.compute.backend == "hf_jobs":
+            result.errors["model.id"] = "HF Jobs cannot see this machine's folders; use a Hub model id"
+        return
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    token = ctx.vault.hf_token(run.owner, run.hf_credential_id) if run.hf_credential_id is not None else None
+    try:
+        HfApi(token=token).model_info(model, revision=spec.model.revision, timeout=10)
+    except GatedRepoError:
+        result.errors["model.id"] = f"{model} is gated; accept its terms on the Hub and use a token that has access"
+    except RepositoryNotFoundError:
+        result.errors["model.id"] = f"{model} was not found on the Hub (or is private); check the id and the token"
+    except HfHubHTTPError as error:
+        result.errors["model.id"] = f"the Hub refused {model}: {str(error)[:200]}"
+    except Exception as error:  # offline: say so, the jobs may still reach the Hub
+        result.warnings.append(f"could not check {model} on the Hub ({type(error).__name__})")
+
+
+def _check_dataset(spec: RunSpec, store, result: Preflight, sample_rows: int) -> list[dict[str, Any]]:
+    if spec.dataset.source == "store" and store is None:
+        return []
+    try:
+        rows = load_rows(spec.dataset, store, limit=sample_rows)
+        check_columns(rows, spec.dataset)
+        prompts = build_prompts(spec.dataset, rows)
+    except DatasetError as error:
+        field_name, _, message = str(error).partition(": ")
+        result.errors[field_name if field_name.startswith("dataset") else "dataset.id"] = message or str(error)
+        return []
+    preview = [dict(row) for row in prompts]
+    result.preview = preview
+    return preview
+
+
+def _check_rewards(spec: RunSpec, rows: list[dict[str, Any]], result: Preflight, limits: SandboxLimits) -> None:
+    completions = [str(row.get("answer") or "") for row in rows]
+    try:
+        result.trials = run_rewards(spec.rewards, rows, completions, limits)
+    except SandboxError as error:
+        result.errors["rewards"] = str(error)
+        return
+    for index, trial in enumerate(result.trials):
+        if trial.error:
+            where = f" (row {trial.row})" if trial.row is not None else ""
+            result.errors[f"rewards.{index}"] = f"{trial.name}{where}: {trial.error}"

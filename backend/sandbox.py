@@ -1,0 +1,148 @@
+"""The reward sandbox: run reward functions on sample rows before anything is launched.
+
+User code runs in a separate Python process with:
+- no secrets (a minimal environment) and a scratch working directory;
+- a time limit (wall clock, enforced by killing it, and CPU time via RLIMIT_CPU);
+- a memory limit (RLIMIT_AS) and an output limit (RLIMIT_FSIZE on its stdout/stderr files: printing megabytes ends
+  the run with a clear message);
+- no network: an empty network namespace where the kernel allows one, and in any case an audit hook that refuses
+  sockets, subprocesses and signals before user code is imported.
+
+The result is per reward and per row: a score, or the error with the offending row.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from backend.db import PROJECT_ROOT
+from jobs.contract import RewardSpec
+
+RUNNER = Path(__file__).with_name("sandbox_runner.py")
+CLONE_NEWNET = 0x40000000
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    seconds: float = 10.0
+    memory_bytes: int = 1 << 30
+    output_bytes: int = 1 << 20
+
+
+@dataclass
+class RewardTrial:
+    """What one reward did on the sample rows: `scores` (one per row), or `error` (and the `row` it concerns)."""
+
+    name: str
+    scores: list[float | None] = field(default_factory=list)
+    error: str | None = None
+    row: int | None = None
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (timeout, memory, output limit) for every reward at once."""
+
+
+def _limit(limits: SandboxLimits):
+    def apply() -> None:
+        cpu = int(limits.seconds) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        try:  # an empty network namespace: nothing to connect to at all (needs privileges; the audit hook remains)
+            ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
+        except Exception:
+            pass
+
+    return apply
+
+
+def run_rewards(
+    rewards: list[RewardSpec],
+    rows: list[dict[str, Any]],
+    completions: list[str],
+    limits: SandboxLimits = SandboxLimits(),
+    eos_token_ids: list[int] | None = None,
+) -> list[RewardTrial]:
+    """Score `completions` (one per row) with each reward, in the sandbox."""
+    if len(rows) != len(completions):
+        raise ValueError("give one completion per row")
+    columns: dict[str, list[Any]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "prompt":
+                columns.setdefault(key, []).append(value if isinstance(value, str | int | float | bool) else str(value))
+    request = {
+        "rewards": [reward.model_dump() for reward in rewards],
+        "completions": completions,
+        "prompts": [row.get("prompt") for row in rows],
+        "completion_ids": [list(range(max(1, len(text.split())))) + (eos_token_ids or [])[:1] for text in completions],
+        "columns": {key: values for key, values in columns.items() if len(values) == len(rows)},
+        "eos_token_ids": eos_token_ids or [],
+    }
+    with tempfile.TemporaryDirectory(prefix="reward-sandbox-") as folder:
+        scratch = Path(folder)
+        (scratch / "request.json").write_text(json.dumps(request, default=str))
+        with open(scratch / "stdout", "wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-I", str(RUNNER), str(PROJECT_ROOT), "request.json", "result.json"],
+                cwd=scratch,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_limit(limits),
+                start_new_session=True,
+            )
+            try:
+                code = process.wait(timeout=limits.seconds + 5)  # start-up (imports) is not the reward's time
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                raise SandboxError(
+                    f"the rewards took longer than {limits.seconds:.0f}s on {len(rows)} rows and were stopped; "
+                    "make the reward faster (it runs for every group during training)"
+                ) from None
+        result_path = scratch / "result.json"
+        if code != 0 or not result_path.exists():
+            raise SandboxError(_explain_exit(code, scratch / "stdout", limits))
+        result = json.loads(result_path.read_text())
+    trials = []
+    for reward in rewards:
+        entry = result["rewards"].get(reward.name, {"error": "the reward did not run"})
+        error = _explain_error(entry.get("error"), limits)
+        trials.append(RewardTrial(reward.name, entry.get("scores") or [], error, entry.get("row")))
+    return trials
+
+
+def _explain_error(error: str | None, limits: SandboxLimits) -> str | None:
+    """Say what a limit hit means for the user, instead of the bare OS error."""
+    if error is None:
+        return None
+    if "File too large" in error:
+        return f"the reward printed more than {limits.output_bytes // 1024} kB; remove the prints from the reward"
+    if error.startswith("MemoryError"):
+        return f"the reward needed more than {limits.memory_bytes >> 20} MB of memory"
+    return error
+
+
+def _explain_exit(code: int, output: Path, limits: SandboxLimits) -> str:
+    tail = output.read_bytes()[-1500:].decode(errors="replace").strip()
+    if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or output.stat().st_size >= limits.output_bytes:
+        return f"the reward printed more than {limits.output_bytes // 1024} kB; remove the prints from the reward"
+    if code in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU):
+        return f"the rewards used more than {limits.seconds:.0f}s of CPU and were stopped"
+    if "MemoryError" in tail or code == -signal.SIGSEGV:
+        return f"the rewards needed more than {limits.memory_bytes >> 20} MB of memory"
+    return f"the reward sandbox failed (exit code {code}): {tail[-600:]}"

@@ -1,0 +1,69 @@
+"""Runs inside the reward sandbox (see backend/sandbox.py); not imported by the panel.
+
+    python -I sandbox_runner.py <project root> <request.json> <result.json>
+
+Before any user code runs, an audit hook refuses network access, subprocesses and signals to other processes; the
+hook cannot be removed from Python. The parent adds OS limits (CPU time, memory, file size) and, where the kernel
+allows, an empty network namespace.
+"""
+
+import json
+import sys
+
+_BLOCKED = {
+    "socket.connect": "open network connections",
+    "socket.bind": "open network sockets",
+    "socket.sendto": "send network packets",
+    "socket.getaddrinfo": "resolve host names",
+    "subprocess.Popen": "start processes",
+    "os.system": "run shell commands",
+    "os.exec": "run programs",
+    "os.posix_spawn": "start processes",
+    "os.spawn": "start processes",
+    "os.fork": "fork",
+    "os.forkpty": "fork",
+    "os.kill": "signal processes",
+    "os.killpg": "signal processes",
+}
+
+
+class SandboxViolation(RuntimeError):
+    pass
+
+
+def _guard(event, _args):
+    if event in _BLOCKED:
+        raise SandboxViolation(f"reward code may not {_BLOCKED[event]} ({event}) in the sandbox")
+
+
+def main(root, request_path, result_path):
+    sys.path.insert(0, root)
+    with open(request_path) as handle:
+        request = json.load(handle)
+    from jobs.contract import RewardSpec
+    from jobs.trainer.rewards import build_rewards
+
+    sys.addaudithook(_guard)
+    completions = [[{"role": "assistant", "content": text}] for text in request["completions"]]
+    columns = request["columns"]
+    result = {"rewards": {}}
+    for spec_data in request["rewards"]:
+        spec = RewardSpec.model_validate(spec_data)
+        try:
+            (reward,) = build_rewards([spec], request.get("eos_token_ids") or [])
+            scores = reward.score(
+                completions, prompts=request["prompts"], completion_ids=request["completion_ids"], **columns
+            )
+            result["rewards"][spec.name] = {"scores": scores}
+        except BaseException as error:  # SystemExit and KeyboardInterrupt from user code are errors too
+            entry = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            if getattr(error, "index", None) is not None:
+                entry["row"] = error.index
+            result["rewards"][spec.name] = entry
+    sys.stdout.flush()
+    with open(result_path, "w") as handle:
+        json.dump(result, handle)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,108 @@
+"""The reward sandbox: scores or clear errors, and no secrets, network, processes, runaway time, memory or output."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.sandbox import SandboxError, SandboxLimits, run_rewards
+from jobs.contract import RewardSpec
+
+ROWS = [
+    {"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"},
+    {"prompt": [{"role": "user", "content": "2+2?"}], "answer": "4"},
+]
+COMPLETIONS = [r"\boxed{2}", r"\boxed{5}"]
+
+
+def code(body: str, name: str = "mine") -> RewardSpec:
+    return RewardSpec(kind="code", name=name, source=body, entry_point="f")
+
+
+def trial(body: str, limits: SandboxLimits = SandboxLimits()):
+    (result,) = run_rewards([code(body)], ROWS, COMPLETIONS, limits)
+    return result
+
+
+def test_builtin_and_user_rewards_score_every_row():
+    user = code(
+        "def f(completions, answer, **kw):\n    return [float(a in c[0]['content']) "
+        "for c, a in zip(completions, answer)]\n"
+    )
+    boxed, mine = run_rewards([RewardSpec(name="math_boxed"), user], ROWS, COMPLETIONS)
+    assert boxed.scores == [1.0, 0.0] and boxed.error is None
+    assert mine.scores == [1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment", "row"),
+    [
+        ("def f(completions, **kw):\n    raise ValueError('boom')\n", "ValueError: boom", None),
+        ("def f(completions, **kw):\n    return [1.0]\n", "returned 1 scores for 2 completions", None),
+        ("def f(completions, **kw):\n    return [1.0, float('nan')]\n", "row 1: returned nan", 1),
+        ("def f(completions, **kw):\n    return ['high', 1.0]\n", "row 0: returned str", 0),
+        ("def f(completions, **kw)\n    return []\n", "syntax error on line 1", None),
+    ],
+)
+def test_errors_name_the_problem_and_the_row(body, fragment, row):
+    result = trial(body)
+    assert result.scores == [] and fragment in result.error
+    assert result.row == row
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (
+            "import os\ndef f(completions, **kw):\n    os.system('touch /tmp/escaped')\n    return [1.0, 1.0]\n",
+            "may not run shell commands",
+        ),
+        (
+            "import subprocess\ndef f(completions, **kw):\n    subprocess.run(['true'])\n    return [1.0, 1.0]\n",
+            "may not start processes",
+        ),
+        (
+            "import socket\ndef f(completions, **kw):\n    socket.create_connection(('127.0.0.1', 9), 1)\n"
+            "    return [1.0, 1.0]\n",
+            "may not",
+        ),
+        (
+            "import urllib.request\ndef f(completions, **kw):\n"
+            "    urllib.request.urlopen('http://example.com', timeout=1)\n"
+            "    return [1.0, 1.0]\n",
+            "may not",
+        ),
+    ],
+)
+def test_commands_and_network_are_refused(body, fragment, tmp_path):
+    result = trial(body)
+    assert result.error and fragment in result.error
+
+
+def test_no_secrets_in_the_environment(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_secretsecretsecretsecret1234")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "shhh-very-secret")
+    body = (
+        "import os\ndef f(completions, **kw):\n    leaked = [k for k in os.environ if 'TOKEN' in k or 'AWS' in k "
+        "or 'SECRET' in k]\n    return [float(len(leaked))] * len(completions)\n"
+    )
+    assert trial(body).scores == [0.0, 0.0]
+
+
+def test_a_hanging_reward_is_stopped_in_bounded_time():
+    with pytest.raises(SandboxError, match="used more than 2s of CPU"):
+        trial("def f(completions, **kw):\n    while True:\n        pass\n", SandboxLimits(seconds=2))
+
+
+def test_a_sleeping_reward_is_stopped_in_bounded_time():
+    with pytest.raises(SandboxError, match="took longer than 1s"):
+        trial("import time\ndef f(completions, **kw):\n    time.sleep(60)\n", SandboxLimits(seconds=1))
+
+
+def test_printing_megabytes_is_refused():
+    result = trial("def f(completions, **kw):\n    print('x' * 5_000_000)\n    return [1.0, 1.0]\n")
+    assert "printed more than" in result.error
+
+
+def test_memory_is_limited():
+    result = trial("def f(completions, **kw):\n    b = bytearray(3 << 30)\n    return [1.0, 1.0]\n")
+    assert "needed more than" in result.error
