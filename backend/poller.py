@@ -88,15 +88,15 @@ class Poller:
 
     # --- one run --------------------------------------------------------------------------------------------------
 
-    def poll_run(self, run_id: str) -> None:
+    def poll_run(self, run_id: str) -> int:
+        """One pass over one run; returns how many telemetry chunks it ingested."""
         with self.ctx.db.session() as session:
             run = session.get(Run, run_id)
         if run is None:
-            return
+            return 0
         store = self.ctx.store_for(run)
-        arrived = False
-        for stream in (*STREAM_INGESTERS, "proxy"):
-            arrived |= self._ingest_stream(run, store, stream) > 0
+        chunks = sum(self._ingest_stream(run, store, stream) for stream in (*STREAM_INGESTERS, "proxy"))
+        arrived = chunks > 0
         self._ingest_versions(run, store)
         self._ingest_current(run, store)
         self._ingest_audits(run, store)
@@ -104,6 +104,7 @@ class Poller:
         self._update_jobs(run)
         self._derive_status(run_id, trainer, arrived)
         alerts.evaluate(self.ctx.db, run_id)
+        return chunks
 
     def _cursor(self, session: Session, run_id: str, stream: str) -> PollCursor:
         cursor = session.get(PollCursor, (run_id, stream))

@@ -84,8 +84,20 @@ def job_module_args(spec: RunSpec, role: str, port: int = REPLICA_PORT, host: st
     if role == "trainer":
         return ["jobs.trainer", "--spec", uri, *store_args]
     index = role.removeprefix("replica-")
-    return ["jobs.replica", "--spec", uri, "--index", index, "--host", host, "--port", str(port),
-            "--engine", spec.compute.engine, *store_args]
+    return [
+        "jobs.replica",
+        "--spec",
+        uri,
+        "--index",
+        index,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--engine",
+        spec.compute.engine,
+        *store_args,
+    ]
 
 
 class Launcher(ABC):
