@@ -56,7 +56,22 @@ class PanelContext:
         secrets = RunSecrets(hf_token=hf_token, store=store)
         if run.backend == "hf_jobs" and hf_token:
             secrets.replica_token = hf_token  # HF Jobs checks the HF token in front of every exposed port
+        else:
+            secrets.replica_token = self._replica_token(run.id, secrets.replica_token)
         return secrets
+
+    def _replica_token(self, run_id: str, fresh: str) -> str:
+        """The run's local replica token: the one stored for it, or `fresh`, stored now (encrypted)."""
+        with self.db.session() as session:
+            row = session.get(Run, run_id)
+            if row is None:
+                return fresh
+            if row.replica_token_ciphertext is None:
+                row.replica_token_ciphertext = self.vault.encrypt(fresh)
+                session.add(row)
+                session.commit()
+                return fresh
+            return self.vault.decrypt(row.replica_token_ciphertext)
 
     def launcher_for(self, run: Run) -> Launcher:
         if run.backend == "local":

@@ -24,6 +24,9 @@ class Run(SQLModel, table=True):
     parent_run_id: str | None = Field(default=None, index=True)
     parent_version: int | None = None
     store_credential_id: int | None = None  # the bucket keys this run uses (None: a local folder)
+    # The bearer token local replicas demand, encrypted like every credential; kept so a relaunched trainer can
+    # still talk to the replicas it did not start.
+    replica_token_ciphertext: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
     hf_credential_id: int | None = None  # the HF token its jobs get (None: local runs on public models)
     created_at: float
     started_at: float | None = None

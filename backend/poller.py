@@ -72,7 +72,10 @@ class Poller:
 
     def poll_once(self) -> None:
         with self.ctx.db.session() as session:
-            run_ids = list(session.exec(select(Run.id).where(Run.status.in_(ACTIVE))).all())
+            active = set(session.exec(select(Run.id).where(Run.status.in_(ACTIVE))).all())
+            # An ended run whose jobs still run is polled too, until they are reaped: nothing keeps billing.
+            active |= set(session.exec(select(Job.run_id).where(Job.stage.not_in(TERMINAL))).all())
+        run_ids = sorted(active)
         now = time.monotonic()
         for run_id in run_ids:
             retry_at, delay = self._backoff.get(run_id, (0.0, 0.0))
@@ -265,17 +268,17 @@ class Poller:
                 status = "failed" if run.status != "stopping" else "stopped"
                 last = trainer_job.log_tail.strip().splitlines()[-1:] or [""]
                 message = f"the trainer job ended ({trainer_job.stage}: {trainer_job.message}) {last[0]}"[:2000]
-            elif any(j.stage in ("error", "canceled") for j in replica_jobs):
+            elif run.status == "stopping" or phase == "saving":
+                pass  # the trainer is wrapping up and stops its replicas itself
+            elif any(j.stage in ("error", "canceled", "completed") for j in replica_jobs):
                 status = "degraded"
                 message = "a replica job ended; training continues on the others"
-            elif run.status == "stopping":
-                pass
             elif phase == "training":
                 stalled = run.last_telemetry_at is not None and now - run.last_telemetry_at > self.stall_after
                 status = "stalled" if stalled else ("degraded" if _proxy_degraded(session, run_id) else "running")
                 message = f"no telemetry for {now - run.last_telemetry_at:.0f}s" if stalled else ""
-            elif phase in ("starting", "waiting_replicas", "saving"):
-                status = "running" if phase == "saving" else "launching"
+            elif phase in ("starting", "waiting_replicas"):
+                status = "launching"
             run.status, run.status_message = status, message
             if status in TERMINAL_PHASES and run.finished_at is None:
                 run.finished_at = now
@@ -289,8 +292,9 @@ class Poller:
         with self.ctx.db.session() as session:
             run = session.get(Run, run_id)
             jobs = list(session.exec(select(Job).where(Job.run_id == run_id, Job.stage.not_in(TERMINAL))).all())
-        if status == "stopping" and time.time() - (run.stop_requested_at or 0) < self.stop_grace:
-            return  # the trainer is saving and exiting on its own; cancel only if it overruns the grace period
+        since = run.stop_requested_at if status == "stopping" else run.finished_at
+        if since is not None and time.time() - since < self.stop_grace:
+            return  # the trainer is saving and exiting on its own (and stops its replicas); cancel only overruns
         launcher = self.ctx.launcher_for(run)
         for job in jobs:
             launcher.cancel(self.ctx.handle(job))

@@ -116,6 +116,14 @@ class Vault:
             ) from None
         return plain
 
+    def encrypt(self, value: str) -> bytes:
+        return self.fernet.encrypt(value.encode())
+
+    def decrypt(self, ciphertext: bytes) -> str:
+        value = self.fernet.decrypt(ciphertext).decode()
+        register_secret(value)
+        return value
+
     def hf_token(self, owner: str, credential_id: int) -> str:
         token = self._reveal(owner, credential_id, "hf_token")
         register_secret(token)

@@ -121,6 +121,10 @@ class Launcher(ABC):
     def cancel(self, job: JobHandle) -> None:
         """Stop the job; cancelling a finished job is not an error."""
 
+    def prepare(self, spec: RunSpec, secrets: RunSecrets, store: ObjectStore) -> None:
+        """Whatever must exist before any job of the run starts (HF Jobs: the code bundle). Idempotent."""
+        return None  # local jobs run this checkout's code directly
+
     def endpoint(self, job: JobHandle) -> str | None:
         """The replica's base URL once the backend exposes it."""
         return job.endpoint
@@ -145,6 +149,7 @@ class Launcher(ABC):
 
         `on_started` sees each job as soon as it exists, so the panel can show it while the others start.
         """
+        self.prepare(spec, secrets, store)
         started: list[JobHandle] = []
         try:
             for index in range(spec.compute.replicas):

@@ -86,6 +86,7 @@ class HfJobsLauncher(Launcher):
         self.retry = retry
         self._hardware: dict[str, float] | None = None
         self._namespaces: dict[str, str] = {}  # job id -> namespace
+        self._bundles: dict[str, tuple[str, str]] = {}  # run id -> (bundle sha256, presigned URL)
 
     # --- calling the Hub -----------------------------------------------------------------------------------------
 
@@ -138,18 +139,18 @@ class HfJobsLauncher(Launcher):
 
     # --- the launcher interface ------------------------------------------------------------------------------------
 
-    def launch(self, spec: RunSpec, run_secrets: RunSecrets, store: ObjectStore, on_started=lambda job: None):
+    def prepare(self, spec: RunSpec, run_secrets: RunSecrets, store: ObjectStore) -> None:
+        """Check flavors and credentials, and put the code bundle where the jobs' bootstrap can fetch it."""
         self.check_flavors(spec)
         if not isinstance(store, S3Store):
             raise LaunchError("storage.uri: HF Jobs cannot reach a local folder; use an hf:// or s3:// bucket")
         if not run_secrets.hf_token:
             raise LaunchError("an HF token is required to run HF Jobs; add one in the credentials form")
         digest, key = upload_bundle(store, spec.run_id)
-        self._bundle = (digest, store.presigned_get(key))
-        return super().launch(spec, run_secrets, store, on_started)
+        self._bundles[spec.run_id] = (digest, store.presigned_get(key))
 
     def start_job(self, spec: RunSpec, role: str, run_secrets: RunSecrets) -> JobHandle:
-        digest, url = self._bundle
+        digest, url = self._bundles[spec.run_id]
         command = ["python3", "-c", bootstrap_source(), digest, *job_module_args(spec, role)]
         job_secrets = {**job_env(role, run_secrets, on_hf_jobs=True), "GRPO_BUNDLE_URL": url}
         submission = token_hex(8)

@@ -24,6 +24,16 @@ from jobs.contract.control import JobRef, JobsRecord
 from jobs.processes import group_alive, terminate_group
 
 CANCEL_GRACE_S = 15.0
+_EXIT_RECORDER = """
+trap : TERM INT
+"$@" &
+child=$!
+while :; do
+  wait "$child"; code=$?
+  kill -0 "$child" 2>/dev/null || break
+done
+echo "$code" > "$JOB_EXIT_FILE"
+"""
 # Environment a local job inherits; anything else (other credentials of the panel's user) stays out.
 _INHERITED_ENV = (
     "PATH",
@@ -85,8 +95,10 @@ class LocalLauncher(Launcher):
         (folder / "timeout").write_text(str(timeout_seconds(spec.compute.timeout)))
         with open(folder / "log", "ab") as log_file:
             # `sh` stays the group leader and records the exit code, so a restarted panel still knows how it ended.
+            # It survives the group's SIGTERM (a no-op trap; the job itself still gets the signal) to record how the
+            # job ended: a replica the trainer stops cleanly is "completed", not "killed".
             process = subprocess.Popen(
-                ["/bin/sh", "-c", '"$@"; echo $? > "$JOB_EXIT_FILE"', "sh", *command],
+                ["/bin/sh", "-c", _EXIT_RECORDER, "sh", *command],
                 cwd=PROJECT_ROOT,
                 env={**env, "JOB_EXIT_FILE": str(folder / "exit")},
                 stdout=log_file,
@@ -105,7 +117,7 @@ class LocalLauncher(Launcher):
             process.poll()  # reap, so a finished leader does not linger as a zombie
         started = _read_float(folder / "started")
         code = _read_int(folder / "exit")
-        if (folder / "canceled").exists() and code in (None, 143, 137):
+        if (folder / "canceled").exists() and (code is not None or not group_alive(self._pgid(job))):
             return JobState("canceled", "cancelled", started, _mtime(folder / "canceled"))
         if code is not None:
             finished = _mtime(folder / "exit")

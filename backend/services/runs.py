@@ -154,6 +154,42 @@ class RunService:
             session.commit()
         self._set(run_id, status_message="jobs started; the trainer is starting")
 
+    def relaunch_trainer(self, run_id: str) -> Job:
+        """Start a new trainer attempt (after a crash or preemption); it resumes from the newest stored checkpoint."""
+        run = self.get(run_id)
+        if run.status in ("draft", "stopping"):
+            raise RunStateError(f"run {run_id} is {run.status}; a trainer can be relaunched only once it has run")
+        spec = self.ctx.spec(run)
+        launcher = self.ctx.launcher_for(run)
+        with self.ctx.db.session() as session:
+            previous = session.exec(
+                select(Job).where(Job.run_id == run_id, Job.role == "trainer").order_by(Job.attempt.desc())
+            ).first()
+        if previous is not None and previous.stage not in ("completed", "error", "canceled"):
+            launcher.cancel(self.ctx.handle(previous))
+        secrets = self.ctx.secrets_for(run)
+        store = self.ctx.store_for(run)
+        launcher.prepare(spec, secrets, store)
+        handle = launcher.start_job(spec, "trainer", secrets)
+        job = Job(
+            run_id=run_id,
+            owner=self.owner,
+            role="trainer",
+            attempt=(previous.attempt + 1) if previous else 0,
+            backend_job_id=handle.job_id,
+            url=handle.url,
+            stage="scheduling",
+            flavor=spec.compute.trainer_flavor,
+            price_per_hour=self._price(spec, "trainer"),
+        )
+        with self.ctx.db.session() as session:
+            session.add(job)
+            session.commit()
+            session.refresh(job)
+        self._set(run_id, status="running", finished_at=None, status_message="trainer relaunched; resuming")
+        self._event(run_id, "relaunch", f"trainer relaunched (attempt {job.attempt})", "info")
+        return job
+
     def _price(self, spec: RunSpec, role: str) -> float:
         if spec.compute.backend == "local":
             return 0.0

@@ -1,0 +1,93 @@
+"""Read-only aggregates the panel's pages need that the general query service does not offer.
+
+Each function takes the owner and checks the run belongs to them, like every other service.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import func
+from sqlmodel import select
+
+from backend.context import PanelContext
+from backend.models import RolloutSample, Run
+from backend.services.runs import RunService
+
+
+@dataclass(frozen=True)
+class VersionUse:
+    """How many of a step's samples one adapter version generated (and how many were dropped as too stale)."""
+
+    step: int
+    policy_version: int
+    samples: int
+    dropped: int
+    trainer_version: int  # the trainer's own version when it pulled them (policy_version + staleness)
+
+
+def sample_versions(ctx: PanelContext, owner: str, run_id: str, max_steps: int = 400) -> list[VersionUse]:
+    """Per step and generating version, over the last `max_steps` steps that have samples: one GROUP BY, not rows."""
+    RunService(ctx, owner).get(run_id)
+    with ctx.db.session() as session:
+        last = session.exec(select(func.max(RolloutSample.step)).where(RolloutSample.run_id == run_id)).first()
+        if last is None:
+            return []
+        rows = session.exec(
+            select(
+                RolloutSample.step,
+                RolloutSample.policy_version,
+                func.count(),
+                func.sum(RolloutSample.dropped),
+                func.max(RolloutSample.policy_version + RolloutSample.staleness),
+            )
+            .where(RolloutSample.run_id == run_id, RolloutSample.step > last - max_steps)
+            .group_by(RolloutSample.step, RolloutSample.policy_version)
+            .order_by(RolloutSample.step, RolloutSample.policy_version)
+        ).all()
+    return [VersionUse(int(s), int(v), int(n), int(d or 0), int(t)) for s, v, n, d, t in rows]
+
+
+def sample_steps(ctx: PanelContext, owner: str, run_id: str) -> tuple[int, int] | None:
+    """The first and last step that have rollout samples (for the sample browser's step slider)."""
+    RunService(ctx, owner).get(run_id)
+    with ctx.db.session() as session:
+        low, high = session.exec(
+            select(func.min(RolloutSample.step), func.max(RolloutSample.step)).where(RolloutSample.run_id == run_id)
+        ).one()
+    return None if low is None else (int(low), int(high))
+
+
+def step_groups(
+    ctx: PanelContext, owner: str, run_id: str, step: int
+) -> list[tuple[int, int, float | None, float | None]]:
+    """(group id, samples, best reward, worst reward) of every group a step trained on."""
+    RunService(ctx, owner).get(run_id)
+    with ctx.db.session() as session:
+        rows = session.exec(
+            select(
+                RolloutSample.group_id,
+                func.count(),
+                func.max(RolloutSample.reward),
+                func.min(RolloutSample.reward),
+            )
+            .where(RolloutSample.run_id == run_id, RolloutSample.step == step)
+            .group_by(RolloutSample.group_id)
+            .order_by(RolloutSample.group_id)
+        ).all()
+    return [(int(g), int(n), best, worst) for g, n, best, worst in rows]
+
+
+def flavor_prices(ctx: PanelContext, owner: str, hf_credential_id: int) -> dict[str, float]:
+    """$/hour of every HF Jobs flavor, as the Hub lists them for this owner's token (cached per token)."""
+    ctx.vault.get(owner, hf_credential_id)  # raises unless this owner holds the credential
+    probe = Run(
+        id="price-probe",
+        owner=owner,
+        spec_json="{}",
+        storage_uri="",
+        backend="hf_jobs",
+        created_at=0.0,
+        hf_credential_id=hf_credential_id,
+    )
+    return ctx.launcher_for(probe).prices_per_hour()
