@@ -84,18 +84,20 @@ def evaluate(db: Database, run_id: str) -> None:
 
 
 def _replica_lag(session: Session, run: Run) -> str:
-    newest = session.exec(select(func.max(AdapterVersion.version)).where(AdapterVersion.run_id == run.id)).first()
+    """Healthy replicas missing a version the proxy considers live, in the proxy's latest snapshot."""
     snapshot = session.exec(
         select(ProxySnapshot.stats_json).where(ProxySnapshot.run_id == run.id).order_by(ProxySnapshot.time.desc())
     ).first()
-    if not newest or snapshot is None:
+    if snapshot is None:
         return ""
+    stats = json.loads(snapshot)
+    live = set((stats.get("adapters") or {}).get("live") or [])
     lagging = []
-    for replica in json.loads(snapshot).get("replicas") or []:
-        loaded = replica.get("loaded_versions")
-        if replica.get("healthy", True) and loaded is not None and loaded and max(loaded) < newest - 1:
-            lagging.append(f"{replica.get('role', '?')} holds up to v{max(loaded)}")
-    return f"replicas lag the newest version v{newest}: {', '.join(lagging)}" if lagging else ""
+    for replica in stats.get("replicas") or []:
+        missing = live - set(replica.get("loaded_versions") or [])
+        if replica.get("healthy") and missing:
+            lagging.append(f"{replica.get('role', '?')} lacks v{', v'.join(map(str, sorted(missing)))}")
+    return f"replicas lag the live adapter versions: {'; '.join(lagging)}" if lagging else ""
 
 
 def _update_aliases(session: Session, run: Run) -> None:

@@ -47,7 +47,7 @@ class Job(SQLModel, table=True):
     run_id: str = Field(foreign_key="run.id", index=True)
     owner: str = Field(index=True)
     role: str  # trainer, replica-0, replica-1, ...
-    attempt: int = 0  # a relaunched trainer is a new attempt
+    attempt: int = 1  # a relaunched trainer is a new attempt (numbered like the trainer's own attempts)
     backend_job_id: str = ""
     stage: str = "scheduling"  # scheduling, running, completed, error, canceled
     url: str | None = None  # the job's page

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
 
 
 def group_alive(pgid: int) -> bool:
@@ -23,11 +22,10 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def terminate_group(pgid: int, grace: float = 10.0, reap: Callable[[], object] | None = None) -> bool:
+def terminate_group(pgid: int, grace: float = 10.0) -> bool:
     """SIGTERM the group, wait up to `grace` seconds, then SIGKILL. Returns True if it had to kill.
 
-    A caller that is the group leader's parent passes `reap` (e.g. `popen.poll`), so the exited leader is collected
-    rather than lingering as a zombie that still counts as a member of the group.
+    The caller that started the group leader must reap it (a zombie still counts as a member of its group).
     """
     try:
         os.killpg(pgid, signal.SIGTERM)
@@ -35,8 +33,6 @@ def terminate_group(pgid: int, grace: float = 10.0, reap: Callable[[], object] |
         return False
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if reap is not None:
-            reap()
         if not group_alive(pgid):
             return False
         time.sleep(0.1)
@@ -44,6 +40,4 @@ def terminate_group(pgid: int, grace: float = 10.0, reap: Callable[[], object] |
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         return False
-    if reap is not None:
-        reap()
     return True

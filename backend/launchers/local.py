@@ -13,6 +13,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from secrets import token_hex
@@ -65,7 +66,6 @@ class LocalLauncher(Launcher):
 
     def __init__(self, workdir: str | os.PathLike):
         self.workdir = Path(workdir)
-        self._processes: dict[str, subprocess.Popen] = {}
 
     def _folder(self, job: JobHandle) -> Path:
         return self.workdir / job.run_id / job.job_id
@@ -107,14 +107,12 @@ class LocalLauncher(Launcher):
             )
         (folder / "pgid").write_text(str(process.pid))
         (folder / "started").write_text(str(time.time()))
-        self._processes[job.job_id] = process
+        # Reap the group leader the moment it exits, so it never lingers as a zombie that still "belongs" to the group.
+        threading.Thread(target=process.wait, name=f"reap-{job.job_id}", daemon=True).start()
         return job
 
     def state(self, job: JobHandle) -> JobState:
         folder = self._folder(job)
-        process = self._processes.get(job.job_id)
-        if process is not None:
-            process.poll()  # reap, so a finished leader does not linger as a zombie
         started = _read_float(folder / "started")
         code = _read_int(folder / "exit")
         if (folder / "canceled").exists() and (code is not None or not group_alive(self._pgid(job))):
@@ -147,8 +145,7 @@ class LocalLauncher(Launcher):
         folder = self._folder(job)
         if not (folder / "exit").exists():
             (folder / "canceled").write_text(str(time.time()))
-        process = self._processes.get(job.job_id)
-        terminate_group(self._pgid(job), CANCEL_GRACE_S, reap=process.poll if process else None)
+        terminate_group(self._pgid(job), CANCEL_GRACE_S)
 
     def describe_jobs(self, spec: RunSpec, jobs: list[JobHandle]) -> JobsRecord:
         return JobsRecord(

@@ -175,7 +175,7 @@ class RunService:
             run_id=run_id,
             owner=self.owner,
             role="trainer",
-            attempt=(previous.attempt + 1) if previous else 0,
+            attempt=(previous.attempt + 1) if previous else 1,
             backend_job_id=handle.job_id,
             url=handle.url,
             stage="scheduling",

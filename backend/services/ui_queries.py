@@ -11,7 +11,7 @@ from sqlalchemy import func
 from sqlmodel import select
 
 from backend.context import PanelContext
-from backend.models import RolloutSample, Run
+from backend.models import MetricPoint, RolloutSample, Run
 from backend.services.runs import RunService
 
 
@@ -58,24 +58,18 @@ def sample_steps(ctx: PanelContext, owner: str, run_id: str) -> tuple[int, int] 
     return None if low is None else (int(low), int(high))
 
 
-def step_groups(
-    ctx: PanelContext, owner: str, run_id: str, step: int
-) -> list[tuple[int, int, float | None, float | None]]:
-    """(group id, samples, best reward, worst reward) of every group a step trained on."""
+def recent_values(ctx: PanelContext, owner: str, run_id: str, name: str, count: int = 20) -> list[float]:
+    """The last `count` values of one metric, newest first (an index range scan, however long the run)."""
     RunService(ctx, owner).get(run_id)
     with ctx.db.session() as session:
-        rows = session.exec(
-            select(
-                RolloutSample.group_id,
-                func.count(),
-                func.max(RolloutSample.reward),
-                func.min(RolloutSample.reward),
-            )
-            .where(RolloutSample.run_id == run_id, RolloutSample.step == step)
-            .group_by(RolloutSample.group_id)
-            .order_by(RolloutSample.group_id)
-        ).all()
-    return [(int(g), int(n), best, worst) for g, n, best, worst in rows]
+        return list(
+            session.exec(
+                select(MetricPoint.value)
+                .where(MetricPoint.run_id == run_id, MetricPoint.name == name)
+                .order_by(MetricPoint.step.desc())
+                .limit(count)
+            ).all()
+        )
 
 
 def flavor_prices(ctx: PanelContext, owner: str, hf_credential_id: int) -> dict[str, float]:
