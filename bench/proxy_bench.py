@@ -1,0 +1,710 @@
+"""Proxy benchmark: routing quality measured at the replicas, added latency, throughput, adapter sync.
+
+    .venv/bin/python bench/proxy_bench.py            # everything, ~5 minutes on 2 cores
+    .venv/bin/python bench/proxy_bench.py --only routing,sync --json figures.json
+
+Every part runs real processes on loopback: simulated replicas (tests/support/fake_replica.py: a vLLM-shaped prefix
+cache, prefill charged per uncached prompt token, decode per generated token), `python -m jobs.proxy`, and a client
+in this process that speaks to them with aiohttp, as TRL's rollout worker does.
+
+1. Routing. A GRPO-shaped epoch: 1,460 prompts x 8 rollouts, a shared 23-token template, prompt lengths spread like
+   math problems (60-400 tokens), admitted the way TRL 1.16's rollout worker admits them (each rollout takes the next
+   free slot on its own), an adapter version change every 4 x 128 completions (pause, load, resume, unload as TRL
+   does). Prompt tokens the replicas computed are compared with the minimum: what one replica with an unbounded
+   prefix cache would compute for the same request sequence, a lower bound for any routing. Run with the proxy's
+   default rule and with the public recipe's strict imbalance rule (--group-allowance 0), for 2 and 3 replicas at
+   128 and 384 requests in flight.
+2. Added latency of one hop, against sending straight to a replica: at 1 in flight (zero-cost replica) and at 384 in
+   flight with service times of 0.2-1.6 s (each request's time derived from its seed, so both paths get the same).
+3. Throughput with a zero-cost replica at 128 in flight, proxied vs direct, and the proxy's CPU time per request;
+   beside them a bare relay (no parsing, no routing) on the same asyncio transports, the floor for any Python relay.
+4. Adapter sync: publish a 10 MB adapter and broadcast it to 3 replicas that fetch it from a moto S3 server; 50 syncs.
+
+Direct and proxied runs alternate in short rounds because this machine's CPU speed drifts by up to 2x over minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from jobs.contract import RunSpec, layout  # noqa: E402
+from jobs.store import LocalStore  # noqa: E402
+from tests.support.fake_replica import PrefixCache  # noqa: E402
+from tests.support.moto_s3 import MotoS3Server  # noqa: E402
+from tests.support.net import free_port  # noqa: E402
+
+PROMPTS = 1460
+GENERATIONS = 8
+TEMPLATE = list(range(151640, 151663))  # 23 tokens
+SYNC_EVERY = 4 * 128
+MAX_STALENESS = 4
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+# -- processes -------------------------------------------------------------------------------------------------------
+
+
+class Processes:
+    """Child processes started by the benchmark, all stopped at the end whatever happens."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        self.children: list[subprocess.Popen] = []
+
+    def start(self, *args: str, log: Path) -> subprocess.Popen:
+        handle = open(log, "w")  # noqa: SIM115 - closed with the process
+        process = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=self.env, stdout=handle, stderr=handle)
+        self.children.append(process)
+        return process
+
+    def stop(self) -> None:
+        for process in self.children:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.children:
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.children.clear()
+
+
+def wait_ready(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} did not answer 200 within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 60.0):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        payload = response.read()
+    return json.loads(payload) if payload.startswith((b"{", b"[")) else payload.decode()
+
+
+@dataclass
+class Cluster:
+    proxy: str
+    urls: list[str]
+    proxy_process: subprocess.Popen
+    replica_processes: list[subprocess.Popen]
+
+
+@contextmanager
+def cluster(workdir: Path, replicas: int, replica_args: list[str], proxy_args: list[str], env=None, spec_uri=None):
+    """Replica processes and a proxy in front of them."""
+    processes = Processes(env)
+    try:
+        urls, children = [], []
+        for index in range(replicas):
+            port = free_port()
+            children.append(
+                processes.start(
+                    "-m",
+                    "tests.support.fake_replica",
+                    "--port",
+                    str(port),
+                    *replica_args,
+                    log=workdir / f"r{index}.log",
+                )
+            )
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            wait_ready(url + "/health")
+        if spec_uri is None:
+            store = LocalStore(workdir / "store")
+            run_id = "bench-" + os.urandom(3).hex()
+            store.put_bytes(layout.spec_key(run_id), RunSpec(run_id=run_id).to_json().encode())
+            spec_uri = f"file://{store.root}/{layout.spec_key(run_id)}"
+        port = free_port()
+        upstreams = [arg for url in urls for arg in ("--upstream", url)]
+        proxy = processes.start(
+            "-m",
+            "jobs.proxy",
+            "--spec",
+            spec_uri,
+            "--port",
+            str(port),
+            "--stats-period",
+            "3600",
+            *upstreams,
+            *proxy_args,
+            log=workdir / "proxy.log",
+        )
+        proxy_url = f"http://127.0.0.1:{port}"
+        wait_ready(proxy_url + "/health")
+        yield Cluster(proxy_url, urls, proxy, children)
+    finally:
+        processes.stop()
+
+
+def write_adapter(directory: Path, size: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 1}))
+    (directory / "adapter_model.safetensors").write_bytes(os.urandom(size))
+    return directory
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+# -- 1. routing quality ----------------------------------------------------------------------------------------------
+
+
+def make_prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(PROMPTS):
+        length = min(400, max(60, round(rng.lognormvariate(math.log(140), 0.45))))
+        prompts.append(TEMPLATE + [rng.randrange(20, 150000) for _ in range(length - len(TEMPLATE))])
+    return prompts
+
+
+def minimum_computed(issued: list[tuple[int, int]], prompts: list[list[int]]) -> tuple[int, int]:
+    """(prompt tokens, cached requests) one replica with an unbounded prefix cache would compute / serve."""
+    caches: dict[int, PrefixCache] = {}
+    computed = cached = 0
+    for version, index in issued:
+        cache = caches.setdefault(version, PrefixCache(16, 10**9))
+        tokens = prompts[index]
+        hit = cache.admit(f"v{version}", tokens)
+        computed += len(tokens) - hit
+        cached += hit == (len(tokens) - 1) // 16 * 16
+    return computed, cached
+
+
+async def grpo_epoch(proxy: str, inflight: int, prompts: list[list[int]], adapter: Path) -> list[tuple[int, int]]:
+    """Replay one epoch the way TRL's rollout worker admits rollouts; returns (version, prompt) in issue order."""
+    rng = random.Random(1)
+    rollouts = iter([(index, k) for index in range(len(prompts)) for k in range(GENERATIONS)])
+    issued: list[tuple[int, int]] = []
+    state = {"version": 1, "completed": 0}
+    connector = aiohttp.TCPConnector(limit=inflight)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def call(path: str, body: dict | None = None) -> None:
+            async with session.post(proxy + path, json=body) as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"{path} answered {response.status}")
+
+        async def sync(version: int) -> None:  # TRL: pause, save, load, resume, then unload the oldest
+            await call("/pause?mode=keep")
+            await call("/v1/load_lora_adapter", {"lora_name": f"trl-policy-v{version}", "lora_path": str(adapter)})
+            await call("/resume")
+            state["version"] = version
+            if version - MAX_STALENESS - 1 > 0:
+                await call("/v1/unload_lora_adapter", {"lora_name": f"trl-policy-v{version - MAX_STALENESS - 1}"})
+
+        async def generate(index: int, version: int) -> None:
+            body = {
+                "model": f"trl-policy-v{version}",
+                "prompt": prompts[index],
+                "max_tokens": rng.randint(20, 200),
+                "temperature": 1.0,
+                "top_p": 1.0,
+                "top_k": 0,
+                "repetition_penalty": 1.0,
+                "n": 1,
+                "return_token_ids": True,
+                "logprobs": 0,
+                "seed": rng.getrandbits(63),
+            }
+            async with session.post(proxy + "/v1/completions", json=body) as response:
+                await response.json()
+                if response.status != 200:
+                    raise RuntimeError(f"a completion answered {response.status}")
+
+        await sync(1)
+        tasks: set[asyncio.Task] = set()
+        syncing: asyncio.Task | None = None
+        exhausted = False
+        while True:
+            while not exhausted and len(tasks) < inflight:
+                try:
+                    index, _ = next(rollouts)
+                except StopIteration:
+                    exhausted = True
+                    break
+                issued.append((state["version"], index))
+                tasks.add(asyncio.create_task(generate(index, state["version"])))
+            if not tasks:
+                break
+            done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+                state["completed"] += 1
+                if state["completed"] % SYNC_EVERY == 0 and (syncing is None or syncing.done()):
+                    syncing = asyncio.create_task(sync(state["version"] + 1))
+        if syncing is not None:
+            await syncing
+    return issued
+
+
+def bench_routing(workdir: Path, quick: bool) -> list[dict]:
+    prompts = make_prompts()
+    if quick:
+        prompts = prompts[:300]
+    adapter = write_adapter(workdir / "adapter", 4096)
+    results = []
+    for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384)):
+        for rule, args in (("proxy", []), ("recipe rule", ["--group-allowance", "0"])):
+            # ~1,000 completions/s whatever the concurrency: mean service = in flight / 1000 s.
+            decode = inflight / 1000 / 110
+            replica_args = ["--prefill-s", "0.00002", "--decode-s", f"{decode:.6f}", "--cache-blocks", "16384"]
+            with cluster(workdir, replicas, replica_args, args) as running:
+                started, cpu = time.monotonic(), cpu_seconds(running.proxy_process.pid)
+                issued = asyncio.run(grpo_epoch(running.proxy, inflight, prompts, adapter))
+                elapsed, cpu = time.monotonic() - started, cpu_seconds(running.proxy_process.pid) - cpu
+                counters = [http_json("GET", url + "/fake/stats") for url in running.urls]
+                routing = http_json("GET", running.proxy + "/proxy/stats")["routing"]
+            computed = sum(counter["computed_tokens"] for counter in counters)
+            cached = sum(counter["cached_requests"] for counter in counters)
+            requests = sum(counter["requests"] for counter in counters)
+            least, least_cached = minimum_computed(issued, prompts)
+            per_replica = [counter["requests"] for counter in counters]
+            results.append(
+                {
+                    "replicas": replicas,
+                    "inflight": inflight,
+                    "rule": rule,
+                    "requests": requests,
+                    "prompt_tokens": sum(counter["prompt_tokens"] for counter in counters),
+                    "computed_tokens": computed,
+                    "minimum_tokens": least,
+                    "above_minimum_pct": 100 * (computed - least) / least,
+                    "cached_share_pct": 100 * cached / requests,
+                    "ideal_cached_share_pct": 100 * least_cached / requests,
+                    "spilled_pct": 100 * routing["spilled"] / routing["routed"],
+                    "proxy_affinity_pct": 100 * routing["affinity"] / routing["routed"],
+                    "proxy_unmatched_pct": 100 * routing["unmatched"] / routing["routed"],
+                    "balance": max(per_replica) / min(per_replica),
+                    "seconds": elapsed,
+                    "proxy_cpu_us_per_request": 1e6 * cpu / requests,
+                }
+            )
+            print(_routing_line(results[-1]), flush=True)
+    return results
+
+
+def _routing_line(row: dict) -> str:
+    return (
+        f"  {row['replicas']} replicas, {row['inflight']:>3} in flight, {row['rule']:<11}: computed "
+        f"{row['above_minimum_pct']:5.2f}% above minimum, prompt cached for {row['cached_share_pct']:.1f}% "
+        f"(ideal {row['ideal_cached_share_pct']:.1f}%), spilled {row['spilled_pct']:.2f}%, "
+        f"balance {row['balance']:.3f}, {row['seconds']:.0f}s"
+    )
+
+
+# -- 2 and 3. latency and throughput ---------------------------------------------------------------------------------
+
+
+def _body(rng: random.Random, model: str, prompt: list[int]) -> bytes:
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "repetition_penalty": 1.0,
+            "n": 1,
+            "return_token_ids": True,
+            "logprobs": 0,
+            "seed": rng.getrandbits(63),
+        }
+    ).encode()
+
+
+async def timed_requests(url: str, bodies: list[bytes], concurrency: int, warmup: int = 0) -> list[float]:
+    """Send `bodies` keeping `concurrency` in flight; the latency of each after the first `warmup`, in seconds.
+
+    The warm-up requests open the connections and fill the pipeline, so the timed ones see a steady state.
+    """
+    latencies = [0.0] * len(bodies)
+    cursor = iter(range(len(bodies)))
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+
+        async def worker() -> None:
+            for index in cursor:
+                started = time.perf_counter()
+                async with session.post(url + "/v1/completions", data=bodies[index], headers=headers) as response:
+                    await response.json()
+                    if response.status != 200:
+                        raise RuntimeError(f"answered {response.status}")
+                latencies[index] = time.perf_counter() - started
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return latencies[warmup:]
+
+
+async def alternating(*targets: tuple[str, list[bytes]], warmup: int = 50) -> list[list[float]]:
+    """One request at a time, taking turns between the targets; each target's latencies after `warmup` turns."""
+    headers = {"Content-Type": "application/json"}
+    latencies: list[list[float]] = [[] for _ in targets]
+    sessions = [aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) for _ in targets]
+    try:
+        for index in range(len(targets[0][1])):
+            for (url, bodies), session, into in zip(targets, sessions, latencies, strict=True):
+                started = time.perf_counter()
+                async with session.post(url + "/v1/completions", data=bodies[index], headers=headers) as response:
+                    await response.json()
+                    if response.status != 200:
+                        raise RuntimeError(f"answered {response.status}")
+                if index >= warmup:
+                    into.append(time.perf_counter() - started)
+    finally:
+        for session in sessions:
+            await session.close()
+    return latencies
+
+
+def _seed_service(body: bytes, low: float = 0.2, high: float = 1.6) -> float:
+    seed = json.loads(body)["seed"]
+    return low + (seed % 10007) / 10007 * (high - low)
+
+
+def bench_latency(workdir: Path, quick: bool) -> dict:
+    prompts = make_prompts()[:200]
+    rng = random.Random(2)
+    adapter = write_adapter(workdir / "adapter", 4096)
+    results = {}
+    with cluster(workdir, 1, [], []) as running:
+        proxy, urls = running.proxy, running.urls
+        http_json("POST", proxy + "/v1/load_lora_adapter", {"lora_name": "trl-policy-v1", "lora_path": str(adapter)})
+        served = next(item["id"] for item in http_json("GET", urls[0] + "/v1/models")["data"] if item["parent"])
+        # 1 in flight, zero-cost replica: the whole latency is overhead. Direct and proxied requests alternate one
+        # by one, so both see the same machine.
+        count = 1000 if quick else 4000
+        chosen = [rng.choice(prompts) for _ in range(count)]
+        direct, proxied = asyncio.run(
+            alternating(
+                (urls[0], [_body(rng, served, p) for p in chosen]),
+                (proxy, [_body(rng, "trl-policy-v1", p) for p in chosen]),
+            )
+        )
+        results["one_in_flight"] = _added(direct, proxied)
+        print(_latency_line("1 in flight", results["one_in_flight"]), flush=True)
+        # 384 in flight, service 0.2-1.6 s decided by each request's seed: overhead = latency - service time.
+        # Rounds alternate; besides the pooled percentiles, the median over rounds of each round's figure is kept,
+        # which a stall of the shared machine during one round does not move.
+        http_json("POST", urls[0] + "/fake/control", {"service_from_seed": [0.2, 1.6]})
+        warmup, timed, rounds = (768, 800, 1) if quick else (768, 2000, 6)
+        direct, proxied, per_round = [], [], []
+        for round_ in range(rounds):
+            chosen = [rng.choice(prompts) for _ in range(warmup + timed)]
+            overheads = []
+            for url, model in ((urls[0], served), (proxy, "trl-policy-v1")):
+                bodies = [_body(random.Random(round_ * 100_000 + i), model, p) for i, p in enumerate(chosen)]
+                latencies = asyncio.run(timed_requests(url, bodies, 384, warmup))
+                overheads.append(
+                    [latency - _seed_service(body) for latency, body in zip(latencies, bodies[warmup:], strict=True)]
+                )
+            direct += overheads[0]
+            proxied += overheads[1]
+            per_round.append(_added(*overheads))
+        results["384_in_flight"] = _added(direct, proxied)
+        results["384_in_flight"]["rounds"] = per_round
+        for name in ("direct_p99_ms", "proxied_p99_ms", "added_p50_ms", "added_p99_ms"):
+            results["384_in_flight"][f"{name}_median_of_rounds"] = statistics.median(row[name] for row in per_round)
+        print(_latency_line("384 in flight", results["384_in_flight"]), flush=True)
+        figures = results["384_in_flight"]
+        print(
+            f"    median over {rounds} rounds: added p50 {figures['added_p50_ms_median_of_rounds']:.2f} ms, "
+            f"p99 {figures['added_p99_ms_median_of_rounds']:.2f} ms (direct p99 "
+            f"{figures['direct_p99_ms_median_of_rounds']:.2f}, proxied p99 "
+            f"{figures['proxied_p99_ms_median_of_rounds']:.2f} ms); per round direct/proxied p99: "
+            + ", ".join(f"{row['direct_p99_ms']:.0f}/{row['proxied_p99_ms']:.0f}" for row in per_round),
+            flush=True,
+        )
+    return results
+
+
+def _added(direct: list[float], proxied: list[float]) -> dict:
+    figures = {}
+    for name, q in (("p50", 0.5), ("p99", 0.99)):
+        figures[f"direct_{name}_ms"] = 1000 * percentile(direct, q)
+        figures[f"proxied_{name}_ms"] = 1000 * percentile(proxied, q)
+        figures[f"added_{name}_ms"] = figures[f"proxied_{name}_ms"] - figures[f"direct_{name}_ms"]
+    figures["requests"] = len(proxied)
+    return figures
+
+
+def _latency_line(what: str, row: dict) -> str:
+    return (
+        f"  {what}: added p50 {row['added_p50_ms']:.2f} ms, p99 {row['added_p99_ms']:.2f} ms "
+        f"(direct overhead p50 {row['direct_p50_ms']:.2f} / p99 {row['direct_p99_ms']:.2f} ms; "
+        f"proxied {row['proxied_p50_ms']:.2f} / {row['proxied_p99_ms']:.2f} ms)"
+    )
+
+
+def bench_throughput(workdir: Path, quick: bool) -> dict:
+    prompts = make_prompts()
+    rng = random.Random(3)
+    adapter = write_adapter(workdir / "adapter", 4096)
+    rounds, count = (3, 2000) if quick else (6, 4000)
+    with cluster(workdir, 1, [], []) as running:
+        proxy, replica = running.proxy, running.urls[0]
+        http_json("POST", proxy + "/v1/load_lora_adapter", {"lora_name": "trl-policy-v1", "lora_path": str(adapter)})
+        served = next(item["id"] for item in http_json("GET", replica + "/v1/models")["data"] if item["parent"])
+        relay_port = free_port()
+        relay = subprocess.Popen(
+            [sys.executable, __file__, "--bare-relay", str(relay_port), replica.rsplit(":", 1)[1]], cwd=ROOT
+        )
+        try:
+            wait_port(relay_port)
+            modes = (
+                ("direct", replica, served, None),
+                ("proxied", proxy, "trl-policy-v1", running.proxy_process),
+                ("bare relay", f"http://127.0.0.1:{relay_port}", served, relay),
+            )
+            # Rollouts come 8 to a prompt, as in GRPO (the proxy remembers a prompt's block hashes).
+            for _, url, model, _ in modes:  # warm up
+                asyncio.run(timed_requests(url, [_body(rng, model, p) for p in prompts[:50] for _ in range(8)], 64))
+            rates: dict[str, list[float]] = {mode: [] for mode, *_ in modes}
+            cpu: dict[str, list[float]] = {"client": [], "replica": [], "proxied": [], "bare relay": []}
+            for _ in range(rounds):
+                chosen = [p for p in rng.sample(prompts, count // 8) for _ in range(GENERATIONS)]
+                for mode, url, model, child in modes:
+                    bodies = [_body(rng, model, p) for p in chosen]
+                    before = (time.process_time(), cpu_seconds(running.replica_processes[0].pid))
+                    middle = cpu_seconds(child.pid) if child else 0.0
+                    started = time.perf_counter()
+                    asyncio.run(timed_requests(url, bodies, 128))
+                    rates[mode].append(count / (time.perf_counter() - started))
+                    if child:
+                        cpu[mode].append(1e6 * (cpu_seconds(child.pid) - middle) / count)
+                    else:
+                        cpu["client"].append(1e6 * (time.process_time() - before[0]) / count)
+                        cpu["replica"].append(1e6 * (cpu_seconds(running.replica_processes[0].pid) - before[1]) / count)
+        finally:
+            relay.terminate()
+            relay.wait(timeout=10)
+    ratios = [p / d for p, d in zip(rates["proxied"], rates["direct"], strict=True)]
+    bare = [b / d for b, d in zip(rates["bare relay"], rates["direct"], strict=True)]
+    costs = {name: statistics.median(values) for name, values in cpu.items()}
+    result = {
+        "ratio_median": statistics.median(ratios),
+        "ratios": ratios,
+        "bare_relay_ratio_median": statistics.median(bare),
+        "direct_rps_median": statistics.median(rates["direct"]),
+        "proxied_rps_median": statistics.median(rates["proxied"]),
+        "cpu_us_per_request": costs,
+        # What the CPU costs alone predict on 2 cores, free of the drift of wall-clock rates on a shared machine.
+        "ratio_from_cpu": _two_core_rate(costs["client"], costs["replica"], costs["proxied"])
+        / _two_core_rate(costs["client"], costs["replica"]),
+        "bare_relay_ratio_from_cpu": _two_core_rate(costs["client"], costs["replica"], costs["bare relay"])
+        / _two_core_rate(costs["client"], costs["replica"]),
+    }
+    print(
+        f"  throughput at 128 in flight, zero-cost replica: proxied/direct {result['ratio_median']:.2f} "
+        f"(rounds {', '.join(f'{r:.2f}' for r in ratios)}; {result['direct_rps_median']:.0f} vs "
+        f"{result['proxied_rps_median']:.0f} req/s), {result['ratio_from_cpu']:.2f} from CPU costs; "
+        f"a bare relay {result['bare_relay_ratio_median']:.2f} ({result['bare_relay_ratio_from_cpu']:.2f} from CPU). "
+        "CPU µs/request: " + ", ".join(f"{name} {value:.0f}" for name, value in costs.items()),
+        flush=True,
+    )
+    return result
+
+
+def _two_core_rate(*costs_us: float) -> float:
+    """Requests/s that processes costing `costs_us` µs of CPU per request (one core each at most) reach on 2 cores."""
+    return 1e6 / max(max(costs_us), sum(costs_us) / 2)
+
+
+def wait_port(port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on port {port} after {timeout:.0f}s") from None
+            time.sleep(0.05)
+
+
+def serve_bare_relay(port: int, upstream_port: int) -> None:
+    """A relay that does nothing but pass each request and answer along on the same kind of asyncio transport.
+
+    It shows the floor under any Python relay on this machine: two extra socket reads and writes per request.
+    """
+
+    class Upstream(asyncio.Protocol):
+        def __init__(self, pool: list) -> None:
+            self.pool, self.buffer, self.waiter = pool, bytearray(), None
+
+        def connection_made(self, transport) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.buffer += data
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            length = int(self.buffer[:end].lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            if len(self.buffer) >= end + 4 + length:
+                answer = bytes(self.buffer[: end + 4 + length])
+                del self.buffer[: end + 4 + length]
+                self.pool.append(self)
+                self.waiter.set_result(answer)
+
+    class Client(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            self.transport, self.buffer = transport, bytearray()
+
+        def data_received(self, data: bytes) -> None:
+            self.buffer += data
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            length = int(self.buffer[:end].lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            if len(self.buffer) >= end + 4 + length:
+                request = bytes(self.buffer[: end + 4 + length])
+                del self.buffer[: end + 4 + length]
+                task = asyncio.ensure_future(self.relay(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+        async def relay(self, request: bytes) -> None:
+            loop = asyncio.get_running_loop()
+            if pool:
+                upstream = pool.pop()
+            else:
+                _, upstream = await loop.create_connection(lambda: Upstream(pool), "127.0.0.1", upstream_port)
+            upstream.waiter = loop.create_future()
+            upstream.transport.write(request)
+            self.transport.write(await upstream.waiter)
+
+    pool: list = []
+    tasks: set[asyncio.Task] = set()
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Client, "127.0.0.1", port)
+        await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# -- 4. adapter sync -------------------------------------------------------------------------------------------------
+
+
+def bench_sync(workdir: Path, quick: bool) -> dict:
+    syncs = 12 if quick else 50
+    moto = MotoS3Server().start()
+    try:
+        bucket = moto.create_bucket()
+        env = moto.credentials.as_env()
+        run_id = "bench-sync"
+        store_uri = f"s3://{bucket}/runs-root"
+        client = moto.client()
+        spec = RunSpec(run_id=run_id, storage={"uri": store_uri, "endpoint": moto.url})
+        client.put_object(Bucket=bucket, Key=f"runs-root/{layout.spec_key(run_id)}", Body=spec.to_json().encode())
+        adapter = write_adapter(workdir / "adapter-10mb", 10 * 1024 * 1024)
+        replica_args = ["--spec-store", store_uri, "--store-endpoint", moto.url]
+        proxy_args = ["--store-endpoint", moto.url]
+        spec_uri = f"{store_uri}/{layout.spec_key(run_id)}"
+        totals = []
+        with cluster(workdir, 3, replica_args, proxy_args, env=env, spec_uri=spec_uri) as running:
+            proxy = running.proxy
+            for version in range(1, syncs + 1):
+                body = {"lora_name": f"trl-policy-v{version}", "lora_path": str(adapter), "load_inplace": False}
+                started = time.perf_counter()
+                http_json("POST", proxy + "/v1/load_lora_adapter", body, timeout=300)
+                totals.append(time.perf_counter() - started)
+                if version - MAX_STALENESS - 1 > 0:
+                    old = f"trl-policy-v{version - MAX_STALENESS - 1}"
+                    http_json("POST", proxy + "/v1/unload_lora_adapter", {"lora_name": old})
+            split = http_json("GET", proxy + "/proxy/stats")["sync_s"]
+    finally:
+        moto.stop()
+    result = {
+        "syncs": syncs,
+        "p50_s": percentile(totals, 0.5),
+        "p95_s": percentile(totals, 0.95),
+        "upload_p50_s": split["upload"]["p50"],
+        "broadcast_p50_s": split["broadcast"]["p50"],
+    }
+    print(
+        f"  adapter sync, 10 MB to 3 replicas through moto S3 ({syncs} syncs): p50 {result['p50_s']:.2f} s, "
+        f"p95 {result['p95_s']:.2f} s (upload p50 {result['upload_p50_s']:.2f} s, broadcast p50 "
+        f"{result['broadcast_p50_s']:.2f} s)",
+        flush=True,
+    )
+    return result
+
+
+# -- main ------------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default="routing,latency,throughput,sync", help="comma-separated parts to run")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
+    parser.add_argument("--bare-relay", nargs=2, type=int, metavar=("PORT", "UPSTREAM_PORT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare_relay:
+        serve_bare_relay(*args.bare_relay)
+        return
+    parts = {"routing": bench_routing, "latency": bench_latency, "throughput": bench_throughput, "sync": bench_sync}
+    chosen = [part.strip() for part in args.only.split(",") if part.strip()]
+    unknown = set(chosen) - set(parts)
+    if unknown:
+        parser.error(f"unknown part(s) {sorted(unknown)}; choose from {', '.join(parts)}")
+    workdir = Path(tempfile.mkdtemp(prefix="proxy-bench-"))
+    figures = {"cpu": os.cpu_count(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        for part in chosen:
+            print(f"{part}:", flush=True)
+            figures[part] = parts[part](workdir, args.quick)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

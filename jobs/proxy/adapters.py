@@ -1,0 +1,444 @@
+"""Adapter versions across the replicas: publish, broadcast all-or-nothing, unload, pause/resume, replay.
+
+Load (`POST /v1/load_lora_adapter` from TRL, naming `trl-policy-vN` and a directory on the trainer's disk):
+
+1. The directory is published to the store as version N (files, then the manifest with the optimizer step the
+   trainer last reported through `/proxy/trainer_state`).
+2. Every healthy replica is asked to load `<run_id>-vN` from `store:runs/<run_id>/adapters/v00000N/`; its sidecar
+   materialises that from the store. A replica answering 404 "No adapter found" cannot see the version yet and is
+   re-sent the load alone every `load_retry_interval` until `load_deadline`. A transport failure or a 503 (the
+   sidecar could not read the store just then) is retried a few times with backoff; a replica that stays unreachable
+   is ejected (it gets the version on re-admission) and the sync goes on with the others, as long as `min_healthy`
+   accepted.
+3. Any other failure undoes the load on the replicas that accepted it and answers TRL with an error it treats as
+   fatal but not as "runtime LoRA disabled": never 404 (TRL's reading of 404), 504 for a version that never became
+   visible. A policy name therefore never exists on only some routable replicas, where requests for it would fail.
+4. On success `adapters/CURRENT` is set to N.
+
+Unload, pause, resume and reset_prefix_cache go to every healthy replica; failures are counted, never hidden. One
+lock orders all of these and the final step of a re-admission, so a replica joins between two broadcasts, never in
+the middle of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.contract import derived, layout
+from jobs.proxy.http_client import ClientResponse, HttpClient, UpstreamError
+from jobs.proxy.http_server import Response
+from jobs.proxy.names import AdapterNames, BadName
+from jobs.proxy.router import Router
+from jobs.proxy.stats import Stats
+from jobs.proxy.upstreams import Membership, Replica
+from jobs.retry import RetryPolicy
+from jobs.store import ObjectStore, StoreError, publish_directory
+
+log = logging.getLogger(__name__)
+
+_NOT_VISIBLE = "No adapter found"
+_ALREADY_LOADED = "already been loaded"
+_TRANSPORT_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=2.0)
+_TEXT = [("Content-Type", "text/plain; charset=utf-8")]
+
+
+def text_response(status: int, message: str) -> Response:
+    return Response(status, message.encode(), list(_TEXT))
+
+
+@dataclass
+class _Outcome:
+    replica: Replica
+    kind: str  # "ok", "not_visible" (no adapter found until the deadline), "failed", "unreachable"
+    status: int = 0
+    detail: str = ""
+    body: bytes = b""
+    headers: list[tuple[str, str]] | None = None
+
+
+class AdapterSync:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        names: AdapterNames,
+        store: ObjectStore,
+        client: HttpClient,
+        membership: Membership,
+        router: Router,
+        stats: Stats,
+        auth_headers: list[tuple[str, str]],
+        min_healthy: int,
+        load_retry_interval: float,
+        load_deadline: float,
+        control_timeout: float,
+    ):
+        self.run_id = run_id
+        self.names = names
+        self.store = store
+        self.client = client
+        self.membership = membership
+        self.router = router
+        self.stats = stats
+        self.auth = auth_headers
+        self.min_healthy = min_healthy
+        self.load_retry_interval = load_retry_interval
+        self.load_deadline = load_deadline
+        self.control_timeout = control_timeout
+        self.live: set[int] = set()
+        self.current: int | None = None
+        self.step: int | None = None
+        self.paused_query: str | None = None  # the query of the last pause, while paused
+        self.lock = asyncio.Lock()
+
+    # -- load ------------------------------------------------------------------------------------------------------
+
+    def _parse_load(self, body: bytes) -> tuple[int, Path]:
+        try:
+            request = json.loads(body)
+        except ValueError:
+            raise BadName("the body is not JSON") from None
+        if not isinstance(request, dict):
+            raise BadName("the body must be a JSON object with lora_name and lora_path")
+        version = self.names.version(request.get("lora_name"))
+        path = request.get("lora_path")
+        if not isinstance(path, str) or not os.path.isabs(path) or ".." in Path(path).parts:
+            raise BadName(
+                f"lora_path {path!r} must be an absolute directory on the trainer's disk, without '..' "
+                "(the proxy publishes it to the store)"
+            )
+        if not Path(path).is_dir():
+            raise BadName(f"lora_path {path!r} is not a directory on the trainer machine; nothing to publish")
+        return version, Path(path)
+
+    async def load(self, body: bytes) -> Response:
+        try:
+            version, path = self._parse_load(body)
+        except BadName as error:
+            self.stats.count_error("bad_request")
+            return text_response(400, f"proxy: {error}")
+        trl_name = derived.trl_adapter_name(version)
+        async with self.lock:
+            replicas = list(self.membership.routable)
+            if len(replicas) < self.min_healthy:
+                self.stats.adapters["loads_failed"] += 1
+                return text_response(503, self._too_few(trl_name, len(replicas)))
+            started = time.monotonic()
+            try:
+                await asyncio.to_thread(self._publish, version, path)
+            except (StoreError, OSError, ValueError) as error:
+                self.stats.count_error("publish")
+                self.stats.adapters["loads_failed"] += 1
+                log.error("publishing %s from %s failed: %s", trl_name, path, error)
+                return text_response(500, f"proxy: publishing {trl_name} to {self.store.describe()} failed: {error}")
+            uploaded = time.monotonic()
+            deadline = started + self.load_deadline
+            outcomes = await asyncio.gather(*(self._load_on(replica, version, deadline) for replica in replicas))
+            response = await self._settle_load(trl_name, version, outcomes)
+            if response.status == 200:
+                finished = time.monotonic()
+                self.stats.upload.add(uploaded - started)
+                self.stats.broadcast.add(finished - uploaded)
+                self.stats.total.add(finished - started)
+            return response
+
+    def _publish(self, version: int, path: Path) -> None:
+        prefix = layout.adapter_prefix(self.run_id, version)
+        # A resumed trainer may publish a version number again: drop the old manifest first, so no reader ever pairs
+        # it with the new files (without a manifest the version simply does not exist until the upload is complete).
+        self.store.delete(layout.manifest_key(prefix))
+        meta = {
+            "version": version,
+            "step": self.step,
+            "run_id": self.run_id,
+            "trl_name": derived.trl_adapter_name(version),
+        }
+        publish_directory(self.store, prefix, path, meta=meta)
+
+    async def _settle_load(self, trl_name: str, version: int, outcomes: list[_Outcome]) -> Response:
+        accepted = [outcome for outcome in outcomes if outcome.kind == "ok"]
+        failed = [outcome for outcome in outcomes if outcome.kind in ("failed", "not_visible")]
+        for outcome in outcomes:
+            if outcome.kind == "unreachable":
+                self.membership.eject(outcome.replica, f"load of {trl_name} failed: {outcome.detail}")
+        if not failed and len(accepted) >= self.min_healthy:
+            for outcome in accepted:
+                outcome.replica.loaded.add(version)
+            self.live.add(version)
+            self.current = version
+            self.stats.adapters["loads_ok"] += 1
+            await self._write_current(version)
+            first = accepted[0]
+            return Response(200, first.body, _content_type(first.headers))
+        self.stats.adapters["loads_failed"] += 1
+        if accepted:
+            await self._rollback(version, [outcome.replica for outcome in accepted])
+        undone = f"; rolled back on {_roles(accepted)}" if accepted else ""
+        if failed:
+            details = "; ".join(f"{outcome.replica.role}: {outcome.detail}" for outcome in failed)
+            statuses = [outcome.status for outcome in failed if outcome.kind == "failed"]
+            # 404 means "runtime LoRA updating disabled" to TRL: never pass one through.
+            status = (502 if statuses[0] == 404 else statuses[0]) if statuses else 504
+            message = f"proxy: loading {trl_name} failed on {len(failed)}/{len(outcomes)} replicas ({details}){undone}"
+            log.error("%s", message)
+            return text_response(status, message)
+        message = self._too_few(trl_name, len(accepted)) + undone
+        log.error("%s", message)
+        return text_response(503, message)
+
+    def _too_few(self, trl_name: str, healthy: int) -> str:
+        return (
+            f"proxy: cannot load {trl_name}: {healthy} replica(s) can take it, --min-healthy is {self.min_healthy}; "
+            "see GET /proxy/replicas for why the others are out"
+        )
+
+    async def _load_on(self, replica: Replica, version: int, deadline: float, replay: bool = False) -> _Outcome:
+        """Load one version onto one replica, retrying while it cannot see the version yet."""
+        name = derived.replica_adapter_name(self.run_id, version)
+        body = json.dumps(
+            {"lora_name": name, "lora_path": layout.adapter_ref(self.run_id, version), "load_inplace": False}
+        ).encode()
+        transport_failures = transient = 0
+        while True:
+            timeout = max(deadline - time.monotonic(), 1.0)
+            try:
+                response = await self._post(replica, "/v1/load_lora_adapter", body, timeout)
+            except UpstreamError as error:
+                transport_failures += 1
+                self.stats.count_error(f"upstream_{error.kind}")
+                if transport_failures >= _TRANSPORT_RETRY.attempts or time.monotonic() >= deadline:
+                    return _Outcome(replica, "unreachable", detail=str(error))
+                self.stats.adapters["load_retries"] += 1
+                await asyncio.sleep(_TRANSPORT_RETRY.delay(transport_failures))
+                continue
+            if response.status == 200 or (replay and response.status == 400 and _ALREADY_LOADED in response.text):
+                return _Outcome(replica, "ok", 200, body=response.body, headers=response.headers)
+            detail = f"{response.status} {self.names.restore_in_text(response.text.strip())[:300]}"
+            if response.status == 503 and transient + 1 < _TRANSPORT_RETRY.attempts and time.monotonic() < deadline:
+                transient += 1  # the replica's store read failed for now (the sidecar's 503): try again shortly
+                self.stats.adapters["load_retries"] += 1
+                await asyncio.sleep(_TRANSPORT_RETRY.delay(transient))
+                continue
+            if response.status == 404 and _NOT_VISIBLE in response.text:
+                if time.monotonic() + self.load_retry_interval >= deadline:
+                    return _Outcome(
+                        replica,
+                        "not_visible",
+                        504,
+                        f"the version was still not visible after {self.load_deadline:.0f}s ({detail})",
+                    )
+                self.stats.adapters["load_retries"] += 1
+                await asyncio.sleep(self.load_retry_interval)
+                continue
+            return _Outcome(replica, "failed", response.status, detail)
+
+    async def _rollback(self, version: int, replicas: list[Replica]) -> None:
+        self.stats.adapters["rolled_back"] += 1
+        results = await asyncio.gather(*(self._unload_on(replica, version) for replica in replicas))
+        for replica, problem in zip(replicas, results, strict=True):
+            if problem is not None:
+                self.stats.adapters["unloads_failed"] += 1
+                log.error("rollback: unloading version %d from %s failed: %s", version, replica.role, problem)
+
+    async def _write_current(self, version: int) -> None:
+        try:
+            await asyncio.to_thread(self.store.put_bytes, layout.current_key(self.run_id), str(version).encode())
+        except (StoreError, OSError) as error:
+            self.stats.count_error("current_pointer")
+            log.error("could not update adapters/CURRENT to %d: %s", version, error)
+
+    # -- unload ----------------------------------------------------------------------------------------------------
+
+    async def unload(self, body: bytes) -> Response:
+        try:
+            request = json.loads(body)
+            version = self.names.version(request.get("lora_name") if isinstance(request, dict) else None)
+        except (ValueError, BadName) as error:
+            self.stats.count_error("bad_request")
+            detail = error if isinstance(error, BadName) else "the body is not JSON"
+            return text_response(400, f"proxy: {detail}")
+        trl_name = derived.trl_adapter_name(version)
+        name = derived.replica_adapter_name(self.run_id, version)
+        async with self.lock:
+            replicas = list(self.membership.routable)
+            results = await asyncio.gather(*(self._unload_on(replica, version) for replica in replicas))
+            self.live.discard(version)
+            self.router.forget_model(name)
+            problems = []
+            for replica, problem in zip(replicas, results, strict=True):
+                if problem is None:
+                    self.stats.adapters["unloads_ok"] += 1
+                else:
+                    self.stats.adapters["unloads_failed"] += 1
+                    problems.append(f"{replica.role}: {problem}")
+        if problems:
+            message = f"proxy: unloading {trl_name} failed on {len(problems)}/{len(replicas)} replicas: " + "; ".join(
+                problems
+            )
+            log.error("%s", message)
+            return text_response(502, message)
+        return text_response(200, f"Success: LoRA adapter '{trl_name}' removed successfully.")
+
+    async def _unload_on(self, replica: Replica, version: int) -> str | None:
+        """Unload a version from one replica; None on success, else what went wrong."""
+        body = json.dumps({"lora_name": derived.replica_adapter_name(self.run_id, version)}).encode()
+        try:
+            response = await self._post(replica, "/v1/unload_lora_adapter", body, self.control_timeout)
+        except UpstreamError as error:
+            self.membership.suspect(replica, error)
+            return str(error)
+        replica.loaded.discard(version)  # on an error too: a replica that refuses an unload does not serve it
+        if response.status == 200:
+            return None
+        return f"{response.status} {self.names.restore_in_text(response.text.strip())[:300]}"
+
+    # -- pause, resume, reset_prefix_cache -------------------------------------------------------------------------
+
+    async def control(self, path: str, query: str) -> Response:
+        """Broadcast /pause, /resume or /reset_prefix_cache to every healthy replica.
+
+        A replica that cannot be reached at all is ejected rather than failing the call (it is resynchronised when it
+        is re-admitted), so losing a replica does not stop the run as long as `min_healthy` answered. A replica that
+        answers with an error fails the call; a failed pause is undone on the replicas that paused, and a replica that
+        cannot resume is ejected, never left in rotation paused.
+        """
+        target = f"{path}?{query}" if query else path
+        async with self.lock:
+            replicas = list(self.membership.routable)
+            results = await asyncio.gather(*(self._control_on(replica, target) for replica in replicas))
+            done = [
+                (replica, detail) for replica, (kind, detail) in zip(replicas, results, strict=True) if kind == "ok"
+            ]
+            failed = [
+                (replica, detail) for replica, (kind, detail) in zip(replicas, results, strict=True) if kind == "failed"
+            ]
+            for replica, (kind, detail) in zip(replicas, results, strict=True):
+                if kind == "unreachable":
+                    self.membership.eject(replica, f"{path} could not reach it: {detail}")
+            if path == "/resume":
+                for replica, _ in failed:
+                    if not await self._resume_again(replica):
+                        self.membership.eject(replica, "it did not resume after a pause")
+                self.paused_query = None
+                failed = []
+            if failed or len(done) < self.min_healthy:
+                if path == "/pause" and done:
+                    await asyncio.gather(*(self._control_on(replica, "/resume") for replica, _ in done))
+                details = "; ".join(f"{replica.role}: {problem}" for replica, problem in failed) or "too few replicas"
+                undone = f"; resumed {_roles_of([replica for replica, _ in done])}" if path == "/pause" and done else ""
+                return text_response(
+                    502,
+                    f"proxy: {path} failed on {len(replicas) - len(done)}/{len(replicas)} replicas ({details}){undone};"
+                    " see GET /proxy/replicas",
+                )
+            if path == "/pause":
+                self.paused_query = query
+            elif path == "/reset_prefix_cache":
+                self.router.clear()
+        response = done[0][1]
+        return Response(200, response.body, _content_type(response.headers))
+
+    async def _control_on(self, replica: Replica, target: str) -> tuple[str, Any]:
+        """("ok", response) on 200, ("failed", what it answered) or ("unreachable", the transport error)."""
+        for attempt in range(1, _TRANSPORT_RETRY.attempts + 1):
+            try:
+                response = await self._post(replica, target, b"", self.control_timeout)
+                break
+            except UpstreamError as error:
+                self.stats.count_error(f"upstream_{error.kind}")
+                if attempt == _TRANSPORT_RETRY.attempts:
+                    return "unreachable", str(error)
+                await asyncio.sleep(_TRANSPORT_RETRY.delay(attempt))
+        if response.status != 200:
+            return "failed", f"{response.status} {response.text.strip()[:300]}"
+        return "ok", response
+
+    async def _resume_again(self, replica: Replica) -> bool:
+        for attempt in range(1, _TRANSPORT_RETRY.attempts):
+            await asyncio.sleep(_TRANSPORT_RETRY.delay(attempt))
+            kind, _ = await self._control_on(replica, "/resume")
+            if kind == "ok":
+                return True
+        return False
+
+    # -- admission -------------------------------------------------------------------------------------------------
+
+    async def admit(self, replica: Replica, activate: Callable[[], None]) -> None:
+        """Bring a replica's adapters in line with the live set, then `activate` it between two broadcasts.
+
+        Adapters of this run that are not live (left by an earlier trainer or proxy) are unloaded; every live version
+        is loaded. Raises RuntimeError saying what failed; the replica then stays out and is tried again later.
+        """
+        held = await self._held_versions(replica)
+        replica.loaded = set(held)
+        await self._converge(replica, set(self.live))
+        async with self.lock:
+            await self._converge(replica, set(self.live))  # versions loaded or unloaded meanwhile
+            target = "/pause?" + self.paused_query if self.paused_query is not None else "/resume"
+            kind, detail = await self._control_on(replica, target)
+            if kind != "ok":
+                raise RuntimeError(f"{target} failed: {detail}")
+            activate()
+
+    async def _converge(self, replica: Replica, live: set[int]) -> None:
+        for version in sorted(replica.loaded - live):
+            problem = await self._unload_on(replica, version)
+            if problem is not None:
+                raise RuntimeError(f"unloading stale version {version} failed: {problem}")
+        missing = sorted(live - replica.loaded)
+        if not missing:
+            return
+        deadline = time.monotonic() + self.load_deadline
+        for version in missing:
+            outcome = await self._load_on(replica, version, deadline, replay=True)
+            if outcome.kind != "ok":
+                raise RuntimeError(f"replaying version {version} failed: {outcome.detail}")
+            replica.loaded.add(version)
+            self.stats.adapters["replays"] += 1
+
+    async def _held_versions(self, replica: Replica) -> set[int]:
+        try:
+            response = await self.client.request(
+                replica.origin, "GET", "/v1/models", self.auth, b"", self.control_timeout
+            )
+        except UpstreamError as error:
+            raise RuntimeError(f"GET /v1/models failed: {error}") from None
+        if response.status != 200:
+            raise RuntimeError(f"GET /v1/models answered {response.status}")
+        try:
+            ids = [item["id"] for item in json.loads(response.body)["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise RuntimeError("GET /v1/models did not answer a model list") from None
+        versions = set()
+        for model_id in ids:
+            trl_name = self.names.to_trl(model_id) if isinstance(model_id, str) else None
+            if trl_name is not None:
+                versions.add(derived.parse_trl_adapter_name(trl_name))
+        return versions
+
+    async def _post(self, replica: Replica, target: str, body: bytes, timeout: float) -> ClientResponse:
+        headers = [*self.auth, ("Content-Type", "application/json")] if body else list(self.auth)
+        return await self.client.request(replica.origin, "POST", target, headers, body, timeout)
+
+
+def _content_type(headers: list[tuple[str, str]] | None) -> list[tuple[str, str]]:
+    for name, value in headers or []:
+        if name.lower() == "content-type":
+            return [("Content-Type", value)]
+    return list(_TEXT)
+
+
+def _roles(outcomes: list[_Outcome]) -> str:
+    return _roles_of([outcome.replica for outcome in outcomes])
+
+
+def _roles_of(replicas: list[Replica]) -> str:
+    return ", ".join(replica.role for replica in replicas)

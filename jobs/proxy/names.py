@@ -1,0 +1,189 @@
+"""Adapter names across the proxy, and editing one top-level JSON field of a body without re-serialising it.
+
+TRL names every policy version `trl-policy-v<N>` and restarts at v1 in each run; on replicas the same version is
+`<run_id>-v<N>` (`derived.replica_adapter_name`), so two runs or a branch can share replicas and a restarted trainer
+never collides with a name a replica still holds. The proxy rewrites the `model` field on the way in and out.
+
+Bodies pass through byte for byte except that one string value, so every number, escape and key order stays as the
+sender wrote it. TRL's requests are flat objects (`model`, a token-id `prompt`, scalars), read here with three
+searches and no JSON parse; anything else (a chat request, `stream`, an escaped name, a second "model" key) is read
+exactly by walking the top-level members with the C JSON scanner, one value at a time, so the position of each is
+known. Both ways give a token-id prompt as the same canonical text (ids joined by commas), which the router hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import json.decoder
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from jobs.contract.derived import TRL_ADAPTER_PREFIX, parse_trl_adapter_name, replica_adapter_name
+
+_SCAN = json.JSONDecoder().scan_once
+_FAST_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]*)"')
+_FAST_PROMPT = re.compile(rb'"prompt"\s*:\s*\[')
+_TOKEN_TEXT = b"0123456789, \t\r\n"
+_JSON_SPACE = b" \t\r\n"
+_EXACT_FIELDS = frozenset({"model", "prompt", "messages", "stream"})
+_SCANSTRING = json.decoder.scanstring
+_WS = re.compile(r"[ \t\n\r]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class BadName(ValueError):
+    """A model or adapter name the proxy refuses (answered with 400)."""
+
+
+class BadJson(ValueError):
+    """A body that is not a JSON object."""
+
+
+@dataclass(slots=True)
+class GenerationFields:
+    """What the proxy needs from a generation request."""
+
+    model: Any  # the `model` value as sent (None if absent)
+    model_span: tuple[int, int] | None  # byte offsets of the model's JSON string literal, quotes included
+    tokens: bytes | None  # a flat token-id prompt as canonical text: decimal ids joined by commas, b"1,2,3"
+    prompt: Any  # any other prompt (text, a batch), None if absent
+    messages: Any  # chat messages, None if absent
+    stream: bool
+
+
+def generation_fields(body: bytes) -> GenerationFields:
+    """The model, prompt and stream flag of a completion request. Raises BadJson for a body that is no JSON object."""
+    if b'"stream"' not in body and b'"messages"' not in body and body.count(b'"model"') == 1:
+        model = _FAST_MODEL.search(body)
+        prompt = _FAST_PROMPT.search(body)
+        if model is not None and prompt is not None:
+            end = body.find(b"]", prompt.end())
+            inner = body[prompt.end() : end]
+            if end > 0 and not inner.translate(None, _TOKEN_TEXT):
+                try:
+                    name = model.group(1).decode()
+                except UnicodeDecodeError:
+                    raise BadJson("the body is not UTF-8") from None
+                tokens = inner.translate(None, _JSON_SPACE)
+                span = (model.start(1) - 1, model.end(1) + 1)
+                return GenerationFields(name, span, tokens, None, None, False)
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        raise BadJson("the body is not UTF-8") from None
+    members = top_level(text, _EXACT_FIELDS)
+    model, span = None, None
+    if "model" in members:
+        model, start, end = members["model"]
+        span = (start, end) if len(body) == len(text) else (len(text[:start].encode()), len(text[:end].encode()))
+    prompt = members["prompt"][0] if "prompt" in members else None
+    tokens = None
+    if isinstance(prompt, list) and all(type(item) is int for item in prompt):
+        tokens, prompt = token_text(prompt), None
+    messages = members["messages"][0] if "messages" in members else None
+    stream = "stream" in members and members["stream"][0] is True
+    return GenerationFields(model, span, tokens, prompt, messages, stream)
+
+
+def token_text(tokens: list[int]) -> bytes:
+    """The canonical text of a token-id list, as the fast path reads it from a body: b"1,2,3"."""
+    return ",".join(map(str, tokens)).encode()
+
+
+def replace_model(body: bytes, span: tuple[int, int], name: str) -> bytes:
+    """`body` with the JSON string literal at byte offsets `span` replaced by the string `name`."""
+    return body[: span[0]] + json.dumps(name).encode() + body[span[1] :]
+
+
+def restore_model(payload: bytes, served: str, name: str) -> bytes:
+    """A replica's answer with its first `"model": "<served>"` member renamed to `name`.
+
+    vLLM puts `model` at the top of a completion (and of each streamed event), before any generated text, and a
+    generated text cannot hold an unescaped quote: the first occurrence is the top-level one.
+    """
+    found = _FAST_MODEL.search(payload)
+    if found is None or found.group(1) != served.encode():
+        return payload
+    return replace_model(payload, (found.start(1) - 1, found.end(1) + 1), name)
+
+
+def top_level(text: str, wanted: frozenset[str]) -> dict[str, tuple[Any, int, int]]:
+    """The members of the JSON object `text` named in `wanted`: name -> (value, start, end) of the value's text.
+
+    Raises BadJson if `text` is not a JSON object.
+    """
+    try:
+        index = _WS.match(text, 0).end()
+        if text[index : index + 1] != "{":
+            raise BadJson("the body is not a JSON object")
+        index = _WS.match(text, index + 1).end()
+        found: dict[str, tuple[Any, int, int]] = {}
+        if text[index : index + 1] == "}":
+            return found
+        while True:
+            if text[index : index + 1] != '"':
+                raise BadJson("malformed JSON object")
+            key, index = _SCANSTRING(text, index + 1)
+            index = _WS.match(text, index).end()
+            if text[index : index + 1] != ":":
+                raise BadJson("malformed JSON object")
+            start = _WS.match(text, index + 1).end()
+            value, index = _SCAN(text, start)
+            if key in wanted:
+                found[key] = (value, start, index)
+            index = _WS.match(text, index).end()
+            separator = text[index : index + 1]
+            if separator == ",":
+                index = _WS.match(text, index + 1).end()
+            elif separator == "}":
+                if _WS.match(text, index + 1).end() != len(text):
+                    raise BadJson("trailing data after the JSON object")
+                return found
+            else:
+                raise BadJson("malformed JSON object")
+    except (StopIteration, ValueError) as error:
+        if isinstance(error, BadJson):
+            raise
+        raise BadJson("malformed JSON") from None
+
+
+def check_served_name(name: str) -> None:
+    """Refuse names that could reach a filesystem path on a replica (vLLM resolves unknown names as paths)."""
+    if not name or _CONTROL.search(name) or "\\" in name or ".." in name.split("/"):
+        raise BadName(f"model name {name!r} is not allowed: no '..' segments, backslashes or control characters")
+
+
+class AdapterNames:
+    """The mapping between TRL's adapter names and this run's names on the replicas."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._replica_name = re.compile(rf"(?<![\w-]){re.escape(run_id)}-v([1-9][0-9]{{0,8}})(?![\w-])")
+
+    def version(self, trl_name: Any, field: str = "lora_name") -> int:
+        """The version in a TRL adapter name; BadName (with what to send instead) if it is not one."""
+        version = parse_trl_adapter_name(trl_name) if isinstance(trl_name, str) else None
+        if version is None:
+            raise BadName(
+                f"{field} {trl_name!r} is not a TRL adapter name; expected {TRL_ADAPTER_PREFIX}<N> with N >= 1 "
+                f"(e.g. {TRL_ADAPTER_PREFIX}3)"
+            )
+        return version
+
+    def to_replica(self, model: str) -> tuple[str, int | None]:
+        """(name to send to a replica, adapter version or None for the base model)."""
+        if model.startswith(TRL_ADAPTER_PREFIX):
+            version = self.version(model, "model")
+            return replica_adapter_name(self.run_id, version), version
+        check_served_name(model)
+        return model, None
+
+    def to_trl(self, name: str) -> str | None:
+        """The TRL name of one of this run's replica adapter names, else None."""
+        match = self._replica_name.fullmatch(name)
+        return f"{TRL_ADAPTER_PREFIX}{match.group(1)}" if match else None
+
+    def restore_in_text(self, text: str) -> str:
+        """Every replica adapter name of this run in `text` (an error message) turned back into its TRL name."""
+        return self._replica_name.sub(lambda match: f"{TRL_ADAPTER_PREFIX}{match.group(1)}", text)

@@ -1,0 +1,130 @@
+"""The proxy's counters, and their snapshots: `GET /proxy/stats` and `telemetry/proxy/<seq>.json` every 10 s.
+
+Snapshot shape (all counters are totals since the proxy started; durations in seconds):
+
+    {
+      "time": 1767225600.0,            # this machine's clock, for display only
+      "started": 1767225000.0, "run_id": "math-r1",
+      "health": {"healthy": 2, "known": 3, "min_healthy": 1, "ok": true},
+      "replicas": [{"role": "replica-0", "url": "...", "state": "healthy|new|admitting|ejected", "healthy": true,
+                    "routed": 5120, "inflight": 61, "failed": 0, "loaded_versions": [3, 4, 5, 6, 7],
+                    "admissions": 1, "ejections": 0, "last_error": null, "since": 1767225001.0}, ...],
+      "routing": {"routed": 10240, "affinity": 8950, "spilled": 12, "unmatched": 1278, "retried": 3,
+                  "prefix_tokens_saved": 1904000, "tracked_blocks": 61000, "table_blocks": 80000,
+                  "block_size": 16, "imbalance": 8, "group_allowance": 7},
+      "adapters": {"current": 7, "live": [3, 4, 5, 6, 7], "step": 28,
+                   "loads_ok": 7, "loads_failed": 0, "load_retries": 9, "rolled_back": 0,
+                   "unloads_ok": 2, "unloads_failed": 0, "replays": 0},
+      "sync_s": {"upload": W, "broadcast": W, "total": W},
+      "membership": {"ejections": 1, "readmissions": 1},
+      "errors": {"upstream_connect": 2, "upstream_timeout": 0, "...": 0}
+    }
+
+W, a latency window over the last 1024 syncs: {"count": n, "last": s, "p50": s, "p95": s, "max": s} (null values
+before the first sync). `load_retries` counts replica-level re-sends of a load (a replica that had not seen the new
+version yet); `rolled_back` counts loads undone on the replicas that had accepted them because another one failed.
+Error kinds: upstream_<connect|timeout|disconnected|protocol>, admission, publish, current_pointer, telemetry,
+upstreams_file, bad_request, no_replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any
+
+from jobs.contract import layout
+from jobs.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+_WINDOW = 1024
+_CHUNK = re.compile(r"^(\d{12})(?:-[a-z0-9]+)?\.json$")
+
+
+class Window:
+    """The last `_WINDOW` durations of one kind, summarised as percentiles."""
+
+    def __init__(self) -> None:
+        self._values: deque[float] = deque(maxlen=_WINDOW)
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        self._values.append(seconds)
+        self.count += 1
+
+    def summary(self) -> dict[str, float | int | None]:
+        if not self._values:
+            return {"count": 0, "last": None, "p50": None, "p95": None, "max": None}
+        ordered = sorted(self._values)
+        return {
+            "count": self.count,
+            "last": round(self._values[-1], 4),
+            "p50": round(percentile(ordered, 0.50), 4),
+            "p95": round(percentile(ordered, 0.95), 4),
+            "max": round(ordered[-1], 4),
+        }
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted, non-empty list."""
+    index = min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))
+    return ordered[index]
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.started = time.time()
+        self.errors: Counter[str] = Counter()
+        self.adapters: Counter[str] = Counter()
+        self.retried = 0
+        self.upload = Window()
+        self.broadcast = Window()
+        self.total = Window()
+
+    def count_error(self, kind: str) -> None:
+        self.errors[kind] += 1
+
+
+class TelemetryWriter:
+    """Writes a snapshot to `telemetry/proxy/<seq>.json` every period; seq continues after existing chunks."""
+
+    def __init__(self, store: ObjectStore, run_id: str, snapshot: Callable[[], dict[str, Any]], stats: Stats):
+        self._store = store
+        self._run_id = run_id
+        self._snapshot = snapshot
+        self._stats = stats
+        self._seq: int | None = None
+
+    def _next_seq(self) -> int:
+        prefix = layout.telemetry_prefix(self._run_id, "proxy")
+        highest = -1
+        for info in self._store.list(prefix):
+            match = _CHUNK.match(info.key[len(prefix) :])
+            if match:
+                highest = max(highest, int(match.group(1)))
+        return highest + 1
+
+    def write_once(self) -> None:
+        """Write one snapshot (blocking; run it in a thread)."""
+        if self._seq is None:
+            self._seq = self._next_seq()
+        key = layout.telemetry_key(self._run_id, "proxy", self._seq)
+        self._store.put_bytes(key, json.dumps(self._snapshot()).encode())
+        self._seq += 1
+
+    async def write(self) -> None:
+        try:
+            await asyncio.to_thread(self.write_once)
+        except (StoreError, OSError) as error:
+            self._stats.count_error("telemetry")
+            log.warning("could not write proxy telemetry: %s", error)
+
+    async def loop(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            await self.write()

@@ -1,0 +1,193 @@
+"""Adapter publishing and the all-or-nothing broadcast, against fake replicas that really read the store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobs.contract import layout
+from jobs.store import read_manifest
+from tests.support.proxy_harness import RUN_ID, start_harness, wait_until, write_adapter
+
+
+@pytest.fixture
+def make_harness(local_store):
+    made = []
+
+    def make(**options):
+        harness = start_harness(local_store, **options)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+@pytest.fixture
+def harness(make_harness):
+    return make_harness()
+
+
+def adapters_stats(harness) -> dict:
+    return harness.get("/proxy/stats").json()["adapters"]
+
+
+def held(harness) -> list[set[str]]:
+    return [set(replica.adapters) for replica in harness.replicas]
+
+
+def test_a_load_publishes_the_version_then_every_replica_loads_it_from_the_store(harness, tmp_path):
+    assert harness.post("/proxy/trainer_state", {"step": 12}).status_code == 200
+    adapter = write_adapter(tmp_path / "trl-policy-v1", size=50_000, seed=3)
+    response = harness.load(1, adapter)
+    assert response.status_code == 200, response.text
+    assert "added successfully" in response.text
+    manifest = read_manifest(harness.store, layout.adapter_prefix(RUN_ID, 1))
+    assert manifest.meta == {"version": 1, "step": 12, "run_id": RUN_ID, "trl_name": "trl-policy-v1"}
+    assert set(manifest.files) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert harness.store.get_bytes(layout.current_key(RUN_ID)) == b"1"
+    assert held(harness) == [{f"{RUN_ID}-v1"}] * 2
+    for replica in harness.replicas:  # each replica materialised the same bytes from the store
+        local = Path(replica.adapters[f"{RUN_ID}-v1"])
+        assert (local / "adapter_model.safetensors").read_bytes() == (
+            adapter / "adapter_model.safetensors"
+        ).read_bytes()
+    stats = harness.get("/proxy/stats").json()
+    assert stats["adapters"]["loads_ok"] == 1 and stats["adapters"]["live"] == [1]
+    assert stats["sync_s"]["upload"]["count"] == 1 and stats["sync_s"]["broadcast"]["p50"] > 0
+
+
+def test_a_replica_that_cannot_see_the_version_yet_is_retried_alone(harness, tmp_path):
+    harness.replicas[1].lag_loads = 3
+    response = harness.load(1, write_adapter(tmp_path / "a"))
+    assert response.status_code == 200, response.text
+    assert harness.replicas[0].counters.load_attempts == 1
+    assert harness.replicas[1].counters.load_attempts == 4
+    assert adapters_stats(harness)["load_retries"] == 3
+    assert held(harness) == [{f"{RUN_ID}-v1"}] * 2
+
+
+def test_a_replica_whose_store_read_failed_for_now_is_retried(harness, tmp_path):
+    harness.replicas[0].transient_loads = 2
+    response = harness.load(1, write_adapter(tmp_path / "a"))
+    assert response.status_code == 200, response.text
+    assert harness.replicas[0].counters.load_attempts == 3
+    assert adapters_stats(harness)["load_retries"] == 2
+
+
+def test_a_version_that_never_becomes_visible_is_a_504_and_is_rolled_back(make_harness, tmp_path):
+    harness = make_harness(load_deadline=0.5)
+    harness.replicas[1].lag_loads = 10**6
+    response = harness.load(1, write_adapter(tmp_path / "a"))
+    assert response.status_code == 504  # not 404: TRL reads 404 as "runtime LoRA updating disabled"
+    assert "still not visible" in response.text and "rolled back on upstream-0" in response.text
+    assert held(harness) == [set(), set()]
+    stats = adapters_stats(harness)
+    assert stats["rolled_back"] == 1 and stats["loads_failed"] == 1 and stats["live"] == []
+
+
+def test_a_failing_replica_rolls_the_load_back_on_the_others(harness, tmp_path):
+    harness.replicas[1].fail_loads = 500
+    response = harness.load(1, write_adapter(tmp_path / "a"))
+    assert response.status_code == 500
+    assert "greater than max_lora_rank" in response.text
+    assert "rolled back on upstream-0" in response.text
+    assert held(harness) == [set(), set()]
+    assert adapters_stats(harness)["current"] is None
+    assert not harness.store.exists(layout.current_key(RUN_ID))
+
+
+def test_a_replica_404_never_reaches_trl_as_a_404(harness, tmp_path):
+    harness.replicas[0].fail_loads = 404
+    response = harness.load(1, write_adapter(tmp_path / "a"))
+    assert response.status_code == 502
+
+
+def test_unload_pause_resume_and_reset_are_broadcast(harness, tmp_path):
+    for version in (1, 2):
+        assert harness.load(version, write_adapter(tmp_path / f"v{version}", seed=version)).status_code == 200
+    harness.completion(list(range(64)), model="trl-policy-v1")
+    assert harness.proxy.router.tracked_blocks == 4
+    response = harness.post("/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"})
+    assert response.status_code == 200
+    assert held(harness) == [{f"{RUN_ID}-v2"}] * 2
+    assert harness.proxy.router.tracked_blocks == 0  # the unloaded version's blocks are forgotten
+
+    assert harness.post("/pause?mode=keep").json() == {"status": "paused"}
+    assert [harness.replica_call(i, "GET", "/is_paused").json()["is_paused"] for i in range(2)] == [True, True]
+    assert harness.post("/resume").status_code == 200
+    assert [harness.replica_call(i, "GET", "/is_paused").json()["is_paused"] for i in range(2)] == [False, False]
+
+    harness.completion(list(range(64)), model="trl-policy-v2")
+    assert harness.post("/reset_prefix_cache").status_code == 200
+    assert [replica.counters.resets for replica in harness.replicas] == [1, 1]
+    assert harness.proxy.router.tracked_blocks == 0
+
+
+def test_failed_unloads_and_pauses_are_reported_not_hidden(harness, tmp_path):
+    assert harness.load(1, write_adapter(tmp_path / "v1")).status_code == 200
+    harness.replicas[1].fail_unloads = 500
+    response = harness.post("/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"})
+    assert response.status_code == 502 and "upstream-1" in response.text
+    stats = adapters_stats(harness)
+    assert (stats["unloads_ok"], stats["unloads_failed"]) == (1, 1)
+
+    harness.replicas[1].fail_pause = 500
+    response = harness.post("/pause?mode=keep")
+    assert response.status_code == 502 and "resumed upstream-0" in response.text
+    assert harness.replica_call(0, "GET", "/is_paused").json()["is_paused"] is False
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"lora_name": "../../etc/passwd", "lora_path": "/tmp"}, "not a TRL adapter name"),
+        ({"lora_name": "trl-policy-v0", "lora_path": "/tmp"}, "not a TRL adapter name"),
+        ({"lora_name": "trl-policy-v1/../x", "lora_path": "/tmp"}, "not a TRL adapter name"),
+        ({"lora_name": "trl-policy-v1", "lora_path": "relative/dir"}, "absolute directory"),
+        ({"lora_name": "trl-policy-v1", "lora_path": "/tmp/../etc"}, "without '..'"),
+        ({"lora_name": "trl-policy-v1", "lora_path": "/does/not/exist"}, "not a directory"),
+    ],
+)
+def test_malformed_loads_are_refused_with_400(harness, body, fragment):
+    response = harness.post("/v1/load_lora_adapter", body)
+    assert response.status_code == 400
+    assert fragment in response.text
+    assert all(replica.counters.load_attempts == 0 for replica in harness.replicas)
+
+
+@pytest.mark.parametrize(
+    ("model", "fragment"),
+    [("trl-policy-vx", "not a TRL adapter name"), ("../../model", "not allowed"), ("a\\b", "not allowed")],
+)
+def test_malformed_model_names_are_refused_with_400(harness, model, fragment):
+    response = harness.completion(list(range(20)), model=model)
+    assert response.status_code == 400 and fragment in response.text
+    assert all(not replica.seen for replica in harness.replicas)
+
+
+def test_bad_unload_and_step_requests_are_refused(harness):
+    assert harness.post("/v1/unload_lora_adapter", {"lora_name": "x/../y"}).status_code == 400
+    assert harness.post("/proxy/trainer_state", {"step": -1}).status_code == 400
+    assert harness.post("/proxy/trainer_state", {"step": "3"}).status_code == 400
+
+
+def test_a_load_needs_min_healthy_replicas(make_harness, tmp_path):
+    harness = make_harness(min_healthy=2)
+    harness.replicas[0].healthy = False
+    wait_until(lambda: harness.healthy() == 1, what="the unhealthy replica ejected")
+    response = harness.load(1, write_adapter(tmp_path / "a"))
+    assert response.status_code == 503 and "--min-healthy is 2" in response.text
+    assert harness.replicas[1].counters.load_attempts == 0
+
+
+def test_a_republished_version_replaces_the_old_files(harness, tmp_path):
+    assert harness.load(1, write_adapter(tmp_path / "first", seed=1)).status_code == 200
+    assert harness.post("/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"}).status_code == 200
+    assert harness.load(1, write_adapter(tmp_path / "second", seed=2)).status_code == 200
+    manifest = read_manifest(harness.store, layout.adapter_prefix(RUN_ID, 1))
+    config = json.loads(harness.store.get_bytes(layout.adapter_prefix(RUN_ID, 1) + "adapter_config.json"))
+    assert config["seed"] == 2 and manifest.files["adapter_config.json"].size == len(json.dumps(config))

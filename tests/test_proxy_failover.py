@@ -1,0 +1,176 @@
+"""Replica failure: health, ejection, retry on another replica, re-admission with adapter replay, membership."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from jobs.contract import layout
+from tests.support.proxy_harness import RUN_ID, start_harness, wait_until, write_adapter
+
+PROMPT = list(range(500, 600))
+
+
+@pytest.fixture
+def make_harness(local_store):
+    made = []
+
+    def make(**options):
+        harness = start_harness(local_store, **options)
+        made.append(harness)
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+def index_of(harness, role: str) -> int:
+    return int(role.rsplit("-", 1)[1])
+
+
+def test_health_is_200_while_at_least_min_healthy_replicas_are_healthy(make_harness):
+    harness = make_harness(min_healthy=2)
+    assert harness.get("/health").status_code == 200
+    harness.stop_replica(1)
+    wait_until(lambda: harness.get("/health").status_code == 503, what="health to drop")
+    response = harness.get("/health")
+    assert "1/2 replicas healthy, need 2" in response.text and "upstream-1" in response.text
+    harness.start_replica(1)
+    wait_until(lambda: harness.get("/health").status_code == 200, what="health to come back")
+
+
+def test_a_dead_replica_is_ejected_and_its_request_retried_on_another(make_harness):
+    harness = make_harness()
+    first = harness.completion(PROMPT, model="fake/base-model").headers["X-Proxy-Upstream"]
+    dead = index_of(harness, first)
+    harness.stop_replica(dead)
+    response = harness.completion(PROMPT, model="fake/base-model")  # affinity sends it to the dead one first
+    assert response.status_code == 200
+    assert response.headers["X-Proxy-Upstream"] != first
+    wait_until(lambda: harness.state(dead) == "ejected", what="ejection")
+    stats = harness.get("/proxy/stats").json()
+    assert stats["routing"]["retried"] == 1
+    assert stats["errors"]["upstream_connect"] >= 1
+    assert stats["membership"]["ejections"] == 1
+    # Ejected means out of rotation: nothing is sent there any more.
+    for _ in range(4):
+        assert harness.completion(PROMPT, model="fake/base-model").headers["X-Proxy-Upstream"] != first
+
+
+def test_a_hung_replica_times_out_and_the_request_is_served_elsewhere(make_harness):
+    harness = make_harness(read_timeout=1.0)
+    first = harness.completion(PROMPT, model="fake/base-model").headers["X-Proxy-Upstream"]
+    harness.replica_call(index_of(harness, first), "POST", "/pause")  # accepts the request, never answers
+    started = time.monotonic()
+    response = harness.completion(PROMPT, model="fake/base-model")
+    assert response.status_code == 200 and response.headers["X-Proxy-Upstream"] != first
+    assert 0.9 < time.monotonic() - started < 5
+    assert harness.get("/proxy/stats").json()["errors"]["upstream_timeout"] == 1
+    harness.replica_call(index_of(harness, first), "POST", "/resume")
+
+
+def test_re_admission_replays_every_live_adapter_and_drops_stale_ones(make_harness, tmp_path):
+    harness = make_harness()
+    for version in (1, 2):
+        assert harness.load(version, write_adapter(tmp_path / f"v{version}", seed=version)).status_code == 200
+    harness.stop_replica(1)
+    wait_until(lambda: harness.state(1) == "ejected", what="ejection")
+    # The run goes on without it: a version is unloaded and a new one loaded on the remaining replica.
+    assert harness.post("/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"}).status_code == 200
+    assert harness.load(3, write_adapter(tmp_path / "v3", seed=3)).status_code == 200
+    assert set(harness.replicas[0].adapters) == {f"{RUN_ID}-v2", f"{RUN_ID}-v3"}
+    # It comes back still holding v1 and v2 (a network blip, not a restart).
+    assert set(harness.replicas[1].adapters) == {f"{RUN_ID}-v1", f"{RUN_ID}-v2"}
+    harness.start_replica(1)
+    wait_until(lambda: harness.state(1) == "healthy", what="re-admission")
+    assert set(harness.replicas[1].adapters) == {f"{RUN_ID}-v2", f"{RUN_ID}-v3"}
+    stats = harness.get("/proxy/stats").json()
+    assert stats["membership"]["readmissions"] == 1
+    assert stats["adapters"]["replays"] == 1  # v3; v2 was still there
+    assert [r["loaded_versions"] for r in stats["replicas"]] == [[2, 3], [2, 3]]
+
+
+def test_a_restarted_replica_gets_every_live_version_before_any_request(make_harness, tmp_path):
+    harness = make_harness()
+    assert harness.load(1, write_adapter(tmp_path / "v1")).status_code == 200
+    harness.stop_replica(0)
+    wait_until(lambda: harness.state(0) == "ejected", what="ejection")
+    harness.replicas[0].adapters.clear()  # a restarted engine holds nothing
+    harness.start_replica(0)
+    wait_until(lambda: harness.state(0) == "healthy", what="re-admission")
+    assert set(harness.replicas[0].adapters) == {f"{RUN_ID}-v1"}
+    for seed in range(6):  # both replicas serve the policy, wherever requests land
+        response = harness.completion([seed, *PROMPT])
+        assert response.status_code == 200, response.text
+
+
+def test_an_adapter_load_while_a_replica_is_unreachable_goes_on_without_it(make_harness, tmp_path):
+    harness = make_harness(health_interval=30.0)  # no health check notices the death before the load does
+    harness.stop_replica(1)
+    response = harness.load(1, write_adapter(tmp_path / "v1"))
+    assert response.status_code == 200, response.text
+    assert harness.state(1) == "ejected"
+    assert set(harness.replicas[0].adapters) == {f"{RUN_ID}-v1"}
+
+
+def test_every_replica_down_is_a_502_that_says_so(make_harness):
+    harness = make_harness()
+    harness.stop_replica(0)
+    harness.stop_replica(1)
+    response = harness.completion(PROMPT, model="fake/base-model")
+    assert response.status_code == 502
+    assert "cannot connect" in response.text
+    wait_until(lambda: harness.healthy() == 0, what="both ejected")
+    response = harness.completion(PROMPT, model="fake/base-model")
+    assert response.status_code == 502
+    assert "no healthy replica" in response.text and "upstream-0 ejected" in response.text
+
+
+def test_replicas_come_and_go_through_the_store_file(make_harness):
+    harness = make_harness(upstreams=[])
+    key = layout.control_key(RUN_ID, "upstreams")
+
+    def publish(url: str) -> None:
+        body = {"replicas": [{"role": "replica-0", "url": url}], "updated": time.time()}
+        harness.store.put_bytes(key, json.dumps(body).encode())
+
+    response = harness.get("/health")
+    assert response.status_code == 503 and "no replica configured" in response.text
+    publish(harness.replicas[0].url)
+    wait_until(lambda: harness.get("/health").status_code == 200, what="the listed replica admitted")
+    publish(harness.replicas[1].url)  # replica-0 replaced by a new machine
+    wait_until(
+        lambda: [r["url"] for r in harness.get("/proxy/replicas").json()["replicas"]] == [harness.replicas[1].url],
+        what="the replacement",
+    )
+    wait_until(lambda: harness.healthy() == 1, what="the replacement admitted")
+    assert harness.completion(PROMPT, model="fake/base-model").headers["X-Proxy-Upstream"] == "replica-0"
+    harness.store.put_bytes(key, b"not json")  # a bad file is reported and ignored
+    wait_until(lambda: harness.get("/proxy/stats").json()["errors"].get("upstreams_file") == 1, what="error count")
+    assert harness.healthy() == 1
+
+
+def test_replicas_can_be_ejected_and_admitted_on_request(make_harness):
+    harness = make_harness(health_interval=30.0)
+    response = harness.post("/proxy/replicas/upstream-1/eject")
+    assert response.status_code == 200 and response.json()["state"] == "ejected"
+    assert {harness.completion(PROMPT, model="fake/base-model").headers["X-Proxy-Upstream"] for _ in range(3)} == {
+        "upstream-0"
+    }
+    response = harness.post("/proxy/replicas/upstream-1/admit")
+    assert response.status_code == 200 and response.json()["state"] == "healthy"
+    assert harness.post("/proxy/replicas/nobody/admit").status_code == 404
+
+
+def test_a_replica_lost_during_pause_and_resume_does_not_stop_the_run(make_harness):
+    harness = make_harness(health_interval=30.0)  # only the broadcast itself notices the death
+    harness.stop_replica(1)
+    response = harness.post("/pause?mode=keep")
+    assert response.status_code == 200
+    assert harness.state(1) == "ejected"
+    assert harness.replica_call(0, "GET", "/is_paused").json()["is_paused"] is True
+    assert harness.post("/resume").status_code == 200
+    assert harness.replica_call(0, "GET", "/is_paused").json()["is_paused"] is False

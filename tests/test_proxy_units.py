@@ -1,0 +1,232 @@
+"""The proxy's parts on their own: body fields, names, the router's rules, and HTTP edge cases on a raw socket."""
+
+from __future__ import annotations
+
+import json
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from jobs.proxy.names import (
+    AdapterNames,
+    BadJson,
+    BadName,
+    generation_fields,
+    replace_model,
+    restore_model,
+    token_text,
+)
+from jobs.proxy.router import Router
+from jobs.store import LocalStore
+from tests.support.proxy_harness import start_harness
+
+# -- body fields ----------------------------------------------------------------------------------------------
+
+
+def test_the_fast_and_exact_readings_of_a_body_agree():
+    fast = generation_fields(b'{"model": "trl-policy-v3", "prompt": [10, 20,30], "seed": 5}')
+    exact = generation_fields(b'{"model": "trl-policy-v3", "prompt": [10, 20,30], "stream": false}')
+    assert fast.tokens == exact.tokens == b"10,20,30"
+    assert fast.model == exact.model == "trl-policy-v3"
+    assert fast.stream is exact.stream is False
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "trl-\\u0070olicy-v3", "prompt": [1]}',  # an escaped name
+        b'{"meta": {"model": "x"}, "model": "trl-policy-v3", "prompt": [1]}',  # a nested "model" key
+        b'{"prompt": [1], "model": "trl-policy-v3", "stream": true}',
+    ],
+)
+def test_unusual_bodies_are_read_exactly(body):
+    fields = generation_fields(body)
+    assert fields.model == "trl-policy-v3"
+    renamed = replace_model(body, fields.model_span, "run-v3")
+    assert json.loads(renamed)["model"] == "run-v3"
+    assert renamed.replace(b'"run-v3"', b"") == body.replace(body[slice(*fields.model_span)], b"")
+
+
+def test_other_prompt_shapes_are_kept_for_the_router():
+    assert generation_fields(b'{"model": "m", "prompt": "some text"}').prompt == "some text"
+    chat = generation_fields(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')
+    assert chat.messages == [{"role": "user", "content": "hi"}] and chat.tokens is None
+    assert generation_fields(b'{"model": "m", "prompt": [1.5, 2]}').tokens is None
+
+
+@pytest.mark.parametrize("body", [b"[1, 2]", b'{"model": "m",}', b"\xff\xfe", b'{"model": "m"} x'])
+def test_bodies_that_are_not_a_json_object_are_refused(body):
+    with pytest.raises(BadJson):
+        generation_fields(body)
+
+
+def test_only_the_top_level_model_of_an_answer_is_renamed():
+    answer = b'{"id": "1", "model": "run-v2", "choices": [{"text": "\\"model\\": \\"run-v2\\""}]}'
+    restored = restore_model(answer, "run-v2", "trl-policy-v2")
+    assert json.loads(restored)["model"] == "trl-policy-v2"
+    assert json.loads(restored)["choices"][0]["text"] == '"model": "run-v2"'
+    assert restore_model(answer, "run-v3", "trl-policy-v3") == answer  # another version: left alone
+
+
+def test_adapter_names_map_both_ways_within_one_run_only():
+    names = AdapterNames("demo-1")
+    assert names.to_replica("trl-policy-v12") == ("demo-1-v12", 12)
+    assert names.to_replica("Qwen/Qwen2.5-0.5B") == ("Qwen/Qwen2.5-0.5B", None)
+    assert names.to_trl("demo-1-v12") == "trl-policy-v12"
+    assert names.to_trl("demo-1-v2-v3") is None  # another run's adapter (run id "demo-1-v2")
+    assert names.restore_in_text("`demo-1-v4` and demo-1-v2-v3") == "`trl-policy-v4` and demo-1-v2-v3"
+    for bad in ("trl-policy-v01", "trl-policy-v", "../etc", "a/../b", "x\x00"):
+        with pytest.raises(BadName):
+            names.to_replica(bad)
+
+
+# -- router rules ---------------------------------------------------------------------------------------------
+
+
+def replicas(count: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(slot=slot, inflight=0) for slot in range(count)]
+
+
+def tokens(*values: int) -> bytes:
+    return token_text(list(values))
+
+
+def route(router: Router, pool, body: list[bytes], model: str = "m"):
+    namespace, chains = router.chains(model, body)
+    decision = router.decide(namespace, chains, pool)
+    router.record(decision)
+    decision.replica.inflight += 1
+    return decision
+
+
+def test_a_branching_block_is_common_so_a_template_alone_is_no_affinity():
+    router, pool = Router(block_size=2), replicas(2)
+    first = route(router, pool, tokens(1, 2, 3, 4, 5, 6))
+    assert first.kind == "unmatched"
+    second = route(router, pool, tokens(1, 2, 9, 9, 9, 9))  # shares block [1, 2] only
+    assert second.kind == "unmatched" and second.replica is not first.replica
+    third = route(router, pool, tokens(1, 2, 3, 4, 5, 6))
+    assert third.kind == "affinity" and third.replica is first.replica
+    assert third.matched_blocks == 3
+
+
+def test_a_continuation_follows_its_prefix():
+    router, pool = Router(block_size=2), replicas(2)
+    first = route(router, pool, tokens(1, 2, 3, 4))
+    route(router, pool, tokens(7, 7, 7, 7))
+    follow = route(router, pool, tokens(1, 2, 3, 4, 5, 6, 7, 8))  # a later turn of the same conversation
+    assert follow.kind == "affinity" and follow.replica is first.replica
+
+
+def test_a_prompt_held_by_every_replica_goes_to_the_least_loaded():
+    router, pool = Router(block_size=2, imbalance=0, group_allowance=0), replicas(2)
+    body = tokens(1, 2, 3, 4)
+    first = route(router, pool, body)
+    spilled = route(router, pool, body)  # imbalance 0: the second copy spills
+    assert spilled.kind == "spilled" and spilled.replica is not first.replica
+    pool[0].inflight, pool[1].inflight = 5, 0
+    third = route(router, pool, body)
+    assert third.kind == "affinity" and third.replica is pool[1]
+
+
+def test_forgetting_a_model_and_the_size_bound():
+    router, pool = Router(block_size=2, max_blocks=8), replicas(1)
+    route(router, pool, tokens(1, 2, 3, 4), model="v1")
+    assert router.tracked_blocks == 2
+    router.forget_model("v1")
+    assert router.tracked_blocks == 0
+    assert route(router, pool, tokens(1, 2, 3, 4), model="v1").kind == "unmatched"
+    for seed in range(20):
+        route(router, pool, tokens(seed, seed, seed + 1, seed + 1), model="v2")
+    assert router.counters()["table_blocks"] <= 8
+    recent = route(router, pool, tokens(19, 19, 20, 20), model="v2")  # recently used blocks survive
+    assert recent.matched_blocks == 2
+
+
+def test_siblings_are_released_when_requests_finish():
+    router, pool = Router(block_size=2, imbalance=0, group_allowance=1), replicas(2)
+    body = tokens(1, 2, 3, 4)
+    first = route(router, pool, body)
+    second = route(router, pool, body)
+    assert second.kind == "affinity"  # the one sibling in flight is allowed
+    third = route(router, pool, body)
+    assert third.kind == "spilled"  # two siblings ahead: beyond the allowance
+    for decision in (first, second):
+        router.release(decision)
+        decision.replica.inflight -= 1
+    assert route(router, pool, body).kind == "affinity"
+
+
+# -- HTTP edge cases on a raw socket ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def proxy_port(tmp_path_factory):
+    harness = start_harness(LocalStore(tmp_path_factory.mktemp("store")), replicas=1)
+    yield harness.proxy.port
+    harness.close()
+
+
+def exchange(port: int, data: bytes, reads: int = 1) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        sock.sendall(data)
+        received = b""
+        while received.count(b"HTTP/1.1 ") < reads or not _complete(received):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        return received
+
+
+def _complete(data: bytes) -> bool:
+    if b"\r\n\r\n" not in data:
+        return False
+    for line in data[data.rfind(b"HTTP/1.1 ") :].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+            return len(data) - (data.rfind(b"\r\n\r\n", data.rfind(b"HTTP/1.1 ")) + 4) >= length
+    return True
+
+
+def test_a_chunked_request_body_is_read(proxy_port):
+    body = b'{"step": 42}'
+    request = (
+        b"POST /proxy/trainer_state HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"%x\r\n%s\r\n" % (5, body[:5])
+        + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body) - 5, body[5:])
+    )
+    assert exchange(proxy_port, request).startswith(b"HTTP/1.1 200 OK")
+
+
+def test_pipelined_requests_are_answered_in_order(proxy_port):
+    one = b'POST /proxy/trainer_state HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\n\r\n{"step": 1}'
+    two = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    answer = exchange(proxy_port, one + two, reads=2)
+    assert answer.index(b'{"step": 1}') < answer.index(b"ok: 1/1 replicas healthy")
+
+
+def test_expect_100_continue_is_honoured(proxy_port):
+    request = b"POST /proxy/trainer_state HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", proxy_port), timeout=5) as sock:
+        sock.sendall(request)
+        assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
+        sock.sendall(b'{"step": 2}')
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200 OK")
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"NONSENSE\r\n\r\n", b"400"),
+        (b"GET /health HTTP/2.0\r\n\r\n", b"400"),
+        (b"POST /x HTTP/1.1\r\nContent-Length: abc\r\n\r\n", b"400"),
+        (b"POST /x HTTP/1.1\r\nContent-Length: 999999999999\r\n\r\n", b"413"),
+        (b"GET /health HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n", b"431"),
+    ],
+)
+def test_malformed_requests_get_a_clear_error_and_the_connection_closes(proxy_port, request_bytes, status):
+    answer = exchange(proxy_port, request_bytes)
+    assert answer.split(b" ")[1] == status
+    assert b"Connection: close" in answer
