@@ -1,7 +1,7 @@
 """The code bundle HF jobs run: `jobs/` and its pinned requirements, content-addressed in the run's bucket.
 
 The archive is built deterministically (sorted entries, fixed timestamps and owners), so the same code always has the
-same sha256 and is uploaded once per run. Jobs fetch it through a presigned URL (see jobs/bootstrap.py).
+same sha256 and is uploaded once per run. Jobs fetch it with the bucket keys they hold (see jobs/bootstrap.py).
 """
 
 from __future__ import annotations

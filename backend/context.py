@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from jobs.store import ObjectStore, open_store
 
 
 class PanelContext:
-    def __init__(self, db: Database | None = None, folder: Path | None = None):
+    def __init__(self, db: Database | None = None, folder: Path | None = None, hub_endpoint: str | None = None):
         self.db = db or Database()
+        # The Hub the HF Jobs launcher talks to: huggingface.co unless HF_ENDPOINT (or this argument) says otherwise.
+        self.hub_endpoint = hub_endpoint or os.environ.get("HF_ENDPOINT") or None
         self.folder = Path(folder or data_dir())
         self.vault = Vault(self.db)
         self.local_launcher = LocalLauncher(self.folder / "jobs")
@@ -83,7 +86,8 @@ class PanelContext:
             if key not in self._hf_launchers:
                 if run.hf_credential_id is None:
                     raise ValueError("this run has no HF token; add one in the credentials form")
-                self._hf_launchers[key] = HfJobsLauncher(self.vault.hf_token(run.owner, run.hf_credential_id))
+                token = self.vault.hf_token(run.owner, run.hf_credential_id)
+                self._hf_launchers[key] = HfJobsLauncher(token, endpoint=self.hub_endpoint)
             return self._hf_launchers[key]
 
     @staticmethod

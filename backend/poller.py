@@ -259,7 +259,9 @@ class Poller:
             trainer_job = max((j for j in jobs if j.role == "trainer"), key=lambda j: j.attempt, default=None)
             replica_jobs = [j for j in jobs if j.role.startswith("replica-")]
             status, message = run.status, run.status_message
-            if phase in TERMINAL_PHASES:
+            if run.status in TERMINAL_PHASES:
+                pass  # an ended run stays ended (a relaunch sets it running again explicitly)
+            elif phase in TERMINAL_PHASES:
                 status = phase
                 message = (
                     ((trainer or {}).get("last_error") or "") if phase == "failed" else f"{phase} at step {run.step}"

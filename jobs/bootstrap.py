@@ -1,12 +1,15 @@
 """The first thing a job on HF Jobs runs: fetch our code from the run's bucket, then run the job's module.
 
-Executed as `python3 -c "<this file>" <bundle sha256> <module> <args...>` with only the image's Python and the standard
-library, so it works in any image. The bundle (a tar.gz of `jobs/` and `requirements-jobs.txt`) is fetched from a
-presigned URL given as the Job secret GRPO_BUNDLE_URL — a secret because the URL carries a signature — and checked
-against its sha256 before it is unpacked. Pinned requirements are installed only if the image lacks one of them.
+Executed as `python3 -c "<this file>" <sha256> <endpoint|-> <region> <bucket> <key> <module> <args...>` with only the
+image's Python and the standard library, so it works in any image. It reads the code bundle (a tar.gz of `jobs/` and
+`requirements-jobs.txt`) with a SigV4-signed GET using the bucket keys the job already holds as Job secrets — no
+presigned URL, so nothing in the job's command or environment grants access to anything — checks its sha256, unpacks
+it, installs the pinned requirements only if the image lacks one of them, and execs `python -m <module> <args>`.
 """
 
+import datetime
 import hashlib
+import hmac
 import importlib.util
 import io
 import os
@@ -14,15 +17,49 @@ import subprocess
 import sys
 import tarfile
 import time
+import urllib.parse
 import urllib.request
 
 REQUIRED_MODULES = ("trl", "peft", "boto3", "aiohttp", "pydantic", "accelerate", "datasets", "huggingface_hub")
 
 
-def fetch(url, attempts=5):
+def _hmac(key, text):
+    return hmac.new(key, text.encode(), hashlib.sha256).digest()
+
+
+def signed_get(endpoint, region, bucket, key, environ):
+    """A path-style S3 GET request signed with AWS Signature Version 4 (header form)."""
+    base = endpoint.rstrip("/") if endpoint else f"https://s3.{region}.amazonaws.com"
+    url = f"{base}/{bucket}/{urllib.parse.quote(key, safe='/-_.~')}"
+    parsed = urllib.parse.urlparse(url)
+    now = datetime.datetime.now(datetime.UTC)
+    stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
+    empty = hashlib.sha256(b"").hexdigest()
+    headers = {"host": parsed.netloc, "x-amz-content-sha256": empty, "x-amz-date": stamp}
+    if environ.get("AWS_SESSION_TOKEN"):
+        headers["x-amz-security-token"] = environ["AWS_SESSION_TOKEN"]
+    names = ";".join(sorted(headers))
+    canonical = "\n".join(
+        ["GET", parsed.path, "", "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)), names, empty]
+    )
+    scope = f"{day}/{region}/s3/aws4_request"
+    to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    signing_key = ("AWS4" + environ["AWS_SECRET_ACCESS_KEY"]).encode()
+    for part in (day, region, "s3", "aws4_request"):
+        signing_key = _hmac(signing_key, part)
+    signature = hmac.new(signing_key, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={environ['AWS_ACCESS_KEY_ID']}/{scope}, SignedHeaders={names}, "
+        f"Signature={signature}"
+    )
+    del headers["host"]
+    return urllib.request.Request(url, headers=headers)
+
+
+def fetch(request_factory, attempts=5):
     for attempt in range(attempts):
         try:
-            with urllib.request.urlopen(url, timeout=120) as response:
+            with urllib.request.urlopen(request_factory(), timeout=120) as response:
                 return response.read()
         except OSError as error:
             if attempt == attempts - 1:
@@ -40,19 +77,22 @@ def install(requirements, attempts=5):
 
 
 def main(argv):
-    if len(argv) < 2:
-        raise SystemExit("usage: bootstrap <bundle sha256> <module> [args...]")
-    digest, module, args = argv[0], argv[1], argv[2:]
+    if len(argv) < 6:
+        raise SystemExit("usage: bootstrap <sha256> <endpoint|-> <region> <bucket> <key> <module> [args...]")
+    digest, endpoint, region, bucket, key, module, args = *argv[:6], argv[6:]
     root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"grpo-bundle-{digest[:16]}")
     if not os.path.isdir(root):
-        data = fetch(os.environ.pop("GRPO_BUNDLE_URL"))
+        endpoint = None if endpoint == "-" else endpoint
+        data = fetch(lambda: signed_get(endpoint, region, bucket, key, os.environ))
         if hashlib.sha256(data).hexdigest() != digest:
             raise SystemExit("bootstrap: the code bundle does not match its digest; refusing to run it")
         staging = root + f".tmp{os.getpid()}"
         with tarfile.open(fileobj=io.BytesIO(data)) as archive:
             archive.extractall(staging, filter="data")
-        os.replace(staging, root)
-    os.environ.pop("GRPO_BUNDLE_URL", None)
+        try:
+            os.rename(staging, root)
+        except OSError:  # another job on this machine unpacked the same bundle first
+            pass
     if any(importlib.util.find_spec(name) is None for name in REQUIRED_MODULES):
         install(os.path.join(root, "requirements-jobs.txt"))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

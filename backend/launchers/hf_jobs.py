@@ -2,8 +2,8 @@
 
 - Images are pinned (the spec's, default `vllm/vllm-openai:v0.27.1` for both); flavors, replica count and timeout
   come from the spec; the namespace is always passed explicitly (no rate-limited whoami on every call).
-- The HF token, the bucket keys and the code bundle's presigned URL travel as **Job secrets** only; the command and
-  the environment carry nothing secret (tests check every submitted job spec).
+- The HF token and the bucket keys travel as **Job secrets** only; the command and the environment carry nothing
+  secret (tests check every submitted job spec).
 - Our code reaches the job through the store: a content-addressed bundle of `jobs/`, fetched by a short stdlib-only
   bootstrap (jobs/bootstrap.py).
 - Replicas expose port 8000; their URLs come from the job's `expose_urls`. The platform checks the bearer (the HF
@@ -86,7 +86,7 @@ class HfJobsLauncher(Launcher):
         self.retry = retry
         self._hardware: dict[str, float] | None = None
         self._namespaces: dict[str, str] = {}  # job id -> namespace
-        self._bundles: dict[str, tuple[str, str]] = {}  # run id -> (bundle sha256, presigned URL)
+        self._bundles: dict[str, list[str]] = {}  # run id -> the bootstrap's bundle arguments
 
     # --- calling the Hub -----------------------------------------------------------------------------------------
 
@@ -147,12 +147,19 @@ class HfJobsLauncher(Launcher):
         if not run_secrets.hf_token:
             raise LaunchError("an HF token is required to run HF Jobs; add one in the credentials form")
         digest, key = upload_bundle(store, spec.run_id)
-        self._bundles[spec.run_id] = (digest, store.presigned_get(key))
+        location = store.location
+        self._bundles[spec.run_id] = [
+            digest,
+            location.endpoint or "-",
+            location.region or "us-east-1",
+            location.bucket,
+            store.object_key(key),
+        ]
 
     def start_job(self, spec: RunSpec, role: str, run_secrets: RunSecrets) -> JobHandle:
-        digest, url = self._bundles[spec.run_id]
-        command = ["python3", "-c", bootstrap_source(), digest, *job_module_args(spec, role)]
-        job_secrets = {**job_env(role, run_secrets, on_hf_jobs=True), "GRPO_BUNDLE_URL": url}
+        # The bootstrap reads the bundle with the bucket keys the job holds anyway; its arguments are not secret.
+        command = ["python3", "-c", bootstrap_source(), *self._bundles[spec.run_id], *job_module_args(spec, role)]
+        job_secrets = job_env(role, run_secrets, on_hf_jobs=True)
         submission = token_hex(8)
         labels = {LABEL_RUN: spec.run_id, LABEL_ROLE: role, LABEL_SUBMISSION: submission}
         replica = role != "trainer"
@@ -186,8 +193,9 @@ class HfJobsLauncher(Launcher):
         )
 
     def _find(self, namespace: str, submission: str):
+        # list_jobs is lazy: materialise it inside the retried call, where its request actually happens.
         jobs = self._call(
-            lambda: self.api.list_jobs(labels={LABEL_SUBMISSION: submission}, namespace=namespace),
+            lambda: list(self.api.list_jobs(labels={LABEL_SUBMISSION: submission}, namespace=namespace)),
             "look up a submitted job",
         )
         return jobs[0] if jobs else None

@@ -227,11 +227,9 @@ class S3Store(ObjectStore):
                 return
             cursor = contents[-1]["Key"]
 
-    def presigned_get(self, key: str, expires: int = 7 * 86400) -> str:
-        """A URL that lets its holder read this one object until it expires (SigV4 caps that at 7 days)."""
-        return self.client.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires
-        )
+    def object_key(self, key: str) -> str:
+        """The key of `key` inside the bucket (the store's prefix included), for clients that sign requests."""
+        return self._key(key)
 
     def delete(self, key: str) -> None:
         full = self._key(key)

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.fail(str(error))
     except Exception as error:
         log.exception("training failed")
-        telemetry.fail(f"{type(error).__name__}: {error}"[:2000])
+        telemetry.fail(describe_failure(error))
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -178,6 +178,17 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.status(outcome, replicas_stopped=stopped)
         telemetry.close()
     return exit_code
+
+
+def describe_failure(error: BaseException) -> str:
+    """The error to show the user: TRL wraps the rollout worker's real failure in "see chained exception"."""
+    messages = []
+    while error is not None and len(messages) < 4:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "see chained exception" not in first_line:
+            messages.append(first_line if ":" in first_line[:40] else f"{type(error).__name__}: {first_line}")
+        error = error.__cause__ or error.__context__
+    return " <- ".join(messages)[:2000] or "training failed"
 
 
 def _drain_queues_on_stop(worker) -> None:
@@ -194,6 +205,12 @@ def _drain_queues_on_stop(worker) -> None:
     original_stop = worker.stop
 
     def stop_draining() -> None:
+        process = worker._process
+        if process is not None and process._popen is not None and not process.is_alive():
+            # The child already died (e.g. a reward kept failing). TRL's stop would set an mp.Event the dead child
+            # was waiting on, and mp.Event.set waits for that sleeper to wake: forever. Nothing is left to stop.
+            worker._process = None
+            return
         done = threading.Event()
 
         def drain() -> None:

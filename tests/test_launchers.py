@@ -1,0 +1,283 @@
+"""Launchers: a demo run through the real huggingface_hub client against the Hub Jobs emulator (moto S3 as the
+bucket), failure paths, and the local launcher's process handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backend.context import PanelContext
+from backend.db import Database
+from backend.launchers.base import LaunchError, RunSecrets
+from backend.launchers.hf_jobs import HfJobsLauncher, HubTokenRejected, UnknownFlavor
+from backend.models import Run
+from backend.poller import Poller
+from backend.services.queries import QueryService
+from backend.services.runs import TERMINAL_STATUSES, RunService
+from jobs.contract import layout, parse_spec
+from jobs.demo.preset import demo_spec
+from jobs.processes import group_alive
+from jobs.store import S3Store, list_published
+from tests.support.hub_emulator import HubEmulator
+
+TOKEN = "hf_emulatortoken0123456789abcdef"
+OWNER = "tester"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_until(predicate, timeout: float, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"condition not met within {timeout:.0f}s")
+
+
+@pytest.fixture
+def emulator(tmp_path):
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": str(tmp_path / "home"),
+        "TMPDIR": str(tmp_path / "jobtmp"),
+        "GRPO_MODEL_CACHE": os.environ.get("GRPO_MODEL_CACHE", str(Path.home() / ".cache/grpo-panel/models")),
+        "NO_PROXY": "127.0.0.1,localhost",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    (tmp_path / "jobtmp").mkdir()
+    hub = HubEmulator(tmp_path / "hub", tokens=(TOKEN,), namespace=OWNER, base_env=env, scheduling_delay=0.2)
+    hub.base_env["HF_ENDPOINT"] = hub.url  # the trainer job cancels its replicas through the same (emulated) Hub
+    hub.start()
+    yield hub
+    hub.close()
+
+
+@pytest.fixture
+def hub_panel(tmp_path, emulator, moto_server):
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path, hub_endpoint=emulator.url)
+    hf = ctx.vault.save(OWNER, "hub", "hf_token", TOKEN)
+    keys = ctx.vault.save(
+        OWNER,
+        "bucket",
+        "s3",
+        {
+            "access_key_id": moto_server.credentials.access_key_id,
+            "secret_access_key": moto_server.credentials.secret_access_key,
+        },
+    )
+    bucket = moto_server.create_bucket()
+    yield ctx, hf.id, keys.id, bucket
+    ctx.db.close()
+
+
+def hub_spec(run_id: str, bucket: str, endpoint: str, steps: int = 5, **compute):
+    return demo_spec(
+        run_id,
+        f"s3://{bucket}/panel",
+        grpo={"max_steps": steps, "save_steps": 50},
+        compute={
+            "backend": "hf_jobs",
+            "namespace": OWNER,
+            "trainer_flavor": "cpu-upgrade",
+            "replica_flavor": "cpu-basic",
+            "engine": "auto",
+            "timeout": "30m",
+            **compute,
+        },
+        storage={"uri": f"s3://{bucket}/panel", "endpoint": endpoint},
+    )
+
+
+def test_a_demo_run_goes_end_to_end_through_hf_jobs(hub_panel, emulator, moto_server):
+    ctx, hf_id, keys_id, bucket = hub_panel
+    spec = hub_spec("hub-demo", bucket, moto_server.url)
+    service = RunService(ctx, OWNER)
+    service.create(spec, store_credential_id=keys_id, hf_credential_id=hf_id)
+    started = time.monotonic()
+    service.launch("hub-demo", wait=True)
+    poller = Poller(ctx)
+
+    def ended():
+        poller.poll_run("hub-demo")
+        return service.get("hub-demo").status in TERMINAL_STATUSES
+
+    wait_until(ended, 900, 2)
+    print(f"HF Jobs demo ({spec.grpo.max_steps} steps) through the emulator: {time.monotonic() - started:.0f}s")
+    run = service.get("hub-demo")
+    assert run.status == "finished", run.status_message
+    store = S3Store(ctx.fresh_store(run).location, ctx.vault.store_credentials(OWNER, keys_id))
+    assert len(list_published(store, layout.adapters_prefix("hub-demo"))) >= spec.grpo.max_steps
+    # Stages moved and every job ended; the trainer cancelled its replicas itself.
+    wait_until(lambda: all(j.stage in ("COMPLETED", "CANCELED") for j in emulator.jobs.values()), 60)
+    stages = {j.spec["labels"]["grpo-role"]: j.stage for j in emulator.jobs.values()}
+    assert stages == {"replica-0": "CANCELED", "replica-1": "CANCELED", "trainer": "COMPLETED"}
+    poller.poll_run("hub-demo")
+    jobs = {j.role: j for j in QueryService(ctx, OWNER).jobs("hub-demo")}
+    assert jobs["trainer"].url.startswith(emulator.url) and "Weight sync" in jobs["trainer"].log_tail
+    assert jobs["replica-0"].endpoint.startswith("http://127.0.0.1:")
+    # The recorded job specs carry secrets under `secrets` only.
+    secret_values = {TOKEN, moto_server.credentials.secret_access_key, moto_server.credentials.access_key_id}
+    assert len(emulator.submissions) == 3
+    for submission in emulator.submissions:
+        body = submission.spec
+        exposed = json.dumps({k: v for k, v in body.items() if k != "secrets"})
+        assert not any(value in exposed for value in secret_values), "a secret leaked outside `secrets`"
+        assert set(body["secrets"]) >= {"HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+        assert body["labels"]["grpo-run"] == "hub-demo"
+    replica_bodies = [s.spec for s in emulator.submissions if s.spec["labels"]["grpo-role"] != "trainer"]
+    assert all(b["expose"]["ports"] == [8000] and b["flavor"] == "cpu-basic" for b in replica_bodies)
+
+
+def test_a_replica_that_fails_at_start_fails_the_run_before_the_trainer(hub_panel, emulator, moto_server):
+    ctx, hf_id, keys_id, bucket = hub_panel
+    spec = hub_spec("hub-broken", bucket, moto_server.url)
+    data = spec.model_dump()
+    data["model"]["id"] = "/nonexistent/model"  # the replica cannot load it and exits 1
+    service = RunService(ctx, OWNER)
+    service.create(parse_spec(data), store_credential_id=keys_id, hf_credential_id=hf_id)
+    service.launch("hub-broken", wait=True)
+    run = service.get("hub-broken")
+    assert run.status == "failed"
+    assert "replica-" in run.status_message and "ended before it was ready" in run.status_message
+    roles = [s.spec["labels"]["grpo-role"] for s in emulator.submissions]
+    assert "trainer" not in roles
+    wait_until(lambda: all(j.stage in ("ERROR", "CANCELED", "COMPLETED") for j in emulator.jobs.values()), 60)
+
+
+def test_a_trainer_failing_mid_run_cancels_the_replicas(hub_panel, emulator, moto_server):
+    ctx, hf_id, keys_id, bucket = hub_panel
+    source = "def f(completions, **kw):\n    raise RuntimeError('reward blew up')\n"
+    spec = hub_spec("hub-trainfail", bucket, moto_server.url)
+    data = spec.model_dump()
+    data["rewards"] = [{"kind": "code", "name": "broken", "source": source, "entry_point": "f"}]
+    service = RunService(ctx, OWNER)
+    service.create(parse_spec(data), store_credential_id=keys_id, hf_credential_id=hf_id)
+    service.launch("hub-trainfail", wait=True)
+    poller = Poller(ctx)
+
+    def ended():
+        poller.poll_run("hub-trainfail")
+        return service.get("hub-trainfail").status in TERMINAL_STATUSES
+
+    wait_until(ended, 600, 2)
+    run = service.get("hub-trainfail")
+    assert run.status == "failed" and "broken" in run.status_message
+    wait_until(lambda: all(j.stage != "RUNNING" for j in emulator.jobs.values()), 60)
+    stages = {j.spec["labels"]["grpo-role"]: j.stage for j in emulator.jobs.values()}
+    assert stages["replica-0"] == stages["replica-1"] == "CANCELED"
+
+
+def test_a_rejected_token_and_an_unknown_flavor_fail_before_anything_is_submitted(emulator, moto_server, tmp_path):
+    spec = hub_spec("hub-checks", "some-bucket", moto_server.url)
+    with pytest.raises(HubTokenRejected, match="rejected the token"):
+        HfJobsLauncher("hf_not_a_valid_token_at_all_000", endpoint=emulator.url).check_flavors(spec)
+    bad = spec.model_copy(update={"compute": spec.compute.model_copy(update={"replica_flavor": "h9000"})})
+    with pytest.raises(UnknownFlavor, match=r"compute.replica_flavor: the Hub has no flavor 'h9000'"):
+        HfJobsLauncher(TOKEN, endpoint=emulator.url).check_flavors(bad)
+    assert emulator.submissions == []
+
+
+def test_hub_errors_are_retried_without_duplicate_jobs(emulator, moto_server, tmp_path):
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    launcher.retry = type(launcher.retry)(6, 0.05, 0.2)
+    spec = hub_spec("hub-retry", "some-bucket", moto_server.url)
+    launcher._bundles["hub-retry"] = ["0" * 64, "http://127.0.0.1:9", "us-east-1", "never", "fetched"]
+    emulator.inject("429", count=2)
+    emulator.inject("5xx-after", count=1)  # the job is created, but the answer is lost
+    job = launcher.start_job(spec, "replica-0", RunSecrets(hf_token=TOKEN))
+    created = [s for s in emulator.submissions if s.job_id is not None]
+    assert len(created) == 1 and created[0].job_id == job.job_id
+    launcher.cancel(job)
+    wait_until(lambda: launcher.state(job).stage in ("canceled", "error"), 30)
+
+
+def test_prices_and_the_cost_estimate(emulator):
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    prices = launcher.prices_per_hour()
+    assert prices["a10g-small"] == pytest.approx(1.0) and prices["h200"] == pytest.approx(5.0)
+    from backend.services.costs import estimate_per_hour
+
+    spec = parse_spec(
+        {
+            "run_id": "cost-1",
+            "compute": {
+                "backend": "hf_jobs",
+                "namespace": OWNER,
+                "replicas": 3,
+                "trainer_flavor": "h200x2",
+                "replica_flavor": "h200",
+            },
+        }
+    )
+    assert estimate_per_hour(spec, prices) == pytest.approx(prices["h200x2"] + 3 * 5.0)
+
+
+# --- the local launcher ---------------------------------------------------------------------------------------
+
+
+def test_local_launcher_submit_status_logs_cancel_and_no_orphans(tmp_path):
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    spec = demo_spec("local-l", f"file://{tmp_path / 'store'}", compute={"replicas": 1})
+    launcher = ctx.local_launcher
+    secrets = RunSecrets()
+    job = launcher.start_job(spec, "replica-0", secrets)
+    assert launcher.state(job).stage == "running"
+    launcher.wait_healthy([job], secrets)
+    assert any(
+        "sidecar" in line or "engine" in line or "listening" in line.lower() for line in launcher.logs(job, 200)
+    ), launcher.logs(job, 50)
+    pgid = int((launcher.workdir / "local-l" / job.job_id / "pgid").read_text())
+    launcher.cancel(job)
+    assert launcher.state(job).stage == "canceled"
+    wait_until(lambda: not group_alive(pgid), 20)
+    assert "sk" not in (launcher.workdir / "local-l" / job.job_id / "command").read_text().split()
+    assert secrets.replica_token not in (launcher.workdir / "local-l" / job.job_id / "command").read_text()
+    ctx.db.close()
+
+
+def test_local_launcher_reports_exit_codes_and_timeouts(tmp_path):
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    spec = demo_spec("local-x", f"file://{tmp_path / 'store'}", compute={"replicas": 1, "timeout": "2s"})
+    launcher = ctx.local_launcher
+    job = launcher.start_job(spec, "replica-0", RunSecrets())
+    wait_until(lambda: launcher.state(job).stage == "error", 30, 0.5)
+    assert "timed out" in launcher.state(job).message
+    pgid = int((launcher.workdir / "local-x" / job.job_id / "pgid").read_text())
+    wait_until(lambda: not group_alive(pgid), 20)
+    ctx.db.close()
+
+
+def test_a_failed_launch_leaves_nothing_running(tmp_path):
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    spec = demo_spec("local-f", f"file://{tmp_path / 'store'}", model={"id": "/nonexistent/model"})
+    ctx.local_launcher.health_deadline = 120
+    with ctx.db.session() as session:
+        session.add(
+            Run(
+                id="local-f",
+                owner=OWNER,
+                spec_json=spec.to_json(),
+                storage_uri=spec.storage.uri,
+                backend="local",
+                created_at=time.time(),
+            )
+        )
+        session.commit()
+    started = []
+    with pytest.raises(LaunchError, match="ended before it was ready") as raised:
+        ctx.local_launcher.launch(spec, RunSecrets(), ctx.store_for(ctx_run(ctx, "local-f")), on_started=started.append)
+    assert raised.value.log_tail
+    for job in started:
+        pgid = int((ctx.local_launcher.workdir / "local-f" / job.job_id / "pgid").read_text())
+        wait_until(lambda pgid=pgid: not group_alive(pgid), 20)
+    ctx.db.close()
+
+
+def ctx_run(ctx: PanelContext, run_id: str) -> Run:
+    with ctx.db.session() as session:
+        return session.get(Run, run_id)
