@@ -115,6 +115,9 @@ class LocalLauncher(Launcher):
         folder = self._folder(job)
         started = _read_float(folder / "started")
         code = _read_int(folder / "exit")
+        limit = _read_float(folder / "timeout")
+        if (folder / "timed_out").exists():
+            return JobState("error", f"timed out after {limit:.0f}s", started, _mtime(folder / "timed_out"))
         if (folder / "canceled").exists() and (code is not None or not group_alive(self._pgid(job))):
             return JobState("canceled", "cancelled", started, _mtime(folder / "canceled"))
         if code is not None:
@@ -123,10 +126,10 @@ class LocalLauncher(Launcher):
                 return JobState("completed", "exit code 0", started, finished)
             return JobState("error", f"exit code {code}", started, finished)
         if group_alive(self._pgid(job)):
-            limit = _read_float(folder / "timeout")
             if started is not None and limit is not None and time.time() - started > limit:
-                self.cancel(job)
-                return JobState("error", f"timed out after {limit:.0f}s", started, time.time())
+                (folder / "timed_out").write_text(str(time.time()))
+                terminate_group(self._pgid(job), CANCEL_GRACE_S)
+                return self.state(job)
             return JobState("running", "", started)
         return JobState("error", "the process ended without an exit code", started, None)
 
