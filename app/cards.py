@@ -1,0 +1,202 @@
+"""Small HTML pieces the pages share: status badges, the progress bar, job cards, alert banners, field errors.
+
+Everything that comes from a run (log lines, prompts, messages) is escaped here: a completion is text to read, never
+markup to render.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from html import escape
+from typing import Any
+
+from app.formatting import ago, duration, money
+from backend.models import Event, Job, Run
+
+STATUS_TONE = {
+    "draft": "muted",
+    "launching": "info",
+    "running": "good",
+    "degraded": "warn",
+    "stalled": "warn",
+    "stopping": "warn",
+    "finished": "done",
+    "failed": "bad",
+    "stopped": "muted",
+    "scheduling": "info",
+    "completed": "done",
+    "error": "bad",
+    "canceled": "muted",
+}
+
+
+def badge(status: str) -> str:
+    return f'<span class="gp-badge gp-{STATUS_TONE.get(status, "muted")}">{escape(status)}</span>'
+
+
+def empty_state(message: str) -> str:
+    return f'<div class="gp-empty">{escape(message)}</div>'
+
+
+def field_error(messages: list[str]) -> str:
+    """The red note shown right under a form field; empty when the field is fine."""
+    if not messages:
+        return ""
+    items = "".join(f"<li>{escape(m)}</li>" for m in messages)
+    return f'<ul class="gp-field-error" role="alert">{items}</ul>'
+
+
+def note(message: str, tone: str = "info") -> str:
+    return f'<div class="gp-note gp-note-{tone}">{escape(message)}</div>'
+
+
+def eta_seconds(run: Run, step_seconds: float | None, now: float | None = None) -> float | None:
+    """Time left: the recent seconds per step times the steps left, else the average pace since the start."""
+    left = max(run.max_steps - run.step, 0)
+    if left == 0:
+        return 0.0
+    if step_seconds:
+        return left * step_seconds
+    if run.started_at and run.step:
+        return left * ((now or time.time()) - run.started_at) / run.step
+    return None
+
+
+def run_header(run: Run, step_seconds: float | None, now: float | None = None) -> str:
+    """Status, progress from step to max steps, time elapsed and left, cost so far."""
+    now = now or time.time()
+    fraction = min(run.step / run.max_steps, 1.0) if run.max_steps else 0.0
+    end = run.finished_at or now
+    elapsed = end - run.started_at if run.started_at else None
+    active = run.status in ("launching", "running", "degraded", "stalled")
+    left = eta_seconds(run, step_seconds, now) if active else None
+    reward = f"{run.latest_reward:.3f}" if run.latest_reward is not None else "—"
+    tone = STATUS_TONE.get(run.status, "muted")
+    message = f'<div class="gp-status-message">{escape(run.status_message)}</div>' if run.status_message else ""
+    parent = (
+        f'<span class="gp-meta">branch of <b>{escape(run.parent_run_id)}</b> v{run.parent_version}</span>'
+        if run.parent_run_id
+        else ""
+    )
+    return f"""
+<div class="gp-run-header">
+  <div class="gp-run-title"><span class="gp-run-name">{escape(run.name or run.id)}</span>
+    <code>{escape(run.id)}</code> {badge(run.status)} {parent}</div>
+  <div class="gp-progress" role="progressbar" aria-valuenow="{run.step}" aria-valuemax="{run.max_steps}">
+    <div class="gp-progress-fill gp-{tone}-fill" style="width:{fraction * 100:.1f}%"></div>
+  </div>
+  <div class="gp-stats">
+    <div><span>step</span><b>{run.step} / {run.max_steps}</b></div>
+    <div><span>latest reward</span><b>{reward}</b></div>
+    <div><span>elapsed</span><b>{duration(elapsed)}</b></div>
+    <div><span>time left</span><b>{duration(left) if active else "—"}</b></div>
+    <div><span>cost so far</span><b>{money(run.cost_usd)}</b></div>
+    <div><span>adapter</span><b>{_version_text(run)}</b></div>
+  </div>
+  {message}
+</div>"""
+
+
+def _version_text(run: Run) -> str:
+    parts = []
+    if run.current_version is not None:
+        parts.append(f"current v{run.current_version}")
+    if run.best_version is not None:
+        parts.append(f"best v{run.best_version}")
+    return " · ".join(parts) or "none yet"
+
+
+def alert_banner(alerts: list[Event]) -> str:
+    if not alerts:
+        return ""
+    rows = "".join(
+        f'<div class="gp-alert gp-alert-{escape(a.level)}"><b>{escape(a.kind.replace("_", " "))}</b> '
+        f"{escape(a.message)} <span class='gp-meta'>{ago(a.time)}</span></div>"
+        for a in alerts[:5]
+    )
+    return f'<div class="gp-alerts" role="alert">{rows}</div>'
+
+
+def job_cards(jobs: list[Job], heartbeats: dict[str, dict[str, Any]], local: bool, now: float | None = None) -> str:
+    """One card per job: role, stage, hardware and price, a link to its page, its heartbeat, its last log lines."""
+    if not jobs:
+        return empty_state("Jobs appear here once the launch starts them: the replicas first, then the trainer.")
+    now = now or time.time()
+    cards = []
+    for job in jobs:
+        beat = heartbeats.get(job.role) or {}
+        link = f'<a href="{escape(job.url)}" target="_blank" rel="noopener">job page ↗</a>' if job.url else ""
+        ended = job.stage in ("completed", "error", "canceled")
+        if job.started_at is None or (ended and job.finished_at is None):
+            ran = "—"
+        else:
+            ran = duration((job.finished_at or now) - job.started_at)
+        state = beat.get("state") or beat.get("phase")
+        beat_text = f"{escape(str(state))}, heartbeat {ago(beat.get('time'), now)}" if beat else "no heartbeat yet"
+        price = f" · {money(job.price_per_hour, per_hour=True)}" if job.price_per_hour else ""
+        hardware = "local process" if local else job.flavor
+        tail = "\n".join(job.log_tail.strip().splitlines()[-8:]) or "(no output yet)"
+        cards.append(f"""
+<div class="gp-card">
+  <div class="gp-card-head"><b>{escape(job.role)}</b> {badge(job.stage)} <span class="gp-meta">{link}</span></div>
+  <div class="gp-meta">{escape(hardware)}{price} · ran {ran} · {beat_text}</div>
+  {f'<div class="gp-meta">{escape(job.message)}</div>' if job.message else ""}
+  <div class="gp-log"><pre>{escape(tail)}</pre></div>
+</div>""")
+    return f'<div class="gp-cards">{"".join(cards)}</div>'
+
+
+def versions_held(snapshot: dict[str, Any] | None, heartbeats: dict[str, dict[str, Any]], newest: int | None) -> str:
+    """A grid of replicas × adapter versions: which versions each replica holds right now.
+
+    The proxy's view (what it loaded on each replica) comes first; a replica's own heartbeat (what its engine lists)
+    fills in when the proxy has not reported yet. Both should agree; the trainer's newest version is highlighted.
+    """
+    held: dict[str, set[int]] = {}
+    for replica in (snapshot or {}).get("replicas") or []:
+        if replica.get("loaded_versions") is not None:
+            held[str(replica.get("role"))] = set(replica["loaded_versions"])
+    for role, beat in heartbeats.items():
+        if role.startswith("replica") and role not in held:
+            held[role] = {a["version"] for a in beat.get("adapters") or [] if a.get("version") is not None}
+    if not held:
+        return empty_state("Appears once the replicas report the adapter versions they hold.")
+    versions = sorted(set().union(*held.values()) | ({newest} if newest else set()))[-12:]
+    head = "".join(f'<th class="{"gp-newest" if v == newest else ""}">v{v}</th>' for v in versions)
+    body = ""
+    for role in sorted(held):
+        cells = "".join(
+            f'<td class="{"gp-held" if v in held[role] else "gp-missing"}">{"●" if v in held[role] else "·"}</td>'
+            for v in versions
+        )
+        body += f"<tr><th>{escape(role)}</th>{cells}</tr>"
+    caption = f"newest published: v{newest}" if newest else "no version published yet"
+    return f"""<div class="gp-card"><div class="gp-card-head"><b>Adapter versions loaded on each replica</b>
+<span class="gp-meta">{caption} · ● loaded (what the proxy loaded on each replica, else its heartbeat)</span></div>
+<table class="gp-grid"><thead><tr><th>replica</th>{head}</tr></thead><tbody>{body}</tbody></table></div>"""
+
+
+def sample_card(title: str, sample: Any | None) -> str:
+    """One rollout sample: prompt, completion, total and per-reward scores, advantage, the version that wrote it."""
+    if sample is None:
+        return empty_state("No sample")
+    scores = json.loads(sample.rewards_json or "{}")
+    score_rows = "".join(
+        f"<tr><td>{escape(name)}</td><td>{value:.3f}</td></tr>"
+        if isinstance(value, int | float)
+        else f"<tr><td>{escape(name)}</td><td>—</td></tr>"
+        for name, value in scores.items()
+    )
+    reward = f"{sample.reward:.3f}" if sample.reward is not None else "—"
+    dropped = ' <span class="gp-badge gp-bad">dropped: too stale</span>' if sample.dropped else ""
+    return f"""
+<div class="gp-card gp-sample">
+  <div class="gp-card-head"><b>{escape(title)}</b> reward <b>{reward}</b>{dropped}</div>
+  <div class="gp-meta">advantage {sample.advantage:+.3f} · generated by v{sample.policy_version}
+    ({sample.staleness} behind the trainer) · step {sample.step} · group {sample.group_id}</div>
+  <div class="gp-label">prompt</div><pre class="gp-text">{escape(sample.prompt)}</pre>
+  <div class="gp-label">completion</div><pre class="gp-text gp-completion">{escape(sample.completion)}</pre>
+  <table class="gp-scores"><thead><tr><th>reward function</th><th>score</th></tr></thead>
+    <tbody>{score_rows}</tbody></table>
+</div>"""

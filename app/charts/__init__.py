@@ -1,0 +1,1 @@
+"""Plotly figures for the panel's pages; each module draws the figures of one page."""

@@ -1,0 +1,100 @@
+"""The monitor's replica figures, from the proxy's snapshots: routing outcomes, load per replica, adapter sync split.
+
+Proxy counters are totals since the proxy started; routing shares are computed between consecutive snapshots, so
+the plot shows how routing behaves now rather than a lifetime average.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import plotly.graph_objects as go
+
+from app.charts.style import COLORS, base_figure, empty_figure, series_color
+
+Snapshot = dict[str, Any]
+NO_PROXY = "Appears when the proxy publishes its first snapshot<br>(every 10 s once the trainer is up)"
+
+
+def routing_figure(snapshots: list[Snapshot]) -> go.Figure:
+    title = "Routing: where each completion request went"
+    points = [s for s in snapshots if s.get("routing")]
+    if len(points) < 2:
+        return empty_figure(title, NO_PROXY if not points else "Routing shares appear with the second snapshot")
+    start = points[0].get("started") or points[0]["time"]
+    minutes, shares = [], {"affinity": [], "unmatched": [], "spilled": []}
+    for before, after in pairwise(points):
+        if after.get("started") != before.get("started"):
+            continue  # the proxy restarted: its counters restarted too
+        routed = after["routing"].get("routed", 0) - before["routing"].get("routed", 0)
+        if routed <= 0:
+            continue
+        minutes.append((after["time"] - start) / 60)
+        for key in shares:
+            delta = after["routing"].get(key, 0) - before["routing"].get(key, 0)
+            shares[key].append(100.0 * max(delta, 0) / routed)
+    if not minutes:
+        return empty_figure(title, "No requests were routed between the snapshots yet")
+    figure = base_figure(title, x_title="minutes since the proxy started", y_title="% of routed requests")
+    labels = {
+        "affinity": "prefix affinity (KV cache reuse)",
+        "unmatched": "no cached prefix",
+        "spilled": "spilled (preferred replica busy)",
+    }
+    for key, values in shares.items():
+        figure.add_bar(x=minutes, y=values, name=labels[key], marker={"color": COLORS[key]})
+    figure.update_layout(barmode="stack", bargap=0.08)
+    figure.update_yaxes(range=[0, 100])
+    return figure
+
+
+def replica_load_figure(latest: Snapshot | None) -> go.Figure:
+    title = "Load per replica (requests routed, and in flight now)"
+    replicas = (latest or {}).get("replicas") or []
+    if not replicas:
+        return empty_figure(title, NO_PROXY)
+    figure = base_figure(title, x_title="", y_title="requests routed (total)")
+    roles = [r.get("role", "?") for r in replicas]
+    figure.add_bar(
+        x=roles,
+        y=[r.get("routed", 0) for r in replicas],
+        name="routed",
+        marker={"color": [series_color(i) if r.get("healthy", True) else "#cbd5e1" for i, r in enumerate(replicas)]},
+        text=[f"{r.get('inflight', 0)} in flight · {r.get('state', '')}" for r in replicas],
+        textposition="outside",
+        cliponaxis=False,
+    )
+    figure.update_layout(showlegend=False, hovermode="closest")
+    return figure
+
+
+def sync_figure(latest: Snapshot | None) -> go.Figure:
+    """Upload to the bucket, then broadcast to the replicas: the two halves of every adapter sync."""
+    title = "Adapter sync time: upload to the bucket + broadcast to replicas"
+    windows = (latest or {}).get("sync_s") or {}
+    upload, broadcast = windows.get("upload") or {}, windows.get("broadcast") or {}
+    if not upload.get("count") and not broadcast.get("count"):
+        return empty_figure(title, "Appears after the first adapter version is synced to the replicas")
+    figure = base_figure(title, x_title="seconds", y_title="")
+    rows = ["last", "p50", "p95"]
+    for key, window in (("upload", upload), ("broadcast", broadcast)):
+        values = [window.get(row) or 0.0 for row in rows]
+        figure.add_bar(
+            y=rows,
+            x=values,
+            name=key,
+            orientation="h",
+            marker={"color": COLORS[key]},
+            text=[f"{v:.2f}s" for v in values],
+            textposition="inside",
+        )
+    count = max(upload.get("count") or 0, broadcast.get("count") or 0)
+    figure.update_layout(
+        barmode="stack",
+        hovermode="closest",
+        title={"text": f"{title} ({count} syncs)"},
+        uniformtext={"minsize": 10, "mode": "hide"},
+    )
+    figure.update_yaxes(autorange="reversed")
+    return figure

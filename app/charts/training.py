@@ -1,0 +1,129 @@
+"""The monitor's training figures: reward, reward per function, ratio and KL, and where each step's time goes."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from app.charts.style import (
+    COLORS,
+    base_figure,
+    empty_figure,
+    integer_steps,
+    rolling_mean,
+    series_color,
+    smoothing_window,
+)
+
+Series = list[tuple[int, float]]
+AFTER_FIRST_STEP = "after the first optimizer step<br>(the trainer logs every step)"
+
+
+def _xy(series: Series) -> tuple[list[int], list[float]]:
+    return [step for step, _ in series], [value for _, value in series]
+
+
+def reward_figure(reward: Series) -> go.Figure:
+    title = "Reward (mean over each step's completions)"
+    if not reward:
+        return empty_figure(title, "The mean reward appears " + AFTER_FIRST_STEP)
+    steps, values = _xy(reward)
+    window = smoothing_window(len(values))
+    figure = base_figure(title, y_title="reward")
+    figure.add_scatter(
+        x=steps,
+        y=values,
+        name="per step",
+        mode="lines+markers" if len(values) < 60 else "lines",
+        line={"color": COLORS["reward_raw"], "width": 1},
+        marker={"size": 4, "color": COLORS["reward_raw"]},
+    )
+    figure.add_scatter(
+        x=steps,
+        y=rolling_mean(values, window),
+        name=f"rolling mean ({window} steps)",
+        line={"color": COLORS["reward"], "width": 3},
+    )
+    return integer_steps(figure, steps)
+
+
+def reward_functions_figure(per_function: dict[str, Series]) -> go.Figure:
+    title = "Reward by function (rewards/<name>, weighted)"
+    shown = {name: series for name, series in per_function.items() if series}
+    if not shown:
+        return empty_figure(title, "One curve per reward function appears<br>" + AFTER_FIRST_STEP)
+    figure = base_figure(title, y_title="score")
+    figure.update_layout(showlegend=True)
+    for index, (name, series) in enumerate(sorted(shown.items())):
+        steps, values = _xy(series)
+        figure.add_scatter(
+            x=steps,
+            y=rolling_mean(values, smoothing_window(len(values))),
+            name=name,
+            line={"color": series_color(index), "width": 2},
+        )
+    return integer_steps(figure, [s for series in shown.values() for s, _ in series])
+
+
+def ratio_kl_figure(ratio: Series, kl: Series, tolerance: float = 0.01) -> go.Figure:
+    """ratio ≈ 1 is the evidence that the replicas serve the policy the trainer trains (and KL stays tiny)."""
+    title = "Served vs trained policy: importance ratio and KL"
+    if not ratio and not kl:
+        return empty_figure(
+            title, "ratio and kl appear " + AFTER_FIRST_STEP + "<br>ratio ≈ 1.00: the replicas serve the trained policy"
+        )
+    figure = base_figure(title, y_title="ratio (served → trained)")
+    if ratio:
+        steps, values = _xy(ratio)
+        figure.add_hrect(y0=1 - tolerance, y1=1 + tolerance, fillcolor=COLORS["ratio"], opacity=0.08, line_width=0)
+        figure.add_hline(y=1.0, line={"color": COLORS["limit"], "dash": "dot", "width": 1})
+        figure.add_scatter(x=steps, y=values, name="ratio", line={"color": COLORS["ratio"], "width": 2})
+    if kl:
+        steps, values = _xy(kl)
+        figure.add_scatter(
+            x=steps, y=values, name="kl (right axis)", yaxis="y2", line={"color": COLORS["kl"], "width": 2}
+        )
+        figure.update_layout(
+            yaxis2={
+                "title": {"text": "kl"},
+                "overlaying": "y",
+                "side": "right",
+                "showgrid": False,
+                "rangemode": "tozero",
+            }
+        )
+    return integer_steps(figure, [s for s, _ in ratio or kl])
+
+
+def step_time_figure(step: Series, fwd_bwd: Series, rollout_wait: Series, weight_sync: Series) -> go.Figure:
+    """Stacked: a trainer-bound run is mostly forward/backward, a generation-bound one mostly rollout wait."""
+    title = "Where each step's time goes"
+    if not (step or fwd_bwd):
+        return empty_figure(title, "Step timings appear from the second optimizer step")
+    parts = {"forward/backward": fwd_bwd, "rollout wait": rollout_wait, "weight sync": weight_sync}
+    colors = {"forward/backward": "fwd_bwd", "rollout wait": "rollout_wait", "weight sync": "weight_sync"}
+    by_step = {name: dict(series) for name, series in parts.items()}
+    steps = sorted({s for series in parts.values() for s, _ in series} | {s for s, _ in step})
+    figure = base_figure(title, y_title="seconds per step")
+    for name, values in by_step.items():
+        figure.add_scatter(
+            x=steps,
+            y=[values.get(s, 0.0) for s in steps],
+            name=name,
+            stackgroup="time",
+            line={"color": COLORS[colors[name]], "width": 0.5},
+            fillcolor=COLORS[colors[name]],
+        )
+    totals = dict(step)
+    if totals:
+        other = [
+            max(0.0, totals[s] - sum(v.get(s, 0.0) for v in by_step.values())) if s in totals else 0.0 for s in steps
+        ]
+        figure.add_scatter(
+            x=steps,
+            y=other,
+            name="other",
+            stackgroup="time",
+            line={"color": COLORS["other"], "width": 0.5},
+            fillcolor=COLORS["other"],
+        )
+    return integer_steps(figure, steps)

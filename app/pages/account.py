@@ -1,0 +1,103 @@
+"""Account: who you are to the panel, and the credentials it keeps for you (encrypted, shown masked).
+
+In a Space you sign in with Hugging Face (the button in the page header) and see only your own runs; your sign-in
+token is kept so your runs can start Jobs as you. On this machine there is one owner, and an HF token is optional
+(for HF Jobs, gated models and publishing).
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+import pandas as pd
+
+from app import cards
+from app.formatting import clock
+from app.panel import LOCAL_OWNER, Panel
+
+COLUMNS = ["name", "kind", "value (masked)", "saved"]
+KIND_LABELS = {"hf_token": "HF token", "s3": "bucket keys"}
+
+
+class AccountPage:
+    def __init__(self, panel: Panel):
+        self.panel = panel
+
+    def build(self) -> None:
+        self.who = gr.HTML("", elem_id="account-who", padding=False)
+        gr.Markdown("### Credentials", elem_classes="gp-section-title")
+        self.table = gr.Dataframe(
+            pd.DataFrame(columns=COLUMNS),
+            interactive=False,
+            elem_id="credentials-table",
+            label="Saved credentials (encrypted at rest; the panel never shows them again)",
+        )
+        with gr.Row(elem_classes="gp-align-end"):
+            self.token_name = gr.Textbox("hf-token", label="Name", scale=1)
+            self.token = gr.Textbox(
+                label="Hugging Face token (optional)",
+                type="password",
+                scale=3,
+                elem_id="account-token",
+                placeholder="hf_…  (stored encrypted, shown masked)",
+            )
+            self.save_button = gr.Button("Save token", elem_id="save-token", scale=1)
+        with gr.Row(elem_classes="gp-align-end"):
+            self.delete_id = gr.Dropdown([], label="Credential", scale=3)
+            self.delete_button = gr.Button("Delete", variant="stop", scale=1)
+        self.result = gr.HTML("", padding=False)
+        self.save_button.click(
+            self.save_token, [self.token_name, self.token], [self.result, self.token, *self.refresh_outputs()]
+        )
+        self.delete_button.click(self.delete, [self.delete_id], [self.result, *self.refresh_outputs()])
+
+    def refresh_outputs(self) -> list:
+        return [self.who, self.table, self.delete_id]
+
+    def refresh(self, profile: gr.OAuthProfile | None = None, token: gr.OAuthToken | None = None) -> list:
+        """On page load and after changes; in a Space this also keeps the sign-in token for the user's Jobs."""
+        self.panel.remember_oauth_token(profile, token)
+        services = self.panel.services_or_none(profile)
+        if services is None:
+            return [
+                cards.note("Not signed in: sign in with Hugging Face to launch and see your runs.", "warn"),
+                pd.DataFrame(columns=COLUMNS),
+                gr.Dropdown(choices=[], value=None),
+            ]
+        if services.owner == LOCAL_OWNER:
+            who = cards.note(
+                "This machine has a single owner, “local”: every run here is yours. Add an HF token "
+                "below only if you use HF Jobs, gated models or publishing."
+            )
+        else:
+            who = cards.note(f"Signed in as {services.owner}: you see only your own runs.", "good")
+        saved = services.credentials.list(services.owner)
+        table = pd.DataFrame(
+            [
+                [
+                    c.name,
+                    KIND_LABELS.get(c.kind, c.kind),
+                    c.masked,
+                    clock(c.created_at),
+                ]
+                for c in saved
+            ],
+            columns=COLUMNS,
+        )
+        if not saved:
+            table = pd.DataFrame([["No credentials saved yet", "", "", ""]], columns=COLUMNS)
+        choices = [(f"{c.name} · {c.masked}", c.id) for c in saved]
+        return [who, table, gr.Dropdown(choices=choices, value=None)]
+
+    def save_token(self, name: str, token: str, profile: gr.OAuthProfile | None = None) -> list:
+        services = self.panel.services(profile)
+        if not (token or "").strip():
+            return [cards.field_error(["Paste a token first."]), "", *self.refresh(profile)]
+        credential = services.credentials.save(services.owner, (name or "hf-token").strip(), "hf_token", token)
+        return [cards.note(f"Saved {credential.name} ({credential.masked}).", "good"), "", *self.refresh(profile)]
+
+    def delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> list:
+        services = self.panel.services(profile)
+        if credential_id is None:
+            return [cards.note("Pick a credential to delete.", "warn"), *self.refresh(profile)]
+        services.credentials.delete(services.owner, int(credential_id))
+        return [cards.note("Deleted.", "good"), *self.refresh(profile)]

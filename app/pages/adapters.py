@@ -1,0 +1,328 @@
+"""Adapters: every version a run published, what to do with one, and how two of them differ.
+
+Versions never disappear from the bucket: making an old one current (a rollback) or training a branch from it keeps
+every later version, so any choice here can be undone.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from html import escape
+from pathlib import Path
+
+import gradio as gr
+import pandas as pd
+
+from app import cards
+from app.charts.adapters import norms_heatmap
+from app.formatting import clock, number, size
+from app.launch_form import new_run_id
+from app.pages.monitor import run_choices
+from app.panel import Panel
+from backend.api import PanelServices
+from backend.models import AdapterVersion, Run
+from backend.services.adapters import Comparison
+
+REFRESH_SECONDS = 5.0
+COLUMNS = ["version", "step", "reward", "size", "saved", "alias", "policy audit"]
+
+
+def versions_table(run: Run | None, versions: list[AdapterVersion]) -> pd.DataFrame:
+    rows = []
+    for v in reversed(versions):
+        alias = []
+        if run is not None and v.version == run.current_version:
+            alias.append("● current")
+        if run is not None and v.version == run.best_version:
+            alias.append("★ best")
+        audit = "—" if v.audit_ok is None else ("✓ agree" if v.audit_ok else "✗ differ")
+        rows.append(
+            {
+                "version": f"v{v.version}",
+                "step": v.step,
+                "reward": round(v.reward, 3) if v.reward is not None else None,
+                "size": size(v.size_bytes),
+                "saved": clock(v.created_at),
+                "alias": " ".join(alias),
+                "policy audit": audit,
+            }
+        )
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def lineage_html(run: Run, children: list[Run]) -> str:
+    parts = []
+    if run.parent_run_id:
+        parts.append(f"branched from <b>{escape(run.parent_run_id)}</b> at v{run.parent_version}")
+    if children:
+        listed = ", ".join(f"<b>{escape(c.id)}</b> (from v{c.parent_version}, {c.status})" for c in children)
+        parts.append(f"branches trained from it: {listed}")
+    if not parts:
+        parts.append("an original run (no parent, no branches yet)")
+    return f'<div class="gp-meta">Lineage: {" · ".join(parts)}</div>'
+
+
+def comparison_summary(comparison: Comparison) -> str:
+    cosine = number(comparison.total_cosine) if comparison.total_cosine is not None else "—"
+    return (
+        f'<div class="gp-stats"><div><span>‖ΔW‖ v{comparison.version_a}</span><b>{number(comparison.total_norm_a)}</b>'
+        f"</div><div><span>‖ΔW‖ v{comparison.version_b}</span><b>{number(comparison.total_norm_b)}</b></div>"
+        f"<div><span>‖difference‖</span><b>{number(comparison.total_diff_norm)}</b></div>"
+        f"<div><span>cosine similarity</span><b>{cosine}</b></div>"
+        f"<div><span>modules</span><b>{len(comparison.modules)}</b></div>"
+        f"<div><span>steps</span><b>{comparison.step_a} → {comparison.step_b}</b></div></div>"
+    )
+
+
+def metrics_table(comparison: Comparison) -> pd.DataFrame:
+    rows = []
+    for name, (a, b) in comparison.metrics.items():
+        change = f"{b - a:+.4g}" if a is not None and b is not None else "—"
+        rows.append(
+            {
+                "metric": name,
+                f"v{comparison.version_a}": number(a, 4),
+                f"v{comparison.version_b}": number(b, 4),
+                "change": change,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _picked_version(event: gr.SelectData) -> int:
+    """The version of the clicked row of the versions table (its first cell reads 'v3')."""
+    return int(str(event.row_value[0]).lstrip("v"))
+
+
+class AdaptersPage:
+    def __init__(self, panel: Panel):
+        self.panel = panel
+        # Zips are handed to Gradio from here: a temp folder it may serve from, wherever the data folder is mounted.
+        self.downloads = Path(tempfile.mkdtemp(prefix="grpo-panel-downloads-"))
+
+    def build(self) -> None:
+        with gr.Row(elem_classes="gp-align-end"):
+            self.run = gr.Dropdown([], label="Run", elem_id="adapters-run", scale=3)
+            self.lineage = gr.HTML("", elem_id="adapters-lineage", padding=False)
+        with gr.Row():
+            with gr.Column(scale=3):
+                self.table = gr.Dataframe(
+                    versions_table(None, []),
+                    interactive=False,
+                    elem_id="versions-table",
+                    label="Adapter versions, newest first (click one to select it)",
+                    max_height=360,
+                )
+            with gr.Column(scale=2), gr.Group():
+                self.version = gr.Dropdown([], label="Selected version", elem_id="adapters-version")
+                with gr.Row():
+                    self.prepare_button = gr.Button("Download zip", elem_id="prepare-download")
+                    self.current_button = gr.Button("Make current (roll back)", elem_id="make-current")
+                self.download = gr.DownloadButton(
+                    "Save the zip", visible=False, elem_id="download-zip", variant="primary"
+                )
+                with gr.Row(elem_classes="gp-align-end"):
+                    self.branch_id = gr.Textbox(new_run_id("branch"), label="Branch run id", elem_id="branch-id")
+                    self.branch_now = gr.Checkbox(True, label="Start training now", elem_id="branch-now")
+                self.branch_button = gr.Button("Train a branch from here", elem_id="branch", variant="primary")
+                with gr.Row(elem_classes="gp-align-end"):
+                    self.repo = gr.Textbox(label="Hub model repo", placeholder="your-name/my-adapter")
+                    self.private = gr.Checkbox(True, label="Private repo")
+                self.publish_button = gr.Button("Publish to Hub (with a model card)", elem_id="publish")
+        self.action = gr.HTML("", elem_id="adapters-action", padding=False)
+
+        gr.Markdown("### Compare two versions", elem_classes="gp-section-title")
+        with gr.Row(elem_classes="gp-align-end"):
+            self.version_a = gr.Dropdown([], label="Version A (before)", elem_id="compare-a")
+            self.version_b = gr.Dropdown([], label="Version B (after)", elem_id="compare-b")
+            self.compare_button = gr.Button("Compare", elem_id="compare", variant="primary")
+        self.summary = gr.HTML("", elem_id="compare-summary", padding=False)
+        self.heatmap = gr.Plot(norms_heatmap(None), show_label=False, elem_id="norms-heatmap")
+        self.metrics = gr.Dataframe(
+            visible=False, interactive=False, label="Metrics at both steps", elem_id="compare-metrics"
+        )
+        with gr.Row(elem_classes="gp-align-end"):
+            self.prompts = gr.Textbox(
+                lines=2,
+                scale=4,
+                label="Prompts to generate with both versions (one per line)",
+                placeholder="Write some numbers. apple",
+            )
+            self.generate_button = gr.Button("Generate side by side", elem_id="generate", scale=1)
+        self.generations = gr.Dataframe(
+            visible=False,
+            interactive=False,
+            wrap=True,
+            label="Generations (greedy, 64 tokens)",
+            column_widths=["20%", "40%", "40%"],
+            elem_id="generations",
+        )
+        self.listed = gr.State(None)  # what the versions list shows: ticks update it only when that changes
+        self.timer = gr.Timer(REFRESH_SECONDS, active=False)
+        self._wire()
+
+    def _wire(self) -> None:
+        listing = [self.lineage, self.table, self.version, self.version_a, self.version_b, self.download, self.listed]
+        self.run.change(self.show_run, [self.run], listing)
+        self.timer.tick(
+            self.refresh,
+            [self.run, self.listed],
+            [self.lineage, self.table, self.version, self.version_a, self.version_b, self.listed],
+            show_progress="hidden",
+        )
+        self.table.select(_picked_version, None, self.version)
+        self.version.change(lambda: gr.DownloadButton(visible=False), None, self.download)
+        self.prepare_button.click(self.prepare_download, [self.run, self.version], [self.download, self.action])
+        self.current_button.click(self.make_current, [self.run, self.version], [self.action]).then(
+            self.refresh,
+            [self.run],
+            [self.lineage, self.table, self.version, self.version_a, self.version_b, self.listed],
+        )
+        self.publish_button.click(self.publish, [self.run, self.version, self.repo, self.private], [self.action])
+        self.compare_button.click(
+            self.compare, [self.run, self.version_a, self.version_b], [self.summary, self.heatmap, self.metrics]
+        )
+        self.generate_button.click(
+            self.generate,
+            [self.run, self.version_a, self.version_b, self.prompts],
+            [self.generations],
+            concurrency_limit=1,
+            concurrency_id="generate",
+        )
+
+    # --- handlers -----------------------------------------------------------------------------------------------
+
+    def open(self, run_id: str | None, current: str | None, profile: gr.OAuthProfile | None = None) -> gr.Dropdown:
+        """The page was opened: list the owner's runs, keeping the one shown (or the monitor's) selected."""
+        choices = run_choices(self.panel.services_or_none(profile))
+        ids = [value for _, value in choices]
+        value = current if current in ids else (run_id if run_id in ids else (ids[0] if ids else None))
+        return gr.Dropdown(choices=choices, value=value)
+
+    def show_run(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> list:
+        """A run was picked: list its versions and preselect the current one, and the pair to compare."""
+        services = self.panel.services_or_none(profile)
+        if services is None or not run_id:
+            empty = gr.Dropdown(choices=[], value=None)
+            return [cards.empty_state("Pick a run to see its adapter versions."), versions_table(None, []), empty,
+                    empty, empty, gr.DownloadButton(visible=False), None]  # fmt: skip
+        run = services.runs.get(run_id)
+        versions = services.adapters.versions(run_id)
+        lineage, table, choices, key = self._listing(services, run, versions)
+        latest = versions[-1].version if versions else None
+        trained = [v.version for v in versions if v.step and v.version != latest]  # skip the untrained initial one
+        first = trained[0] if trained else (versions[0].version if versions else None)
+        chosen = run.current_version if run.current_version is not None else latest
+        return [
+            lineage,
+            table,
+            gr.Dropdown(choices=choices, value=chosen),
+            gr.Dropdown(choices=choices, value=first),
+            gr.Dropdown(choices=choices, value=latest),
+            gr.DownloadButton(visible=False),
+            key,
+        ]
+
+    def refresh(self, run_id: str | None, listed: list | None = None, profile: gr.OAuthProfile | None = None) -> list:
+        """A tick: when versions were added (or an alias moved), update the list, keeping every selection."""
+        services = self.panel.services_or_none(profile)
+        if services is None or not run_id:
+            return [gr.skip()] * 6
+        run = services.runs.get(run_id)
+        versions = services.adapters.versions(run_id)
+        lineage, table, choices, key = self._listing(services, run, versions)
+        if key == listed:
+            return [gr.skip()] * 6
+        return [lineage, table, gr.Dropdown(choices=choices), gr.Dropdown(choices=choices),
+                gr.Dropdown(choices=choices), key]  # fmt: skip
+
+    @staticmethod
+    def _listing(services: PanelServices, run: Run, versions: list[AdapterVersion]) -> tuple:
+        children = [r for r in services.runs.list() if r.parent_run_id == run.id]
+        lineage = lineage_html(run, children)
+        if not versions:
+            lineage += cards.empty_state(
+                "No adapter version yet: the trainer publishes one at every weight sync; they appear here within "
+                "seconds."
+            )
+        choices = [(f"v{v.version} · step {v.step}", v.version) for v in reversed(versions)]
+        key = [run.id, [v.version for v in versions], run.current_version, run.best_version,
+               [(c.id, c.status) for c in children]]  # fmt: skip
+        return lineage, versions_table(run, versions), choices, key
+
+    def prepare_download(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> list:
+        services = self.panel.services(profile)
+        if not run_id or version is None:
+            raise gr.Error("Pick a run and a version first.")
+        path = Path(shutil.copy(services.adapters.download_zip(run_id, int(version)), self.downloads))
+        return [
+            gr.DownloadButton(f"Save {path.name} ({size(path.stat().st_size)})", value=str(path), visible=True),
+            cards.note(f"v{version} fetched from the bucket and checked against its manifest: press Save.", "good"),
+        ]
+
+    def make_current(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> str:
+        services = self.panel.services(profile)
+        if not run_id or version is None:
+            raise gr.Error("Pick a run and a version first.")
+        services.adapters.make_current(run_id, int(version))
+        return cards.note(f"v{version} is now the current adapter of {run_id}; later versions are kept.", "good")
+
+    def branch(
+        self,
+        run_id: str | None,
+        version: int | None,
+        new_id: str,
+        start_now: bool,
+        profile: gr.OAuthProfile | None = None,
+    ) -> str:
+        """Make `version` current and start a child run from it; returns the child's id."""
+        services = self.panel.services(profile)
+        if not run_id or version is None:
+            raise gr.Error("Pick a run and a version first.")
+        child = services.adapters.branch(run_id, int(version), (new_id or "").strip(), launch=bool(start_now))
+        gr.Info(f"Created {child.id}, a branch of {run_id} from v{version}.")
+        return child.id
+
+    def publish(
+        self, run_id: str | None, version: int | None, repo: str, private: bool, profile: gr.OAuthProfile | None = None
+    ) -> str:
+        services = self.panel.services(profile)
+        if not run_id or version is None or not (repo or "").strip():
+            raise gr.Error("Pick a version and name the Hub repo (owner/name) first.")
+        url = services.adapters.publish(run_id, int(version), repo.strip(), private=bool(private))
+        return cards.note(f"Published v{version} with a model card: {url}", "good")
+
+    def compare(
+        self, run_id: str | None, version_a: int | None, version_b: int | None, profile: gr.OAuthProfile | None = None
+    ) -> list:
+        services = self.panel.services(profile)
+        if not run_id or version_a is None or version_b is None:
+            raise gr.Error("Pick two versions to compare.")
+        comparison = services.adapters.compare(run_id, int(version_a), int(version_b))
+        return [
+            comparison_summary(comparison),
+            norms_heatmap(comparison),
+            gr.Dataframe(metrics_table(comparison), visible=True),
+        ]
+
+    def generate(
+        self,
+        run_id: str | None,
+        version_a: int | None,
+        version_b: int | None,
+        prompts: str,
+        profile: gr.OAuthProfile | None = None,
+    ) -> gr.Dataframe:
+        services = self.panel.services(profile)
+        lines = [line.strip() for line in (prompts or "").splitlines() if line.strip()][:8]
+        if not run_id or version_a is None or version_b is None or not lines:
+            raise gr.Error("Pick two versions and type at least one prompt.")
+        if int(version_a) == int(version_b):
+            raise gr.Error("Pick two different versions to compare their generations.")
+        versions = [int(version_a), int(version_b)]
+        texts = services.adapters.generate(run_id, versions, lines)
+        table = pd.DataFrame(
+            {"prompt": lines, f"v{versions[0]}": texts[versions[0]], f"v{versions[1]}": texts[versions[1]]}
+        )
+        return gr.Dataframe(table, visible=True)

@@ -1,0 +1,391 @@
+"""Run monitor: one run, live — progress, alerts, jobs, training curves, the rollout pipeline, replicas, samples.
+
+A `gr.Timer` refreshes the page every two seconds while it is the open tab. Each tick reads the run row first and
+redraws the figures of the visible sub-tab only when the run has logged something new since they were last drawn;
+everything else is skipped, so an idle viewer costs one small query per tick.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import gradio as gr
+import pandas as pd
+
+from app import cards
+from app.charts import replicas as replica_charts
+from app.charts import rollouts as rollout_charts
+from app.charts import training as training_charts
+from app.panel import Panel
+from backend.api import PanelServices
+from backend.models import Run
+from backend.services.runs import TERMINAL_STATUSES, RunNotFound
+from backend.services.ui_queries import recent_values, sample_steps, sample_versions
+from jobs.contract import RunSpec
+
+REFRESH_SECONDS = 2.0
+MAX_POINTS = 1000
+SUBTABS = ("training", "rollouts", "replicas", "samples", "jobs")
+SAMPLE_COLUMNS = ["group", "reward", "advantage", "version", "staleness", "scores", "completion"]
+
+
+def run_choices(services: PanelServices | None) -> list[tuple[str, str]]:
+    if services is None:
+        return []
+    return [(f"{run.name or run.id} · {run.id}", run.id) for run in services.runs.list()]
+
+
+def _recent_step_seconds(panel: Panel, services: PanelServices, run_id: str) -> float | None:
+    """Seconds per step over the last 20 steps: what the time-left estimate extrapolates."""
+    recent = recent_values(panel.ctx, services.owner, run_id, "perf/step_s", 20)
+    return statistics.fmean(recent) if recent else None
+
+
+class MonitorPage:
+    def __init__(self, panel: Panel):
+        self.panel = panel
+
+    # --- layout -------------------------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        with gr.Row(elem_classes="gp-align-end"):
+            self.run = gr.Dropdown([], label="Run", elem_id="monitor-run", scale=4, allow_custom_value=False)
+            self.stop_button = gr.Button("Stop run", variant="stop", elem_id="stop-run", scale=0, min_width=130)
+        self.header = gr.HTML(
+            cards.empty_state("Pick a run above, or launch one from the Launch tab."),
+            elem_id="run-header",
+            padding=False,
+        )
+        self.alerts = gr.HTML("", elem_id="run-alerts", padding=False, visible=False)
+        self.subtab = gr.State("training")
+        self.drawn = gr.State({})  # sub-tab -> the run state its figures were drawn from
+        with gr.Tabs():
+            with gr.Tab("Training", id="training") as self.training_tab:
+                with gr.Row():
+                    self.reward_plot = gr.Plot(
+                        training_charts.reward_figure([]), elem_id="reward-plot", show_label=False
+                    )
+                    self.functions_plot = gr.Plot(training_charts.reward_functions_figure({}), show_label=False)
+                with gr.Row():
+                    self.ratio_plot = gr.Plot(training_charts.ratio_kl_figure([], []), show_label=False)
+                    self.time_plot = gr.Plot(training_charts.step_time_figure([], [], [], []), show_label=False)
+            with gr.Tab("Rollouts", id="rollouts") as self.rollouts_tab:
+                with gr.Row():
+                    self.queue_plot = gr.Plot(rollout_charts.queue_figure([], 0, []), show_label=False)
+                    self.staleness_plot = gr.Plot(rollout_charts.staleness_figure([], [], 0), show_label=False)
+                with gr.Row():
+                    self.tokens_plot = gr.Plot(rollout_charts.tokens_figure([]), show_label=False)
+                    self.versions_plot = gr.Plot(rollout_charts.sample_versions_figure([]), show_label=False)
+            with gr.Tab("Replicas & sync", id="replicas") as self.replicas_tab:
+                self.held = gr.HTML(cards.empty_state("Pick a run."), elem_id="versions-held", padding=False)
+                with gr.Row():
+                    self.routing_plot = gr.Plot(replica_charts.routing_figure([]), show_label=False)
+                    self.load_plot = gr.Plot(replica_charts.replica_load_figure(None), show_label=False)
+                self.sync_plot = gr.Plot(replica_charts.sync_figure(None), show_label=False)
+            with gr.Tab("Samples", id="samples") as self.samples_tab:
+                with gr.Row(elem_classes="gp-align-end"):
+                    self.step = gr.Slider(1, 2, value=1, step=1, label="Step", elem_id="sample-step", scale=4)
+                    self.follow = gr.Checkbox(True, label="Follow the latest step", scale=1)
+                    self.min_reward = gr.Textbox(label="Reward ≥", placeholder="any", scale=1, elem_id="min-reward")
+                    self.max_reward = gr.Textbox(label="Reward ≤", placeholder="any", scale=1, elem_id="max-reward")
+                self.samples = gr.Dataframe(
+                    pd.DataFrame(columns=SAMPLE_COLUMNS),
+                    interactive=False,
+                    wrap=True,
+                    max_height=320,
+                    elem_id="samples-table",
+                    label="Samples at this step (click one to compare its group)",
+                    column_widths=["7%", "8%", "9%", "12%", "8%", "16%", "40%"],
+                )
+                with gr.Row(equal_height=False):
+                    self.best = gr.HTML(
+                        cards.empty_state("The best sample of the selected group appears here."),
+                        elem_id="best-sample",
+                        padding=False,
+                    )
+                    self.worst = gr.HTML(
+                        cards.empty_state("The worst sample of the selected group appears here."),
+                        elem_id="worst-sample",
+                        padding=False,
+                    )
+            with gr.Tab("Jobs", id="jobs") as self.jobs_tab:
+                self.jobs = gr.HTML(cards.empty_state("Pick a run."), elem_id="job-cards", padding=False)
+        self.timer = gr.Timer(REFRESH_SECONDS, active=False)
+        self._wire()
+
+    def _figure_outputs(self) -> dict[str, list]:
+        return {
+            "training": [self.reward_plot, self.functions_plot, self.ratio_plot, self.time_plot],
+            "rollouts": [self.queue_plot, self.staleness_plot, self.tokens_plot, self.versions_plot],
+            "replicas": [self.held, self.routing_plot, self.load_plot, self.sync_plot],
+            "samples": [self.step, self.samples, self.best, self.worst],
+            "jobs": [self.jobs],
+        }
+
+    def refresh_outputs(self) -> list:
+        return [self.header, self.alerts, *[c for name in SUBTABS for c in self._figure_outputs()[name]], self.drawn]
+
+    def refresh_inputs(self) -> list:
+        return [self.run, self.subtab, self.drawn, self.step, self.follow, self.min_reward, self.max_reward]
+
+    def _wire(self) -> None:
+        self.timer.tick(self.refresh, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
+        self.run.change(self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
+        tabs = (self.training_tab, self.rollouts_tab, self.replicas_tab, self.samples_tab, self.jobs_tab)
+        for name, tab in zip(SUBTABS, tabs, strict=True):
+            tab.select(_constant(name), None, self.subtab).then(
+                self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
+            )
+        self.stop_button.click(self.stop, [self.run], None).then(
+            self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
+        )
+        browse = [self.run, self.step, self.min_reward, self.max_reward]
+        self.step.release(lambda: False, None, self.follow).then(
+            self.browse, browse, [self.samples, self.best, self.worst]
+        )
+        for box in (self.min_reward, self.max_reward):
+            box.submit(self.browse, browse, [self.samples, self.best, self.worst])
+        self.samples.select(self.pick_group, [self.run, self.step, self.samples], [self.best, self.worst])
+
+    # --- handlers -----------------------------------------------------------------------------------------------
+
+    def open(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> gr.Dropdown:
+        """The tab was opened: refresh the run list, keeping the run shown (or the newest) selected."""
+        choices = run_choices(self.panel.services_or_none(profile))
+        ids = [value for _, value in choices]
+        return gr.Dropdown(choices=choices, value=run_id if run_id in ids else (ids[0] if ids else None))
+
+    def refresh_now(
+        self,
+        run_id: str | None,
+        subtab: str,
+        drawn: dict | None,
+        step: float | None,
+        follow: bool,
+        min_reward: str,
+        max_reward: str,
+        profile: gr.OAuthProfile | None = None,
+    ) -> list:
+        """Like a tick, but redraws the visible sub-tab even if nothing changed (a new run or sub-tab was picked)."""
+        return self.refresh(run_id, subtab, {}, step, follow, min_reward, max_reward, profile)
+
+    def refresh(
+        self,
+        run_id: str | None,
+        subtab: str,
+        drawn: dict | None,
+        step: float | None,
+        follow: bool,
+        min_reward: str,
+        max_reward: str,
+        profile: gr.OAuthProfile | None = None,
+    ) -> list:
+        """One tick: the header and alerts always; the visible sub-tab only when the run logged something new."""
+        skip_all = [gr.skip()] * sum(len(v) for v in self._figure_outputs().values())
+        services = self.panel.services_or_none(profile)
+        if services is None or not run_id:
+            message = (
+                "Sign in on the Account tab to see your runs."
+                if services is None
+                else "Pick a run above, or launch one from the Launch tab."
+            )
+            return [cards.empty_state(message), gr.HTML(visible=False), *skip_all, {}]
+        try:
+            run = services.runs.get(run_id)
+        except RunNotFound:
+            return [cards.empty_state(f"No run {run_id}."), gr.HTML(visible=False), *skip_all, {}]
+        state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version]
+        step_seconds = (
+            _recent_step_seconds(self.panel, services, run.id) if run.status not in ("finished", "stopped") else None
+        )
+        header = cards.run_header(run, step_seconds)
+        alerts = services.queries.alerts(run.id)
+        if run.status in TERMINAL_STATUSES:  # an ended run's warnings are history; its errors still matter
+            alerts = [alert for alert in alerts if alert.level == "error"]
+        banner = cards.alert_banner(alerts)
+        if run.status == "failed" and run.status_message:
+            banner = cards.note(f"The run failed: {run.status_message}", "bad") + banner
+        drawn = dict(drawn or {})
+        outputs = []
+        for name in SUBTABS:
+            count = len(self._figure_outputs()[name])
+            if name != subtab:
+                outputs += [gr.skip()] * count
+            elif name == "jobs":
+                jobs, beats = services.queries.jobs(run.id), services.queries.heartbeats(run.id)
+                outputs += [cards.job_cards(jobs, beats, local=run.backend == "local")]
+            elif name == "samples":
+                outputs += self._samples(
+                    services, run, step, follow, min_reward, max_reward, fresh=drawn.get(name) != state
+                )
+                drawn[name] = state
+            elif drawn.get(name) == state:
+                outputs += [gr.skip()] * count
+            else:
+                outputs += getattr(self, f"_{name}")(services, run)
+                drawn[name] = state
+        return [header, gr.HTML(banner, visible=bool(banner)), *outputs, drawn]
+
+    def _training(self, services: PanelServices, run: Run) -> list:
+        series = services.queries.metric_series
+        spec = RunSpec.from_json(run.spec_json)
+        functions = {r.name: series(run.id, f"rewards/{r.name}", MAX_POINTS) for r in spec.rewards}
+        return [
+            training_charts.reward_figure(series(run.id, "reward", MAX_POINTS)),
+            training_charts.reward_functions_figure(functions),
+            training_charts.ratio_kl_figure(series(run.id, "ratio", MAX_POINTS), series(run.id, "kl", MAX_POINTS)),
+            training_charts.step_time_figure(
+                series(run.id, "perf/step_s", MAX_POINTS),
+                series(run.id, "perf/fwd_bwd_s", MAX_POINTS),
+                series(run.id, "perf/rollout_wait_s", MAX_POINTS),
+                series(run.id, "perf/weight_sync_s", MAX_POINTS),
+            ),
+        ]
+
+    def _rollouts(self, services: PanelServices, run: Run) -> list:
+        series = services.queries.metric_series
+        spec = RunSpec.from_json(run.spec_json)
+        queue_max = spec.grpo.queue_size or spec.grpo.max_staleness * 128
+        return [
+            rollout_charts.queue_figure(
+                series(run.id, "sample/rollout_queue_size", MAX_POINTS),
+                queue_max,
+                series(run.id, "rollout/backpressure_s", MAX_POINTS),
+            ),
+            rollout_charts.staleness_figure(
+                series(run.id, "sample/staleness_mean", MAX_POINTS),
+                series(run.id, "sample/staleness_max", MAX_POINTS),
+                spec.grpo.max_staleness,
+            ),
+            rollout_charts.tokens_figure(series(run.id, "rollout/generated_tok_s", MAX_POINTS)),
+            rollout_charts.sample_versions_figure(sample_versions(self.panel.ctx, services.owner, run.id)),
+        ]
+
+    def _replicas(self, services: PanelServices, run: Run) -> list:
+        snapshots = services.queries.proxy_snapshots(run.id, limit=360)
+        latest = snapshots[-1] if snapshots else None
+        versions = services.queries.versions(run.id)
+        newest = versions[-1].version if versions else None
+        return [
+            cards.versions_held(latest, services.queries.heartbeats(run.id), newest),
+            replica_charts.routing_figure(snapshots),
+            replica_charts.replica_load_figure(latest),
+            replica_charts.sync_figure(latest),
+        ]
+
+    def _samples(self, services, run, step, follow, min_reward, max_reward, fresh: bool) -> list:
+        if not fresh:  # nothing new arrived since the last draw; the filters redraw through their own events
+            return [gr.skip()] * 4
+        bounds = sample_steps(self.panel.ctx, services.owner, run.id)
+        if bounds is None:
+            return [
+                gr.Slider(minimum=1, maximum=2, value=1),
+                _samples_table([]),
+                cards.empty_state("Samples appear as soon as the trainer pulls its first batch of rollouts."),
+                cards.empty_state("Each sample shows its prompt, completion, scores, advantage and version."),
+            ]
+        low, high = bounds
+        target = high if follow or not step else min(max(int(step), low), high)
+        if not follow:  # the reader is on an older step: only let the slider reach the new ones
+            return [gr.Slider(minimum=low, maximum=max(high, low + 1)), gr.skip(), gr.skip(), gr.skip()]
+        table, best, worst = self._browse(services, run.id, target, min_reward, max_reward)
+        return [gr.Slider(minimum=low, maximum=max(high, low + 1), value=target), table, best, worst]
+
+    def _browse(self, services, run_id, step, min_reward, max_reward) -> tuple:
+        """One step's samples (reward-filtered), and the best and worst of the first group listed."""
+        rows = services.queries.samples(
+            run_id,
+            step_from=step,
+            step_to=step,
+            min_reward=_bound(min_reward),
+            max_reward=_bound(max_reward),
+            limit=200,
+        )
+        # Trained samples first (dropped ones were too stale to train on), each group together, best first.
+        rows = sorted(
+            rows, key=lambda s: (s.dropped, s.group_id, -(s.reward if s.reward is not None else float("-inf")))
+        )
+        best, worst = self._group_cards(services, run_id, step, rows[0].group_id if rows else None)
+        return _samples_table(rows), best, worst
+
+    def _group_cards(self, services, run_id, step, group) -> tuple[str, str]:
+        if group is None:
+            return (
+                cards.empty_state("No sample at this step matches the reward filter."),
+                cards.empty_state("Widen the reward filter or pick another step."),
+            )
+        members = services.queries.group(run_id, int(step), int(group))
+        if not members:
+            return cards.empty_state("This group has no samples."), ""
+        return (
+            cards.sample_card(f"Best of group {group} ({len(members)} samples)", members[0]),
+            cards.sample_card(f"Worst of group {group}", members[-1]),
+        )
+
+    def browse(
+        self, run_id: str | None, step: float, min_reward: str, max_reward: str, profile: gr.OAuthProfile | None = None
+    ) -> list:
+        services = self.panel.services(profile)
+        if not run_id:
+            return [gr.skip()] * 3
+        return list(self._browse(services, run_id, int(step), min_reward, max_reward))
+
+    def pick_group(
+        self,
+        run_id: str,
+        step: float,
+        table: pd.DataFrame,
+        event: gr.SelectData,
+        profile: gr.OAuthProfile | None = None,
+    ) -> list:
+        services = self.panel.services(profile)
+        row = event.index[0] if isinstance(event.index, list | tuple) else event.index
+        group = int(table.iloc[row]["group"])
+        best, worst = self._group_cards(services, run_id, int(step), group)
+        return [best, worst]
+
+    def stop(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> None:
+        services = self.panel.services(profile)
+        if not run_id:
+            raise gr.Error("Pick a run to stop.")
+        run = services.runs.stop(run_id)
+        if run.status == "stopping":
+            gr.Info(f"Stopping {run_id}: the trainer saves its adapter, then the jobs end.")
+        else:
+            gr.Info(f"{run_id} is {run.status}: there is nothing to stop.")
+
+
+def _bound(text: str | None) -> float | None:
+    """A reward filter box: empty (or not a number) means no bound."""
+    try:
+        return float(text) if text not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def _constant(value: str):
+    """A handler that returns `value` (a closure per sub-tab: which one is visible now)."""
+    return lambda: value
+
+
+def _samples_table(rows: list) -> pd.DataFrame:
+    def scores(sample) -> str:
+        values = json.loads(sample.rewards_json or "{}")
+        return ", ".join(f"{k} {v:.2f}" for k, v in values.items() if isinstance(v, int | float))
+
+    return pd.DataFrame(
+        [
+            {
+                "group": s.group_id,
+                "reward": round(s.reward, 3) if s.reward is not None else None,
+                "advantage": round(s.advantage, 3),
+                "version": f"v{s.policy_version}" + (" (dropped)" if s.dropped else ""),
+                "staleness": s.staleness,
+                "scores": scores(s),
+                "completion": s.completion[:160] + ("…" if len(s.completion) > 160 else ""),
+            }
+            for s in rows
+        ],
+        columns=SAMPLE_COLUMNS,
+    )

@@ -1,0 +1,213 @@
+"""Runs: every run of the owner at a glance, the actions on one, and reward curves of several overlaid.
+
+A branch is drawn from the step its parent version was saved at, so the overlay shows whether it did better than the
+parent did from the same point.
+"""
+
+from __future__ import annotations
+
+import time
+
+import gradio as gr
+import pandas as pd
+
+from app import cards
+from app.charts.runs import Curve, overlay_figure
+from app.formatting import clock, duration, money
+from app.launch_form import new_run_id
+from app.panel import Panel
+from backend.api import PanelServices
+from backend.models import Run
+from backend.services.runs import TERMINAL_STATUSES
+
+REFRESH_SECONDS = 5.0
+COLUMNS = ["run id", "name", "status", "step", "latest reward", "elapsed", "cost", "branch of", "created"]
+
+
+def runs_table(runs: list[Run], now: float | None = None) -> pd.DataFrame:
+    now = now or time.time()
+    rows = []
+    for run in runs:
+        elapsed = (run.finished_at or now) - run.started_at if run.started_at else None
+        rows.append(
+            {
+                "run id": run.id,
+                "name": run.name,
+                "status": cards.badge(run.status),
+                "step": f"{run.step} / {run.max_steps}",
+                "latest reward": round(run.latest_reward, 3) if run.latest_reward is not None else None,
+                "elapsed": duration(elapsed),
+                "cost": money(run.cost_usd),
+                "branch of": f"{run.parent_run_id} v{run.parent_version}" if run.parent_run_id else "",
+                "created": clock(run.created_at),
+            }
+        )
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+class RunsPage:
+    def __init__(self, panel: Panel):
+        self.panel = panel
+
+    def build(self) -> None:
+        self.table = gr.Dataframe(
+            runs_table([]),
+            datatype=["str", "str", "html", "str", "number", "str", "str", "str", "str"],
+            interactive=False,
+            wrap=True,
+            elem_id="runs-table",
+            max_height=420,
+            label="Your runs (click a row to act on it)",
+        )
+        self.empty = gr.HTML(
+            cards.empty_state(
+                "No runs yet: launch one from the Launch tab (the demo trains on this machine in about "
+                "a minute, with no account)."
+            ),
+            padding=False,
+            visible=False,
+        )
+        self.selected = gr.State(None)
+        with gr.Group():
+            self.selection = gr.HTML(
+                cards.note("Click a run in the table to open, stop or branch it."),
+                elem_id="runs-selection",
+                padding=False,
+            )
+            with gr.Row():
+                self.open_button = gr.Button("Open in monitor", elem_id="runs-open", interactive=False)
+                self.launch_button = gr.Button("Launch", elem_id="runs-launch", interactive=False)
+                self.stop_button = gr.Button("Stop", variant="stop", elem_id="runs-stop", interactive=False)
+            with (
+                gr.Accordion("Train a branch from one of its versions", open=False),
+                gr.Row(elem_classes="gp-align-end"),
+            ):
+                self.branch_version = gr.Dropdown([], label="From adapter version", elem_id="runs-branch-version")
+                self.branch_id = gr.Textbox(label="New run id", elem_id="runs-branch-id")
+                self.branch_now = gr.Checkbox(True, label="Start training now")
+                self.branch_button = gr.Button("Create branch", elem_id="runs-branch", interactive=False)
+        self.compare = gr.CheckboxGroup([], label="Overlay reward curves of", elem_id="runs-compare")
+        self.overlay = gr.Plot(overlay_figure([]), show_label=False, elem_id="runs-overlay")
+        self.drawn = gr.State(None)  # what the overlay was last drawn from: ticks redraw it only when that changes
+        self.timer = gr.Timer(REFRESH_SECONDS, active=False)
+        self._wire()
+
+    def refresh_outputs(self) -> list:
+        return [self.table, self.compare, self.overlay, self.drawn, self.empty]
+
+    def _wire(self) -> None:
+        self.timer.tick(self.refresh, [self.compare, self.drawn], self.refresh_outputs(), show_progress="hidden")
+        self.compare.change(self.refresh, [self.compare], self.refresh_outputs(), show_progress="hidden")
+        self.table.select(
+            self.select,
+            [self.table],
+            [
+                self.selected,
+                self.selection,
+                self.open_button,
+                self.launch_button,
+                self.stop_button,
+                self.branch_version,
+                self.branch_id,
+                self.branch_button,
+            ],
+        )
+        self.stop_button.click(self.stop, [self.selected], [self.selection]).then(
+            self.refresh, [self.compare], self.refresh_outputs()
+        )
+
+    # --- handlers -----------------------------------------------------------------------------------------------
+
+    def refresh(
+        self, ticked: list[str] | None, drawn: list | None = None, profile: gr.OAuthProfile | None = None
+    ) -> list:
+        """The table, the run choices, and the overlay (redrawn only when a ticked run moved on)."""
+        services = self.panel.services_or_none(profile)
+        if services is None:
+            return [runs_table([]), gr.CheckboxGroup(choices=[]), overlay_figure([]), None, gr.HTML(visible=False)]
+        runs = services.runs.list()
+        by_id = {run.id: run for run in runs}
+        ticked = [run_id for run_id in ticked or [] if run_id in by_id]
+        key = [[run_id, by_id[run_id].step, by_id[run_id].status] for run_id in ticked]
+        overlay = gr.skip() if key == drawn else overlay_figure(self._curves(services, by_id, ticked))
+        return [
+            runs_table(runs),
+            gr.CheckboxGroup(choices=[(f"{r.name or r.id} ({r.id})", r.id) for r in runs], value=ticked),
+            overlay,
+            key,
+            gr.HTML(visible=not runs),
+        ]
+
+    def _curves(self, services: PanelServices, runs: dict[str, Run], ticked: list[str]) -> list[Curve]:
+        curves = []
+        for run_id in ticked:
+            run = runs[run_id]
+            offset = 0
+            if run.parent_run_id and run.parent_run_id in runs and run.parent_version is not None:
+                parent = next(
+                    (v for v in services.queries.versions(run.parent_run_id) if v.version == run.parent_version), None
+                )
+                offset = parent.step or 0 if parent else 0
+            curves.append(
+                Curve(
+                    label=f"{run.name or run.id}"
+                    + (f" (branch of v{run.parent_version})" if run.parent_run_id else ""),
+                    reward=services.queries.metric_series(run_id, "reward", max_points=1000),
+                    offset=offset,
+                    branch=run.parent_run_id is not None,
+                )
+            )
+        return curves
+
+    def select(self, table: pd.DataFrame, event: gr.SelectData, profile: gr.OAuthProfile | None = None) -> list:
+        services = self.panel.services(profile)
+        row = event.index[0] if isinstance(event.index, list | tuple) else event.index
+        run = services.runs.get(str(table.iloc[row]["run id"]))
+        versions = services.queries.versions(run.id)
+        choices = [
+            (f"v{v.version} · step {v.step}" + (" · best" if v.version == run.best_version else ""), v.version)
+            for v in versions
+        ]
+        default = run.best_version if run.best_version is not None else (versions[-1].version if versions else None)
+        active = run.status not in (*TERMINAL_STATUSES, "draft")
+        return [
+            run.id,
+            f'<div class="gp-note gp-note-info">Selected <b>{run.name or run.id}</b> <code>{run.id}</code> '
+            f"{cards.badge(run.status)} · {len(versions)} adapter version{'s' if len(versions) != 1 else ''}</div>",
+            gr.Button(interactive=True),
+            gr.Button(interactive=run.status == "draft"),
+            gr.Button(interactive=active),
+            gr.Dropdown(choices=choices, value=default),
+            new_run_id("branch"),
+            gr.Button(interactive=bool(versions)),
+        ]
+
+    def stop(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> str:
+        services = self.panel.services(profile)
+        if not run_id:
+            return cards.note("Click a run first.", "warn")
+        run = services.runs.stop(run_id)
+        return cards.note(f"{run.id} is {run.status}: the trainer saves its adapter, then its jobs end.", "info")
+
+    def launch_draft(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> str | None:
+        services = self.panel.services(profile)
+        if not run_id:
+            return None
+        services.runs.launch(run_id)
+        return run_id
+
+    def branch(
+        self,
+        run_id: str | None,
+        version: int | None,
+        new_id: str,
+        start_now: bool,
+        profile: gr.OAuthProfile | None = None,
+    ) -> str | None:
+        """A child run that trains on from `version`; returns its id."""
+        services = self.panel.services(profile)
+        if not run_id or version is None:
+            raise gr.Error("Click a run and pick one of its adapter versions first.")
+        child = services.adapters.branch(run_id, int(version), (new_id or "").strip(), launch=bool(start_now))
+        gr.Info(f"Created {child.id}, a branch of {run_id} from v{version}.")
+        return child.id

@@ -1,0 +1,54 @@
+"""`python -m app`: the panel's web server, with the background poller that keeps every run's data current.
+
+Locally it serves http://127.0.0.1:7860 for the single local owner; in a Hugging Face Space (SPACE_ID or
+SYSTEM=spaces) it binds 0.0.0.0:7860 and signs users in with Hugging Face OAuth. The poller runs in a thread of this
+process: ingestion never depends on a page being open.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from app.panel import Panel, on_space
+from app.theme import CSS, theme
+from app.ui import build_app
+from backend.context import PanelContext
+from backend.poller import Poller
+from jobs.secrets import install_log_redaction
+
+DEFAULT_PORT = 7860
+
+
+def bind_address(space: bool) -> tuple[str, int]:
+    """0.0.0.0 in a Space (its proxy must reach us), loopback elsewhere unless GRADIO_SERVER_NAME says otherwise."""
+    host = "0.0.0.0" if space else os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
+    return host, int(os.environ.get("GRADIO_SERVER_PORT") or DEFAULT_PORT)
+
+
+def main() -> None:
+    install_log_redaction()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    space = on_space()
+    host, port = bind_address(space)
+    ctx = PanelContext()
+    poller = Poller(ctx).start()
+    app = build_app(Panel(ctx, space))
+    app.queue(default_concurrency_limit=8)
+    print(
+        f"GRPO control panel: http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}  (data in {ctx.folder})",
+        flush=True,
+    )
+    try:
+        app.launch(
+            server_name=host,
+            server_port=port,
+            theme=theme(),
+            css=CSS,
+            show_error=True,
+            footer_links=["gradio"],
+            quiet=True,
+        )
+    finally:
+        poller.stop()

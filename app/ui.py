@@ -1,0 +1,109 @@
+"""The whole panel: five pages in tabs, and the wiring between them (open a run, follow a launch, timers).
+
+Only the open page polls: switching tabs turns the Runs, Monitor and Adapters timers on and off, so a panel left on
+the Launch page costs nothing, and the background poller (not the page) keeps ingesting every run.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app.pages.account import AccountPage
+from app.pages.adapters import AdaptersPage
+from app.pages.launch import LaunchPage
+from app.pages.monitor import MonitorPage, run_choices
+from app.pages.runs import RunsPage
+from app.panel import Panel
+
+
+def build_app(panel: Panel) -> gr.Blocks:
+    # delete_cache: the zips handed out for download leave Gradio's cache after an hour.
+    with gr.Blocks(title="Async GRPO control panel", analytics_enabled=False, delete_cache=(1800, 3600)) as app:
+        with gr.Row(equal_height=True):
+            gr.Markdown(
+                "# Async GRPO control panel\nAsynchronous GRPO with LoRA across Hugging Face Jobs — adapters travel "
+                "through your bucket, no NCCL.",
+                elem_classes="gp-title",
+            )
+            if panel.space:
+                gr.LoginButton(scale=0, min_width=220)
+        launch, runs, monitor = LaunchPage(panel), RunsPage(panel), MonitorPage(panel)
+        adapters, account = AdaptersPage(panel), AccountPage(panel)
+        with gr.Tabs(selected="launch", elem_id="pages") as tabs:
+            with gr.Tab("Launch", id="launch", elem_id="tab-launch") as launch_tab:
+                launch.build()
+            with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
+                runs.build()
+            with gr.Tab("Monitor", id="monitor", elem_id="tab-monitor") as monitor_tab:
+                monitor.build()
+            with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as adapters_tab:
+                adapters.build()
+            with gr.Tab("Account", id="account", elem_id="tab-account") as account_tab:
+                account.build()
+        _wire(app, panel, tabs, launch, runs, monitor, adapters, account,
+              {"launch": launch_tab, "runs": runs_tab, "monitor": monitor_tab, "adapters": adapters_tab,
+               "account": account_tab})  # fmt: skip
+    return app
+
+
+def _timers(page: str) -> list[gr.Timer]:
+    """Timer updates for [Runs, Monitor, Adapters]: only the open page's timer runs."""
+    return [gr.Timer(active=page == name) for name in ("runs", "monitor", "adapters")]
+
+
+def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, account, tab_of: dict) -> None:
+    timers = [runs.timer, monitor.timer, adapters.timer]
+
+    def navigate(run_id: str, profile: gr.OAuthProfile | None = None) -> list:
+        """Open `run_id` in the monitor."""
+        choices = run_choices(panel.services_or_none(profile))
+        return [gr.Tabs(selected="monitor"), gr.Dropdown(choices=choices, value=run_id), *_timers("monitor")]
+
+    nav_outputs = [tabs, monitor.run, *timers]
+    launch.wire_launch(navigate, nav_outputs)
+
+    # Opening a page: refresh what it lists, and turn on only its timer.
+    tab_of["launch"].select(launch.on_open, launch.load_outputs(), launch.load_outputs()).then(
+        lambda: _timers("launch"), None, timers
+    )
+    tab_of["runs"].select(runs.refresh, [runs.compare], runs.refresh_outputs()).then(
+        lambda: _timers("runs"), None, timers
+    )
+    # A new run in the dropdown redraws through its change event; the same run is kept current by the timer.
+    tab_of["monitor"].select(monitor.open, [monitor.run], monitor.run, show_progress="hidden")
+    tab_of["monitor"].select(lambda: _timers("monitor"), None, timers)
+    tab_of["adapters"].select(adapters.open, [monitor.run, adapters.run], adapters.run).then(
+        lambda: _timers("adapters"), None, timers
+    )
+    tab_of["account"].select(account.refresh, None, account.refresh_outputs()).then(
+        lambda: _timers("account"), None, timers
+    )
+
+    # Runs page actions that lead elsewhere.
+    runs.open_button.click(navigate, [runs.selected], nav_outputs)
+    runs.launch_button.click(runs.launch_draft, [runs.selected], [runs.selected]).then(
+        navigate, [runs.selected], nav_outputs
+    )
+    child = gr.State(None)
+
+    def follow_branch(run_id: str | None, started: bool, profile: gr.OAuthProfile | None = None) -> list:
+        return navigate(run_id, profile) if run_id and started else [gr.skip()] * len(nav_outputs)
+
+    runs.branch_button.click(
+        runs.branch, [runs.selected, runs.branch_version, runs.branch_id, runs.branch_now], [child]
+    ).then(follow_branch, [child, runs.branch_now], nav_outputs).then(
+        runs.refresh, [runs.compare], runs.refresh_outputs()
+    )
+
+    # A branch from the Adapters page: show it in Runs, overlaid on its parent.
+    def show_branch(run_id: str, parent_id: str, profile: gr.OAuthProfile | None = None) -> list:
+        return [gr.Tabs(selected="runs"), *_timers("runs"), *runs.refresh([parent_id, run_id], None, profile)]
+
+    adapters.branch_button.click(
+        adapters.branch, [adapters.run, adapters.version, adapters.branch_id, adapters.branch_now], [child]
+    ).then(show_branch, [child, adapters.run], [tabs, *timers, *runs.refresh_outputs()])
+
+    # Every page load: credentials for the form, and (in a Space) the signed-in user's token for their Jobs.
+    app.load(account.refresh, None, account.refresh_outputs()).then(
+        launch.on_open, launch.load_outputs(), launch.load_outputs()
+    )

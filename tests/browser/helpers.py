@@ -1,0 +1,57 @@
+"""What the browser tests share: timeouts, screenshots, and how to reach Gradio's widgets from Playwright."""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from playwright.sync_api import Locator, Page
+
+from backend.db import PROJECT_ROOT
+
+ARTIFACTS = PROJECT_ROOT / "artifacts"
+SCREENSHOTS = ARTIFACTS / "screenshots"
+TIMEOUT_MS = 30_000
+
+
+@dataclass
+class RunningPanel:
+    """The panel process under test: where to open it, its data folder and its log."""
+
+    url: str
+    data: Path
+    log: Path
+
+
+def screenshot(page: Page, name: str) -> Path:
+    """A full-page screenshot under artifacts/screenshots/ (kept as a test artifact, and looked at)."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    time.sleep(0.5)  # let plotly finish its transitions
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+def fill(page: Page, elem_id: str, value: str) -> None:
+    """Type into a Textbox or Number by its elem_id (its input sits inside the wrapper div)."""
+    page.locator(f"#{elem_id}").locator("textarea, input").first.fill(value)
+
+
+def open_tab(page: Page, name: str) -> None:
+    page.get_by_role("tab", name=name, exact=True).click()
+
+
+def rows(page: Page, elem_id: str, has_text: str | re.Pattern | None = None) -> Locator:
+    """The rows of a Gradio table (a virtual grid: rows are role=row elements, the first one is the header)."""
+    return page.locator(f"#{elem_id} [role=row]", has_text=has_text)
+
+
+def plot_points(page: Page, elem_id: str) -> int:
+    """How many x values the first trace of a plotly figure holds (0 while it shows its empty state)."""
+    return page.evaluate(
+        """id => { const g = document.querySelector(`#${id} .js-plotly-plot`);
+                   return g && g.data && g.data.length && g.data[0].x ? g.data[0].x.length : 0 }""",
+        elem_id,
+    )

@@ -1,0 +1,199 @@
+"""The panel in a real browser: launch the demo through the form, watch it train, stop it, work with its adapters.
+
+One demo run is shared by the module (launching one costs most of the suite's time): it is started through the
+Launch form by the `demo_run` fixture, trains while the form-validation tests run, then is watched, stopped and
+used for the adapter tests. Every page is screenshotted under artifacts/screenshots/.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import zipfile
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, expect
+
+from tests.browser.helpers import TIMEOUT_MS, RunningPanel, fill, open_tab, plot_points, rows, screenshot
+
+pytestmark = pytest.mark.browser
+DEMO_STEPS = 40  # the run is stopped after a few steps; the margin keeps it from finishing first
+BAD_REWARD = "def reward(completions, **columns):\n    return [1 / 0 for _ in completions]\n"
+
+
+@pytest.fixture(scope="module")
+def demo_run(browser: Browser, panel: RunningPanel) -> str:
+    """The demo preset launched through the form, as a newcomer would: Check settings, then Launch."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    page.goto(panel.url)
+    launch = page.locator("#launch")
+    expect(launch).to_be_disabled()
+    run_id = page.locator("#run-id").locator("textarea, input").first.input_value()
+    assert run_id.startswith("demo-")
+    fill(page, "max-steps", str(DEMO_STEPS))
+    page.locator("#check").click()
+    expect(page.locator("#launch-status")).to_contain_text("All checks passed", timeout=90_000)
+    expect(launch).to_be_enabled()
+    expect(rows(page, "dataset-preview").nth(1)).to_contain_text("Write some numbers")
+    screenshot(page, "launch-checked")
+    launch.click()
+    expect(page.locator("#run-header")).to_contain_text(run_id)
+    expect(page.locator("#run-header")).to_contain_text(re.compile("launching|running"))
+    context.close()
+    return run_id
+
+
+def test_launch_demo_through_the_form(page: Page, demo_run: str) -> None:
+    open_tab(page, "Runs")
+    row = rows(page, "runs-table", demo_run)
+    expect(row).to_contain_text(re.compile("launching|running"))
+    expect(row).to_contain_text(f"/ {DEMO_STEPS}")
+
+
+def test_bad_reward_code_shows_its_error_next_to_the_editor(page: Page) -> None:
+    page.locator("#code-enabled input").check()
+    editor = page.locator("#reward-code .cm-content")
+    editor.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.insert_text(BAD_REWARD)
+    expect(editor).to_contain_text("1 / 0")
+    page.locator("#test-rewards").click()
+    error = page.locator("#error-rewards_code")
+    expect(error).to_contain_text("ZeroDivisionError", timeout=60_000)
+    below_editor = error.bounding_box()["y"] - page.locator("#reward-code").bounding_box()["y"]
+    assert 0 < below_editor < 600, "the error is shown right under the code editor"
+    page.locator("#check").click()
+    expect(page.locator("#launch-status")).to_contain_text("problem", timeout=90_000)
+    expect(error).to_contain_text("ZeroDivisionError")
+    expect(page.locator("#launch")).to_be_disabled()
+    screenshot(page, "launch-bad-reward")
+
+
+def test_wrong_bucket_keys_show_the_connection_error(page: Page, moto_server) -> None:
+    bucket = moto_server.create_bucket()
+    page.locator("#bucket-kind").get_by_text("MinIO / other S3").click()
+    uri = page.locator("#storage-uri").locator("textarea, input").first
+    expect(uri).to_have_attribute("placeholder", re.compile(r"^s3://"))  # the form switched to an S3 location
+    fill(page, "storage-uri", f"s3://{bucket}/runs")
+    fill(page, "storage-endpoint", moto_server.url)
+    fill(page, "storage-region", "us-east-1")
+    wrong_secret = "wrong" + secrets.token_hex(12)
+    fill(page, "access-key", "AKIAWRONGKEY000000000")
+    fill(page, "secret-key", wrong_secret)
+    page.locator("#test-connection").click()
+    error = page.locator("#error-storage")
+    expect(error).to_contain_text("Connection failed", timeout=60_000)
+    expect(error).to_contain_text(re.compile("credential|key|denied|refused", re.I))
+    screenshot(page, "launch-bucket-error")
+    assert wrong_secret not in page.content(), "a secret typed in the form is never shown again"
+    expect(page.locator("#secret-key input")).to_have_value("")
+    # The right keys connect (so the error above came from the keys, not from the form).
+    fill(page, "access-key", moto_server.credentials.access_key_id)
+    fill(page, "secret-key", moto_server.credentials.secret_access_key)
+    page.locator("#test-connection").click()
+    expect(error).to_contain_text("Connected", timeout=60_000)
+
+
+def test_monitor_fills_as_the_run_trains_then_stops(page: Page, demo_run: str) -> None:
+    open_tab(page, "Monitor")
+    expect(page.locator("#run-header")).to_contain_text(demo_run)
+    page.wait_for_function(
+        "() => { const g = document.querySelector('#reward-plot .js-plotly-plot');"
+        " return g && g.data && g.data.length && g.data[0].x && g.data[0].x.length >= 3 }",
+        timeout=240_000,
+    )
+    page.locator("#stop-run").click()
+    expect(page.locator("#run-header")).to_contain_text(re.compile("stopping|stopped"))
+    screenshot(page, "monitor-training")
+    open_tab(page, "Samples")
+    expect(page.locator("#samples-table")).to_contain_text(re.compile(r"v\d+"))  # rows with their policy version
+    expect(page.locator("#best-sample")).to_contain_text("Best of group")
+    expect(page.locator("#worst-sample")).to_contain_text("generated by v")
+    screenshot(page, "monitor-samples")
+    open_tab(page, "Rollouts")
+    screenshot(page, "monitor-rollouts")
+    open_tab(page, "Replicas & sync")
+    expect(page.locator("#versions-held")).to_contain_text("replica-0", timeout=60_000)
+    screenshot(page, "monitor-replicas")
+    open_tab(page, "Jobs")
+    expect(page.locator("#job-cards")).to_contain_text("trainer")
+    screenshot(page, "monitor-jobs")
+    expect(page.locator("#run-header")).to_contain_text("stopped", timeout=180_000)
+    assert plot_points(page, "reward-plot") >= 3
+
+
+def test_adapters_download_compare_and_branch(page: Page, demo_run: str, tmp_path: Path) -> None:
+    open_tab(page, "Adapters")
+    expect(page.locator("#adapters-run input")).to_have_value(re.compile(demo_run))
+    expect(rows(page, "versions-table").nth(3)).to_be_visible(timeout=180_000)  # a header, three versions
+
+    page.locator("#prepare-download").click()
+    save = page.locator("#download-zip")
+    expect(save).to_be_visible(timeout=60_000)
+    with page.expect_download() as download:
+        save.click()
+    archive = tmp_path / download.value.suggested_filename
+    download.value.save_as(archive)
+    _check_adapter_zip(archive, tmp_path / "adapter")
+
+    page.locator("#compare").click()
+    page.wait_for_function(
+        "() => { const g = document.querySelector('#norms-heatmap .js-plotly-plot');"
+        " return g && g.data && g.data.filter(t => t.type === 'heatmap').length === 3 }",
+        timeout=60_000,
+    )
+    expect(page.locator("#compare-summary")).to_contain_text("cosine similarity")
+    expect(page.locator("#compare-metrics")).to_contain_text("reward")
+    page.get_by_label("Prompts to generate with both versions (one per line)").fill("Write some numbers. apple")
+    page.locator("#generate").click()
+    generations = page.locator("#generations")
+    expect(generations).to_contain_text("Write some numbers. apple", timeout=120_000)
+    expect(rows(page, "generations").first).to_contain_text(re.compile(r"v\d+\W+v\d+"))
+    screenshot(page, "adapters-compare")
+
+    older = rows(page, "versions-table").nth(2).locator("[role=gridcell]").first  # an older version: roll back
+    number = older.inner_text().strip().lstrip("v")
+    older.click()
+    expect(page.locator("#adapters-version input")).to_have_value(re.compile(rf"^v{number} "))
+    branch_id = "branch-" + secrets.token_hex(3)
+    fill(page, "branch-id", branch_id)
+    page.locator("#branch-now input").uncheck()
+    page.locator("#branch").click()
+    row = rows(page, "runs-table", branch_id)
+    expect(row).to_contain_text(f"{demo_run} v{number}")
+    expect(row).to_contain_text("draft")
+    expect(page.locator("#runs-compare")).to_contain_text(branch_id)
+    screenshot(page, "runs")
+
+
+def _check_adapter_zip(archive: Path, folder: Path) -> None:
+    """The zip holds a PEFT adapter that loads onto the run's base model."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from jobs.contract import DEMO_MODEL_ID, ModelSpec
+    from jobs.models import resolve_model
+
+    with zipfile.ZipFile(archive) as zipped:
+        names = set(zipped.namelist())
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= names, names
+        zipped.extractall(folder)
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(ModelSpec(id=DEMO_MODEL_ID)), dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(folder))
+    lora = [name for name, _ in model.named_parameters() if "lora_B" in name]
+    assert lora, "the adapter adds LoRA weights"
+
+
+def test_account_keeps_a_token_masked(page: Page) -> None:
+    open_tab(page, "Account")
+    token = "hf_" + secrets.token_hex(16)
+    fill(page, "account-token", token)
+    page.locator("#save-token").click()
+    expect(page.locator("#credentials-table")).to_contain_text(token[-4:])
+    expect(page.locator("#account-token input")).to_have_value("")
+    assert token not in page.content(), "a saved token is shown masked only"
+    screenshot(page, "account")
