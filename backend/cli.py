@@ -6,10 +6,13 @@ python -m backend demo            run the embedded demo end to end on this machi
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
+from pathlib import Path
 
+from backend.api import PanelServices
 from backend.context import PanelContext
 from backend.poller import Poller
 from backend.services.queries import QueryService
@@ -82,6 +85,106 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if status == "finished" else 1
 
 
+def _services(args: argparse.Namespace) -> PanelServices:
+    return PanelServices(PanelContext(), LOCAL_OWNER)
+
+
+def launch(args: argparse.Namespace) -> int:
+    services = _services(args)
+    result = services.preflight(json.loads(Path(args.spec).read_text()), args.store_credential, args.hf_credential)
+    for message in result.warnings:
+        print(f"warning: {message}")
+    if not result.ok:
+        for field, message in result.errors.items():
+            print(f"{field}: {message}", file=sys.stderr)
+        return 2
+    if result.cost_per_hour:
+        print(f"estimated cost: ${result.cost_per_hour:.2f}/hour")
+    run = services.runs.create(result.spec, args.store_credential, args.hf_credential)
+    services.runs.launch(run.id, wait=True)
+    return 0 if follow(services.ctx, run.id, Poller(services.ctx)) == "finished" else 1
+
+
+def list_runs(args: argparse.Namespace) -> int:
+    for run in _services(args).runs.list():
+        reward = f"{run.latest_reward:.3f}" if run.latest_reward is not None else "-"
+        print(f"{run.id:<32} {run.status:<10} step {run.step:>5}/{run.max_steps:<5} reward {reward:>6}  {run.name}")
+    return 0
+
+
+def follow_run(args: argparse.Namespace) -> int:
+    ctx = PanelContext()
+    return 0 if follow(ctx, args.run, Poller(ctx)) == "finished" else 1
+
+
+def stop(args: argparse.Namespace) -> int:
+    print(_services(args).runs.stop(args.run).status)
+    return 0
+
+
+def relaunch_trainer(args: argparse.Namespace) -> int:
+    job = _services(args).runs.relaunch_trainer(args.run)
+    print(f"trainer attempt {job.attempt} started ({job.backend_job_id})")
+    return 0
+
+
+def replace_replica(args: argparse.Namespace) -> int:
+    job = _services(args).runs.replace_replica(args.run, args.role)
+    print(f"{job.role} attempt {job.attempt} is healthy at {job.endpoint}")
+    return 0
+
+
+def versions(args: argparse.Namespace) -> int:
+    services = _services(args)
+    run = services.runs.get(args.run)
+    for version in services.adapters.versions(args.run):
+        marks = " ".join(
+            m
+            for m, on in (
+                ("current", version.version == run.current_version),
+                ("best", version.version == run.best_version),
+            )
+            if on
+        )
+        reward = f"{version.reward:.3f}" if version.reward is not None else "-"
+        print(
+            f"v{version.version:<5} step {version.step!s:>5}  reward {reward:>6}  {version.size_bytes:>10} B  {marks}"
+        )
+    return 0
+
+
+def download(args: argparse.Namespace) -> int:
+    print(_services(args).adapters.download_zip(args.run, args.version))
+    return 0
+
+
+def compare(args: argparse.Namespace) -> int:
+    result = _services(args).adapters.compare(args.run, args.a, args.b)
+    print(
+        f"|ΔW| v{args.a} {result.total_norm_a:.4f}   |ΔW| v{args.b} {result.total_norm_b:.4f}   "
+        f"|difference| {result.total_diff_norm:.4f}   cosine {result.total_cosine}"
+    )
+    for module in result.modules:
+        print(f"  {module.module:<60} {module.norm_a:9.4f} {module.norm_b:9.4f} {module.diff_norm:9.4f}")
+    return 0
+
+
+def import_bucket(args: argparse.Namespace) -> int:
+    imported = _services(args).import_bucket(args.uri, args.endpoint, args.region, args.store_credential)
+    print("\n".join(imported) or "nothing new in that bucket")
+    return 0
+
+
+def poll(args: argparse.Namespace) -> int:
+    poller = Poller(PanelContext(), interval=args.interval)
+    try:
+        while True:
+            poller.poll_once()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     install_log_redaction()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -93,5 +196,34 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--seed", type=int, default=42)
     demo_parser.add_argument("--run-id")
     demo_parser.set_defaults(handler=demo)
+    launch_parser = commands.add_parser("launch", help="validate, create and launch a run from a spec JSON file")
+    launch_parser.add_argument("spec")
+    launch_parser.add_argument("--store-credential", type=int)
+    launch_parser.add_argument("--hf-credential", type=int)
+    launch_parser.set_defaults(handler=launch)
+    commands.add_parser("runs", help="list runs").set_defaults(handler=list_runs)
+    for name, handler, extra in (
+        ("follow", follow_run, ()),
+        ("stop", stop, ()),
+        ("relaunch-trainer", relaunch_trainer, ()),
+        ("versions", versions, ()),
+        ("replace-replica", replace_replica, ("role",)),
+        ("download", download, ("version",)),
+        ("compare", compare, ("a", "b")),
+    ):
+        sub = commands.add_parser(name)
+        sub.add_argument("run")
+        for argument in extra:
+            sub.add_argument(argument, type=int if argument in ("version", "a", "b") else str)
+        sub.set_defaults(handler=handler)
+    import_parser = commands.add_parser("import", help="import the runs a bucket holds")
+    import_parser.add_argument("uri")
+    import_parser.add_argument("--endpoint")
+    import_parser.add_argument("--region")
+    import_parser.add_argument("--store-credential", type=int)
+    import_parser.set_defaults(handler=import_bucket)
+    poll_parser = commands.add_parser("poll", help="run the poller in the foreground")
+    poll_parser.add_argument("--interval", type=float, default=2.0)
+    poll_parser.set_defaults(handler=poll)
     args = parser.parse_args(argv)
     return args.handler(args)

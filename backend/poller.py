@@ -256,8 +256,11 @@ class Poller:
             run.latest_reward = reward if reward is not None else run.latest_reward
             run.cost_usd = sum(_job_cost(job, now) for job in jobs)
             phase = (trainer or {}).get("phase")
-            trainer_job = max((j for j in jobs if j.role == "trainer"), key=lambda j: j.attempt, default=None)
-            replica_jobs = [j for j in jobs if j.role.startswith("replica-")]
+            latest = {}  # the newest attempt of each role: a replaced replica's old job no longer counts
+            for job in sorted(jobs, key=lambda j: j.attempt):
+                latest[job.role] = job
+            trainer_job = latest.get("trainer")
+            replica_jobs = [j for role, j in latest.items() if role.startswith("replica-")]
             status, message = run.status, run.status_message
             if run.status in TERMINAL_PHASES:
                 pass  # an ended run stays ended (a relaunch sets it running again explicitly)

@@ -27,7 +27,7 @@ from backend.models import (
     Run,
 )
 from jobs.contract import RunSpec, layout
-from jobs.contract.control import STOP, StopRequest
+from jobs.contract.control import JOBS, STOP, UPSTREAMS, JobsRecord, StopRequest, Upstream, UpstreamsRecord
 
 log = logging.getLogger(__name__)
 TERMINAL_STATUSES = ("finished", "failed", "stopped")
@@ -189,6 +189,61 @@ class RunService:
         self._set(run_id, status="running", finished_at=None, status_message="trainer relaunched; resuming")
         self._event(run_id, "relaunch", f"trainer relaunched (attempt {job.attempt})", "info")
         return job
+
+    def replace_replica(self, run_id: str, role: str) -> Job:
+        """Start a fresh job for a replica that died and point the proxy at it.
+
+        The proxy watches `control/upstreams.json` and re-admits the replica only after loading every live adapter
+        version onto it, so it never serves a policy it does not hold.
+        """
+        run = self.get(run_id)
+        if run.status not in ("running", "degraded", "stalled"):
+            raise RunStateError(f"run {run_id} is {run.status}; replicas can be replaced only while it trains")
+        spec = self.ctx.spec(run)
+        if not role.startswith("replica-") or int(role.removeprefix("replica-")) >= spec.compute.replicas:
+            raise RunStateError(f"{role!r} is not a replica of run {run_id}")
+        launcher, secrets, store = self.ctx.launcher_for(run), self.ctx.secrets_for(run), self.ctx.store_for(run)
+        with self.ctx.db.session() as session:
+            previous = session.exec(
+                select(Job).where(Job.run_id == run_id, Job.role == role).order_by(Job.attempt.desc())
+            ).first()
+        if previous is not None and previous.stage not in ("completed", "error", "canceled"):
+            launcher.cancel(self.ctx.handle(previous))
+        launcher.prepare(spec, secrets, store)
+        handle = launcher.start_job(spec, role, secrets)
+        job = Job(
+            run_id=run_id,
+            owner=self.owner,
+            role=role,
+            attempt=(previous.attempt + 1) if previous else 1,
+            backend_job_id=handle.job_id,
+            url=handle.url,
+            stage="scheduling",
+            flavor=spec.compute.replica_flavor,
+            price_per_hour=self._price(spec, role),
+        )
+        with self.ctx.db.session() as session:
+            session.add(job)
+            session.commit()
+            session.refresh(job)
+        launcher.wait_healthy([handle], secrets)
+        upstreams = UpstreamsRecord.model_validate_json(store.get_bytes(layout.control_key(run_id, UPSTREAMS)))
+        upstreams.replicas = [u for u in upstreams.replicas if u.role != role] + [
+            Upstream(role=role, url=handle.endpoint)
+        ]
+        upstreams.updated = time.time()
+        store.put_bytes(layout.control_key(run_id, UPSTREAMS), upstreams.model_dump_json().encode())
+        jobs = JobsRecord.model_validate_json(store.get_bytes(layout.control_key(run_id, JOBS)))
+        jobs.jobs = [j for j in jobs.jobs if j.role != role] + launcher.describe_jobs(spec, [handle]).jobs
+        store.put_bytes(layout.control_key(run_id, JOBS), jobs.model_dump_json().encode())
+        with self.ctx.db.session() as session:
+            row = session.get(Job, job.id)
+            row.endpoint = handle.endpoint
+            session.add(row)
+            session.commit()
+            session.refresh(row)
+        self._event(run_id, "replica_replaced", f"{role} replaced (attempt {job.attempt}) at {handle.endpoint}", "info")
+        return row
 
     def _price(self, spec: RunSpec, role: str) -> float:
         if spec.compute.backend == "local":

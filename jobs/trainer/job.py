@@ -47,11 +47,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spec", required=True, help="storage URI of the run's spec.json")
     parser.add_argument("--store-endpoint", help="S3 endpoint URL (not part of an s3:// URI)")
     parser.add_argument("--store-region")
-    parser.add_argument("--output-dir", help="local working folder (default: a temporary one)")
+    parser.add_argument(
+        "--output-dir",
+        default=os.environ.get("GRPO_TRAINER_WORKDIR") or None,
+        help="local working folder (default: $GRPO_TRAINER_WORKDIR, else a temporary one)",
+    )
     parser.add_argument("--proxy-port", type=int, default=8000)
     parser.add_argument("--replica-wait", type=float, default=900.0, help="seconds to wait for healthy replicas")
     parser.add_argument(
-        "--replica-loss-timeout", type=float, default=180.0, help="fail the run after this long with no replica"
+        "--replica-loss-timeout",
+        type=float,
+        default=float(os.environ.get("GRPO_REPLICA_LOSS_TIMEOUT", "180")),
+        help="seconds with no healthy replica before the run fails (default: $GRPO_REPLICA_LOSS_TIMEOUT or 180)",
     )
     parser.add_argument("--torch-threads", type=int, default=int(os.environ.get("GRPO_TORCH_THREADS", "0")) or None)
     return parser.parse_args(argv)
