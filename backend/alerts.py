@@ -45,6 +45,10 @@ def evaluate(db: Database, run_id: str) -> None:
         run = session.get(Run, run_id)
         if run is None:
             return
+        if run.status in ("finished", "failed", "stopped"):
+            _clear_warnings(session, run)  # what is wrong *now* no longer applies; errors stay until dismissed
+            session.commit()
+            return
         spec = RunSpec.from_json(run.spec_json)
         ratios = _series(session, run_id, "ratio", RATIO_STEPS)
         drift = len(ratios) == RATIO_STEPS and all(abs(r - 1) > RATIO_TOLERANCE for r in ratios)
@@ -59,9 +63,10 @@ def evaluate(db: Database, run_id: str) -> None:
             "warning",
         )
         staleness = _series(session, run_id, "sample/staleness_mean", 1)
+        # With max_staleness 1 and a sync every step, samples sit at the limit by design: nothing to warn about.
         near = (
             bool(staleness)
-            and spec.grpo.max_staleness > 0
+            and spec.grpo.max_staleness >= 2
             and (staleness[0] >= STALENESS_NEAR * spec.grpo.max_staleness)
         )
         _set_alert(
@@ -81,6 +86,12 @@ def evaluate(db: Database, run_id: str) -> None:
         _update_aliases(session, run)
         session.add(run)
         session.commit()
+
+
+def _clear_warnings(session: Session, run: Run) -> None:
+    for event in session.exec(select(Event).where(Event.run_id == run.id, Event.active, Event.level != "error")).all():
+        event.active = False
+        session.add(event)
 
 
 def _replica_lag(session: Session, run: Run) -> str:

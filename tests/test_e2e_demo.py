@@ -202,3 +202,92 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tmp_path):
     assert sorted(steps) == [1, 2]
     wait_until(lambda: not any(group_alive(p) for p in job_pgids(ctx, "demo-resume").values()), 60)
     ctx.db.close()
+
+
+# --- adapter services on the finished demo's real adapters ------------------------------------------------------
+
+
+def test_download_zip_loads_with_peft(finished_demo, tmp_path):
+    import zipfile
+
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from backend.services.adapters import AdapterService
+    from jobs.demo.tiny_model import ensure_tiny_model
+
+    ctx, _, _, _ = finished_demo
+    path = AdapterService(ctx, OWNER).download_zip("demo-e2e", STEPS)
+    with zipfile.ZipFile(path) as archive:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(archive.namelist())
+        archive.extractall(tmp_path / "adapter")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ensure_tiny_model()), tmp_path / "adapter")
+    weights = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    key = next(k for k in weights if "lora_B" in k)
+    loaded = dict(model.named_parameters())[key.replace(".weight", ".default.weight")]
+    assert torch.equal(loaded.detach(), weights[key]) and weights[key].abs().sum() > 0
+
+
+def test_compare_two_real_versions(finished_demo):
+    from backend.services.adapters import AdapterService
+
+    ctx, _, _, _ = finished_demo
+    result = AdapterService(ctx, OWNER).compare("demo-e2e", 1, STEPS)
+    assert result.total_norm_a == 0.0  # v1 is LoRA's initial state: B = 0, no update yet
+    assert result.total_norm_b > 0 and result.total_diff_norm == pytest.approx(result.total_norm_b)
+    assert len(result.modules) == 14  # 7 linear modules x 2 layers of the tiny model
+    assert all(m.cosine is None for m in result.modules)
+    middle = AdapterService(ctx, OWNER).compare("demo-e2e", STEPS // 2, STEPS)
+    assert middle.total_cosine is not None and 0 < middle.total_cosine <= 1
+    assert middle.metrics["reward"][0] is not None and middle.metrics["reward"][1] is not None
+
+
+def test_importing_the_bucket_recreates_the_run(finished_demo, tmp_path):
+    from backend.api import PanelServices
+    from backend.models import AdapterVersion, MetricPoint, RolloutSample
+
+    ctx, store, _, _ = finished_demo
+    fresh = PanelContext(Database(tmp_path / "other.sqlite3"), tmp_path)
+    imported = PanelServices(fresh, "someone").import_bucket(f"file://{store.root}")
+    assert "demo-e2e" in imported
+    counts = []
+    for context in (ctx, fresh):
+        with context.db.session() as session:
+            counts.append(
+                tuple(
+                    len(session.exec(select(table.id).where(table.run_id == "demo-e2e")).all())
+                    for table in (MetricPoint, RolloutSample, AdapterVersion)
+                )
+            )
+    assert counts[0] == counts[1] and counts[0][0] > 0
+    assert RunService(fresh, "someone").get("demo-e2e").status == "finished"
+    fresh.db.close()
+
+
+def test_a_branch_trains_from_the_chosen_version(finished_demo):
+    from safetensors.torch import load_file
+
+    from backend.services.adapters import AdapterService
+
+    ctx, store, _, _ = finished_demo
+    chosen = STEPS // 2
+    child = AdapterService(ctx, OWNER).branch("demo-e2e", chosen, "demo-e2e-branch", {"grpo": {"max_steps": 2}})
+    assert child.parent_run_id == "demo-e2e" and child.parent_version == chosen
+    assert store.get_bytes(layout.current_key("demo-e2e")).decode() == str(chosen)  # rolled back; later kept
+    assert len(list_published(store, layout.adapters_prefix("demo-e2e"))) > chosen
+    assert follow(ctx, Poller(ctx), "demo-e2e-branch") == "finished"
+    parent = load_file(str(_local(store, "demo-e2e", chosen) / "adapter_model.safetensors"))
+    first = load_file(str(_local(store, "demo-e2e-branch", 1) / "adapter_model.safetensors"))
+    assert parent.keys() == first.keys()
+    assert all((parent[k] == first[k]).all() for k in parent)  # the branch's first weights are the chosen version's
+
+
+def _local(store, run_id: str, version: int):
+    import tempfile
+    from pathlib import Path
+
+    target = Path(tempfile.mkdtemp()) / "adapter"
+    download_published(store, layout.adapter_prefix(run_id, version), target)
+    return target

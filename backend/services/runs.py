@@ -123,7 +123,7 @@ class RunService:
                         url=job.url,
                         endpoint=job.endpoint,
                         stage="scheduling",
-                        flavor=spec.compute.trainer_flavor if job.role == "trainer" else spec.compute.replica_flavor,
+                        flavor=_flavor(spec, job.role),
                         price_per_hour=self._price(spec, job.role),
                     )
                 )
@@ -179,7 +179,7 @@ class RunService:
             backend_job_id=handle.job_id,
             url=handle.url,
             stage="scheduling",
-            flavor=spec.compute.trainer_flavor,
+            flavor=_flavor(spec, "trainer"),
             price_per_hour=self._price(spec, "trainer"),
         )
         with self.ctx.db.session() as session:
@@ -219,7 +219,7 @@ class RunService:
             backend_job_id=handle.job_id,
             url=handle.url,
             stage="scheduling",
-            flavor=spec.compute.replica_flavor,
+            flavor=_flavor(spec, role),
             price_per_hour=self._price(spec, role),
         )
         with self.ctx.db.session() as session:
@@ -312,3 +312,10 @@ class RunService:
                 )
             )
             session.commit()
+
+
+def _flavor(spec: RunSpec, role: str) -> str:
+    """The hardware a job runs on; local jobs run on this machine, whatever the spec's (HF Jobs) flavors say."""
+    if spec.compute.backend == "local":
+        return ""
+    return spec.compute.trainer_flavor if role == "trainer" else spec.compute.replica_flavor
