@@ -1,0 +1,89 @@
+"""Figures of the embedded demo: wall time, steps/min, reward first 5 vs last 5 steps, adapter sync p50, per seed.
+
+    .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 30 40
+
+Each run is the real thing `python -m backend demo` does (trainer + proxy + 2 CPU replicas as processes, a local folder
+as the bucket), in a fresh data folder. The load average is printed with each run: on a shared 2-core machine it
+explains most of the spread in wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backend.context import PanelContext
+from backend.db import Database
+from backend.poller import Poller
+from backend.services.queries import QueryService
+from backend.services.runs import TERMINAL_STATUSES, RunService
+from jobs.demo.preset import demo_spec
+
+
+def run_demo(steps: int, seed: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        ctx = PanelContext(Database(root / "panel.sqlite3"), root)
+        run_id = f"bench-{steps}-{seed}"
+        service = RunService(ctx, "bench")
+        service.create(demo_spec(run_id, f"file://{root / 'store'}", grpo={"max_steps": steps, "seed": seed}))
+        started = time.monotonic()
+        service.launch(run_id, wait=True)
+        poller = Poller(ctx)
+        while True:
+            poller.poll_run(run_id)
+            if service.get(run_id).status in TERMINAL_STATUSES:
+                break
+            time.sleep(1)
+        wall = time.monotonic() - started
+        queries = QueryService(ctx, "bench")
+        summary = queries.summary(run_id)
+        step_times = [v for _, v in queries.metric_series(run_id, "perf/step_s", max_points=None)]
+        ratios = [v for _, v in queries.metric_series(run_id, "ratio", max_points=None)]
+        ctx.db.close()
+        return {
+            "steps": steps,
+            "seed": seed,
+            "status": summary.run.status,
+            "wall_s": wall,
+            "steps_per_min": steps / wall * 60,
+            "first5": summary.reward_first5,
+            "last5": summary.reward_last5,
+            "sync_p50": summary.sync_p50,
+            "step_p50": statistics.median(step_times) if step_times else None,
+            "ratio_min": min(ratios) if ratios else None,
+            "ratio_max": max(ratios) if ratios else None,
+            "load": os.getloadavg()[0],
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, nargs="+", default=[30, 40])
+    args = parser.parse_args()
+    print(
+        "| steps | seed | status | wall | steps/min | reward first 5 → last 5 | sync p50 | step p50 | ratio range "
+        "| load avg |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for steps in args.steps:
+        for seed in args.seeds:
+            r = run_demo(steps, seed)
+            print(
+                f"| {r['steps']} | {r['seed']} | {r['status']} | {r['wall_s']:.0f} s | {r['steps_per_min']:.1f} "
+                f"| {r['first5']:.3f} → {r['last5']:.3f} | {r['sync_p50']:.2f} s | {r['step_p50']:.2f} s "
+                f"| {r['ratio_min']:.3f}–{r['ratio_max']:.3f} | {r['load']:.1f} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
