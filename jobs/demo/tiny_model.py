@@ -6,8 +6,10 @@ two cores (see shared/reference/tiny-demo-findings.md): hidden 128, 2 layers, vo
 `initializer_range` of 0.1 — with the usual 0.02 the frozen LM head caps how far logits can move and LoRA cannot
 learn at all.
 
-Digits are split into single tokens by the pre-tokenizer, so "fraction of digit tokens" equals "digit characters per
-completion token", which the demo reward uses without needing the tokenizer.
+Numbers in the tokenizer's corpus are single digits, so every digit token ('7' or ' 7', 20 of the 512) holds exactly
+one digit: "fraction of digit tokens" then equals "digit characters per completion token", which the demo reward
+computes without the tokenizer. An untrained model writes about 4 % digit tokens, enough signal for group-relative
+advantages from the first step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-BUILD_VERSION = 1  # bump when anything below changes: caches are keyed on it
+BUILD_VERSION = 2  # bump when anything below changes: caches are keyed on it
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
 _NOUNS = (
@@ -28,6 +30,7 @@ _NOUNS = (
 ).split()
 _VERBS = "sees finds carries paints counts follows builds opens hears keeps".split()
 _ADJECTIVES = "red quiet small bright old green heavy soft cold tall".split()
+_SYLLABLES = "ka lo mi nu re sa ti vo be da fe gi ho ju ki ma ne po ru si ta wu ye zo".split()
 
 
 def cache_root() -> Path:
@@ -56,14 +59,16 @@ def ensure_tiny_model(root: str | os.PathLike | None = None) -> Path:
     return target
 
 
-def _corpus(rng: random.Random, sentences: int = 3000) -> list[str]:
-    """Short sentences mixing words and numbers, and the chat scaffolding, so the BPE learns both."""
+def _corpus(rng: random.Random, sentences: int = 4000) -> list[str]:
+    """Short sentences of words, made-up words and single digits, and the chat scaffolding, so the BPE learns all."""
+    invented = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3))) for _ in range(300)]
+    words = [*_NOUNS, *_VERBS, *_ADJECTIVES, *invented]
     lines = []
     for _ in range(sentences):
-        words = [rng.choice(_ADJECTIVES), rng.choice(_NOUNS), rng.choice(_VERBS), "the", rng.choice(_NOUNS)]
-        if rng.random() < 0.5:
-            words.insert(rng.randrange(len(words)), str(rng.randrange(10_000)))
-        lines.append(" ".join(words).capitalize() + ".")
+        sentence = [rng.choice(words) for _ in range(rng.randint(4, 8))]
+        if rng.random() < 0.5:  # single digits only: no token ever holds two of them
+            sentence.insert(rng.randrange(len(sentence)), " ".join(str(rng.randrange(10)) for _ in range(3)))
+        lines.append(" ".join(sentence).capitalize() + ".")
     lines += ["<|im_start|>user\nWrite some numbers.<|im_end|>\n<|im_start|>assistant\n"] * 50
     return lines
 
@@ -76,9 +81,7 @@ def _build(folder: Path) -> None:
 
     rng = random.Random(1234)
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
