@@ -70,18 +70,21 @@ def sample_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[
     ]
 
 
-def ingest_metrics(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
-    rows = metric_rows(run_id, owner, records)
+def _bulk_insert(session: Session, table, rows: list[dict[str, Any]]) -> int:
+    """One executemany straight on the driver: the ORM's per-row bookkeeping costs more than SQLite's insert."""
     if rows:
-        session.execute(insert(MetricPoint), rows)
+        columns = list(rows[0])
+        statement = f"INSERT INTO {table.__tablename__} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+        session.connection().exec_driver_sql(statement, [tuple(row[c] for c in columns) for row in rows])
     return len(rows)
+
+
+def ingest_metrics(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
+    return _bulk_insert(session, MetricPoint, metric_rows(run_id, owner, records))
 
 
 def ingest_samples(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
-    rows = sample_rows(run_id, owner, records)
-    if rows:
-        session.execute(insert(RolloutSample), rows)
-    return len(rows)
+    return _bulk_insert(session, RolloutSample, sample_rows(run_id, owner, records))
 
 
 def ingest_events(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:

@@ -89,10 +89,9 @@ class MetricPoint(SQLModel, table=True):
 
 
 class RolloutSample(SQLModel, table=True):
-    __table_args__ = (
-        Index("ix_sample_run_step", "run_id", "step"),
-        Index("ix_sample_run_reward", "run_id", "reward"),
-    )
+    # One index: sample pages are step ranges (a reward filter within them is cheap), and every extra index slows the
+    # poller's bulk inserts.
+    __table_args__ = (Index("ix_sample_run_step", "run_id", "step"),)
     id: int | None = Field(default=None, primary_key=True)
     run_id: str = Field(foreign_key="run.id")
     owner: str
