@@ -6,8 +6,6 @@ machine — and never from a form field, so no page can be talked into showing o
 
 from __future__ import annotations
 
-import os
-
 import gradio as gr
 
 from backend.api import PanelServices
@@ -16,11 +14,6 @@ from backend.models import Credential
 
 LOCAL_OWNER = "local"
 OAUTH_CREDENTIAL = "Hugging Face sign-in"
-
-
-def on_space() -> bool:
-    """True inside a Hugging Face Space (where the panel binds 0.0.0.0 and signs users in with OAuth)."""
-    return bool(os.environ.get("SPACE_ID")) or os.environ.get("SYSTEM") == "spaces"
 
 
 class SignInRequired(gr.Error):

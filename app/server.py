@@ -10,10 +10,11 @@ from __future__ import annotations
 import logging
 import os
 
-from app.panel import Panel, on_space
+from app.panel import Panel
 from app.theme import CSS, theme
 from app.ui import build_app
 from backend.context import PanelContext
+from backend.hosting import on_space
 from backend.poller import Poller
 from jobs.secrets import install_log_redaction
 

@@ -18,6 +18,7 @@ from backend.launchers.base import LaunchError
 from backend.models import Run
 from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_rewards
 from backend.services.costs import estimate_per_hour
+from backend.services.runs import RunStateError, check_hosting
 from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, parse_spec
 from jobs.store import StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
@@ -69,6 +70,11 @@ def run_preflight(
     store = _check_store(ctx, probe, result)
     _check_compute(ctx, probe, spec, result)
     _check_model(ctx, probe, spec, result)
+    try:
+        check_hosting(spec)
+    except RunStateError as error:
+        field_name, _, message = str(error).partition(": ")
+        result.errors[field_name] = message
     rows = _check_dataset(spec, store, result, sample_rows)
     if rows:
         _check_rewards(spec, rows, result, sandbox)
@@ -139,7 +145,7 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
 
     token = ctx.vault.hf_token(run.owner, run.hf_credential_id) if run.hf_credential_id is not None else None
     try:
-        HfApi(token=token).model_info(model, revision=spec.model.revision, timeout=10)
+        HfApi(token=token, endpoint=ctx.hub_endpoint).model_info(model, revision=spec.model.revision, timeout=10)
     except GatedRepoError:
         result.errors["model.id"] = f"{model} is gated; accept its terms on the Hub and use a token that has access"
     except RepositoryNotFoundError:

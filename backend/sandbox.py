@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.db import PROJECT_ROOT
+from backend.hosting import on_space
 from jobs.contract import RewardSpec
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
@@ -53,7 +54,33 @@ class SandboxError(RuntimeError):
     """The sandbox itself failed (timeout, memory, output limit) for every reward at once."""
 
 
-def _limit(limits: SandboxLimits):
+def _confinement(scratch: Path) -> dict[str, int]:
+    """What the sandboxed interpreter may touch: read Python and the job code, write its scratch folder."""
+    from backend import landlock
+
+    read = landlock.READ_FILE | landlock.READ_DIR
+    python = os.path.realpath(sys.executable)
+    rules = {
+        python: landlock.EXECUTE | landlock.READ_FILE,
+        os.path.realpath("/lib64/ld-linux-x86-64.so.2"): landlock.EXECUTE | landlock.READ_FILE,
+        os.path.realpath("/lib/ld-linux-aarch64.so.1"): landlock.EXECUTE | landlock.READ_FILE,
+        "/usr/lib": read,
+        "/usr/lib64": read,
+        "/etc/ld.so.cache": landlock.READ_FILE,
+        "/dev/null": landlock.READ_FILE | landlock.WRITE_FILE,
+        sys.base_prefix: read,
+        sys.prefix: read,
+        str(PROJECT_ROOT): landlock.READ_DIR,  # names only: imports list the folder; files below stay unreadable
+        str(PROJECT_ROOT / "jobs"): read,
+        str(RUNNER): landlock.READ_FILE,
+        str(scratch): read | landlock.WRITE_FILE | landlock.MAKE_REG | landlock.TRUNCATE | landlock.REMOVE_FILE,
+    }
+    return rules
+
+
+def _limit(limits: SandboxLimits, scratch: Path, strict: bool):
+    rules = _confinement(scratch)
+
     def apply() -> None:
         cpu = int(limits.seconds) + 1
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
@@ -64,6 +91,15 @@ def _limit(limits: SandboxLimits):
             ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
         except Exception:
             pass
+        from backend import landlock
+
+        try:
+            landlock.confine(rules)
+        except OSError:
+            # Alone on one's own machine the audit hook and the limits are enough; in a Space users share the panel,
+            # so their code must not run unconfined (the parent reports this as a clear error).
+            if strict:
+                raise
 
     return apply
 
@@ -95,16 +131,22 @@ def run_rewards(
         scratch = Path(folder)
         (scratch / "request.json").write_text(json.dumps(request, default=str))
         with open(scratch / "stdout", "wb") as out:
-            process = subprocess.Popen(
-                [sys.executable, "-I", str(RUNNER), str(PROJECT_ROOT), "request.json", "result.json"],
-                cwd=scratch,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_limit(limits),
-                start_new_session=True,
-            )
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-I", str(RUNNER), str(PROJECT_ROOT), "request.json", "result.json"],
+                    cwd=scratch,
+                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_limit(limits, scratch, strict=on_space()),
+                    start_new_session=True,
+                )
+            except subprocess.SubprocessError:  # the confinement could not be applied (strict mode only)
+                raise SandboxError(
+                    "this server cannot confine reward code (its kernel lacks Landlock), so code rewards are off here; "
+                    "use a built-in reward, or run the panel on your own machine"
+                ) from None
             try:
                 code = process.wait(timeout=limits.seconds + 5)  # start-up (imports) is not the reward's time
             except subprocess.TimeoutExpired:
@@ -142,7 +184,10 @@ def _explain_exit(code: int, output: Path, limits: SandboxLimits) -> str:
     if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or output.stat().st_size >= limits.output_bytes:
         return f"the reward printed more than {limits.output_bytes // 1024} kB; remove the prints from the reward"
     if code in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU):
-        return f"the rewards used more than {limits.seconds:.0f}s of CPU and were stopped"
+        return (
+            f"the rewards used more than {limits.seconds:.0f}s of CPU and were stopped; make the reward faster "
+            "(it runs for every group during training)"
+        )
     if "MemoryError" in tail or code == -signal.SIGSEGV:
         return f"the rewards needed more than {limits.memory_bytes >> 20} MB of memory"
     return f"the reward sandbox failed (exit code {code}): {tail[-600:]}"

@@ -9,6 +9,7 @@ allows, an empty network namespace.
 
 import json
 import sys
+import traceback
 
 _BLOCKED = {
     "socket.connect": "open network connections",
@@ -24,6 +25,9 @@ _BLOCKED = {
     "os.forkpty": "fork",
     "os.kill": "signal processes",
     "os.killpg": "signal processes",
+    "ctypes.dlopen": "load C libraries",
+    "ctypes.dlsym": "call C functions",
+    "ctypes.call_function": "call C functions",
 }
 
 
@@ -57,6 +61,9 @@ def main(root, request_path, result_path):
             result["rewards"][spec.name] = {"scores": scores}
         except BaseException as error:  # SystemExit and KeyboardInterrupt from user code are errors too
             entry = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == f"<reward {spec.name}>"]
+            if frames:  # where in the user's code it was raised: what to fix
+                entry["error"] += f" (line {frames[-1].lineno} of the reward)"
             if getattr(error, "index", None) is not None:
                 entry["row"] = error.index
             result["rewards"][spec.name] = entry

@@ -129,6 +129,18 @@ def test_a_published_version_is_downloaded_verified_and_served(setup, adapter):
     assert "serve-run-v1" not in setup.adapter_names()
 
 
+def test_loading_the_same_version_again_is_idempotent_and_another_source_is_refused(setup, adapter):
+    ref = publish_adapter(setup.store, "retry-run", 1, adapter)
+    assert setup.load("retry-run-v1", ref).status_code == 200
+    # A proxy retry whose first answer was lost: same name, same version — success, not vLLM's "already loaded".
+    again = setup.load("retry-run-v1", ref)
+    assert again.status_code == 200 and "added successfully" in again.text
+    other = publish_adapter(setup.store, "retry-run", 2, adapter)
+    refused = setup.load("retry-run-v1", other)  # the same name for different weights is still an error
+    assert refused.status_code == 400 and "has already been loaded" in refused.json()["error"]["message"]
+    assert setup.unload("retry-run-v1").status_code == 200
+
+
 def test_an_unpublished_version_answers_no_adapter_found_until_it_is_published(setup, adapter):
     prefix = layout.adapter_prefix("pending-run", 1)
     for file in adapter.iterdir():  # the files are up, the manifest (written last) is not: not published yet

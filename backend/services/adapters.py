@@ -291,8 +291,8 @@ class AdapterService:
             run_id=new_run_id, name=f"{parent.name} ↳ v{version}", parent={"run_id": run_id, "version": version}
         )
         spec = parse_spec(data)
-        self.make_current(run_id, version)
         child = self.runs.create(spec, parent.store_credential_id, parent.hf_credential_id)
+        self.make_current(run_id, version)  # only once the branch exists: a refused branch moves nothing
         if launch:
             self.runs.launch(child.id)
         return self.runs.get(child.id)

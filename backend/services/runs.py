@@ -14,6 +14,7 @@ from sqlalchemy import delete
 from sqlmodel import select
 
 from backend.context import PanelContext
+from backend.hosting import on_space
 from backend.launchers.base import JobHandle, LaunchError
 from backend.models import (
     AdapterVersion,
@@ -73,6 +74,9 @@ class RunService:
         for credential_id in (store_credential_id, hf_credential_id):
             if credential_id is not None:
                 self.ctx.vault.get(self.owner, credential_id)  # raises unless this owner holds it
+        if spec.parent is not None:
+            self.get(spec.parent.run_id)  # a branch starts from the parent's adapter: only of one's own run
+        check_hosting(spec)
         run = Run(
             id=spec.run_id,
             owner=self.owner,
@@ -319,3 +323,15 @@ def _flavor(spec: RunSpec, role: str) -> str:
     if spec.compute.backend == "local":
         return ""
     return spec.compute.trainer_flavor if role == "trainer" else spec.compute.replica_flavor
+
+
+def check_hosting(spec: RunSpec) -> None:
+    """On a shared panel (a Space), local jobs run on the panel's own machine, next to every user's data: they may
+    only run built-in rewards. User code runs in the user's own HF Jobs there."""
+    if on_space() and spec.compute.backend == "local":
+        for index, reward in enumerate(spec.rewards):
+            if reward.kind == "code":
+                raise RunStateError(
+                    f"rewards.{index}: on a shared panel, code rewards run only on HF Jobs (in your own jobs); "
+                    "switch compute to HF Jobs or use a built-in reward"
+                )

@@ -37,6 +37,11 @@ BUILTIN_REWARDS: dict[str, frozenset[str]] = {
     "digit_frac": frozenset(),
 }
 MAX_REWARD_SOURCE_BYTES = 200_000
+# Upper bounds on form values that are otherwise accepted and only fail once jobs run (or when the run is recorded).
+MAX_DATASET_ROWS = 1_000_000_000
+MAX_SYSTEM_PROMPT_CHARS = 100_000  # sent with every prompt: beyond this it crowds out any model's context
+MAX_STEPS = 10_000_000  # the panel records max_steps as a 64-bit integer; no run comes near this
+MAX_SEED = 2**32 - 1  # NumPy (seeded by the trainer through transformers.set_seed) refuses larger seeds
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _NAMED_FIELD = re.compile(r"^([a-z_][\w.\[\]]*): (.+)$", re.S)
@@ -86,6 +91,26 @@ class DatasetSpec(_Section):
     system_prompt: str | None = None
     limit: Annotated[int, Field(ge=1)] | None = None
 
+    @field_validator("limit")
+    @classmethod
+    def _limit(cls, value: int | None) -> int | None:
+        if value is not None and value > MAX_DATASET_ROWS:
+            raise ValueError(
+                f"{value} rows is more than a dataset can hold here; use at most {MAX_DATASET_ROWS:,} "
+                "or leave it empty to use every row"
+            )
+        return value
+
+    @field_validator("system_prompt")
+    @classmethod
+    def _system_prompt(cls, value: str | None) -> str | None:
+        if value is not None and len(value) > MAX_SYSTEM_PROMPT_CHARS:
+            raise ValueError(
+                f"{len(value):,} characters is too long: it is sent with every prompt; "
+                f"keep it under {MAX_SYSTEM_PROMPT_CHARS:,} characters"
+            )
+        return value
+
     @model_validator(mode="after")
     def _dataset_id(self) -> DatasetSpec:
         if self.source == "hub" and (".." in self.id or not _HUB_ID.match(self.id)):
@@ -93,6 +118,11 @@ class DatasetSpec(_Section):
         if self.source == "store":
             if self.id.startswith("/") or ".." in self.id.split("/"):
                 raise ValueError(f"id: {self.id!r} must be a path inside the store, e.g. 'datasets/train.jsonl'")
+            if self.id.split("/", 1)[0] == "runs":  # layout.RUNS: every run's own data, possibly another owner's
+                raise ValueError(
+                    f"id: {self.id!r} is inside runs/, which holds the runs' own data; keep datasets elsewhere in "
+                    "the store, e.g. 'datasets/train.jsonl'"
+                )
             if not self.id.endswith((".jsonl", ".json", ".csv", ".parquet")):
                 raise ValueError(f"id: {self.id!r} must end in .jsonl, .json, .csv or .parquet")
         if self.source == "builtin" and self.id != DEMO_DATASET_ID:
@@ -180,6 +210,20 @@ class GrpoSpec(_Section):
     save_steps: Annotated[int, Field(ge=1)] = 50
     seed: Annotated[int, Field(ge=0)] = 42
     audit_every: Annotated[int, Field(ge=0)] = 10  # policy audit every k-th version (0: only the final one)
+
+    @field_validator("max_steps")
+    @classmethod
+    def _max_steps(cls, value: int) -> int:
+        if value > MAX_STEPS:
+            raise ValueError(f"{value} is more steps than any run takes; use at most {MAX_STEPS:,}")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int) -> int:
+        if value > MAX_SEED:
+            raise ValueError(f"{value} is too large; use a seed from 0 to {MAX_SEED} (NumPy's range)")
+        return value
 
     @field_validator("max_staleness")
     @classmethod

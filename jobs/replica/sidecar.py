@@ -146,6 +146,15 @@ class Sidecar:
         path = body.get("lora_path") if isinstance(body, dict) else None
         if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
             return error_response(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        loaded = self.adapters.get(name)
+        if (
+            loaded is not None
+            and loaded.run_id is not None
+            and path == layout.adapter_ref(loaded.run_id, loaded.version)
+        ):
+            # The same version under the same name again: a retry whose first answer was lost. Loading is idempotent
+            # here, so the proxy's retry cannot turn a success into vLLM's "already loaded" error.
+            return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
         if path.startswith(layout.STORE_REF_SCHEME):
             ref = layout.parse_adapter_ref(path)
             if ref is None:

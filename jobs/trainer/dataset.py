@@ -19,6 +19,7 @@ from jobs.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
 ANSWER = "answer"  # rewards receive the gold answer under this name, whatever the dataset calls it
+NO_ROWS = "point at a file or split with at least one row"
 
 
 class DatasetError(ValueError):
@@ -53,7 +54,7 @@ def load_rows(spec: DatasetSpec, store: ObjectStore | None = None, limit: int | 
     if limit is not None and len(rows) > limit:
         rows = rows.select(range(limit))
     if len(rows) == 0:
-        raise DatasetError(f"dataset.id: {spec.id!r} ({spec.split}) has no rows")
+        raise DatasetError(f"dataset.id: {spec.id!r} ({spec.split}) has no rows; {NO_ROWS}")
     return rows
 
 
@@ -73,6 +74,9 @@ def _load_store_file(spec: DatasetSpec, store: ObjectStore | None):
         try:
             return datasets.load_dataset(builder, data_files=str(local), split="train", keep_in_memory=True)
         except Exception as error:
+            # An empty file, or a CSV with only its header: `datasets` finds no data rather than zero rows.
+            if local.stat().st_size == 0 or "corresponds to no data" in str(error):
+                raise DatasetError(f"dataset.id: {spec.id!r} has no rows; {NO_ROWS}") from None
             raise DatasetError(f"dataset.id: {spec.id!r} could not be parsed as {builder}: {error}") from None
 
 

@@ -1,0 +1,10 @@
+"""Where the panel is hosted, which decides how much it must distrust its users."""
+
+from __future__ import annotations
+
+import os
+
+
+def on_space() -> bool:
+    """True inside a Hugging Face Space: many signed-in users share this process, so their code must be confined."""
+    return bool(os.environ.get("SPACE_ID")) or os.environ.get("SYSTEM") == "spaces"

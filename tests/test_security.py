@@ -1,0 +1,848 @@
+"""Security checks (issue 9): secrets stay secret, the proxy stays private, owners stay apart, reward code stays boxed.
+
+One demo run goes through the Hub Jobs emulator (moto's S3 as the bucket) with known secret values, and is shared by
+the module: afterwards every byte the run left anywhere is scanned for them; while it runs, the replicas' exposed
+ports and the trainer's proxy are probed; and the finished run is "alice's" for the owner-isolation checks, where
+"bob" calls every service and every page handler against it.
+
+The reward sandbox's time, memory and environment limits are also covered by tests/test_sandbox.py
+(test_a_hanging_reward_is_stopped_in_bounded_time, test_a_sleeping_reward_is_stopped_in_bounded_time,
+test_memory_is_limited, test_no_secrets_in_the_environment); here is what those do not check.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import textwrap
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import gradio as gr
+import pandas as pd
+import psutil
+import pytest
+import requests
+from sqlmodel import select
+
+from app import cards
+from app.launch_form import KEYS, form_from_spec
+from app.pages.account import AccountPage
+from app.pages.adapters import AdaptersPage
+from app.pages.launch import LaunchPage, _fingerprint
+from app.pages.monitor import SUBTABS, MonitorPage
+from app.pages.runs import RunsPage
+from app.panel import Panel, SignInRequired
+from backend.api import PanelServices
+from backend.context import PanelContext
+from backend.db import Database
+from backend.models import Credential, Job, Run
+from backend.poller import Poller
+from backend.sandbox import SandboxError, SandboxLimits, run_rewards
+from backend.services import ui_queries
+from backend.services.adapters import AdapterService
+from backend.services.queries import QueryService
+from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
+from backend.vault import KEY_ENV, CredentialError
+from jobs.contract import RewardSpec, RunSpec, layout
+from jobs.contract.control import STOP
+from jobs.demo.preset import demo_spec
+from jobs.runtime import ENV_UPSTREAM_TOKEN
+from jobs.store import LocalStore
+from jobs.telemetry import encode_jsonl
+from tests.support.echo_server import EchoServer
+from tests.support.hub_emulator import HubEmulator
+from tests.support.net import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+ALICE, BOB = "alice", "bob"
+# Known values: the run below uses these, so finding any of them anywhere is a leak. The bucket keys are moto's.
+HF_TOKEN = "hf_SecurityScanKnownToken0123456789"
+BOB_TOKEN = "hf_BobsOwnTokenNotAlices9876543210"
+RUN_ID = "sec-hub"
+STEPS = 4
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.5, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
+
+
+def profile(username: str) -> gr.OAuthProfile:
+    return gr.OAuthProfile({"name": username.title(), "preferred_username": username, "profile": "", "picture": ""})
+
+
+# --- finding secrets --------------------------------------------------------------------------------------------
+
+
+def readable(data: bytes) -> Iterator[bytes]:
+    """`data`, and whatever it holds compressed or archived (gzip, zip, tar), recursively."""
+    yield data
+    try:
+        if data[:2] == b"\x1f\x8b":
+            yield from readable(gzip.decompress(data))
+        elif data[:4] == b"PK\x03\x04":
+            with zipfile.ZipFile(io.BytesIO(data)) as archive:
+                for name in archive.namelist():
+                    yield from readable(archive.read(name))
+        elif data[257:262] == b"ustar":
+            with tarfile.open(fileobj=io.BytesIO(data)) as archive:
+                for member in archive.getmembers():
+                    handle = archive.extractfile(member)
+                    if handle is not None:
+                        yield from readable(handle.read())
+    except (OSError, EOFError, zipfile.BadZipFile, tarfile.TarError):
+        return  # not an archive after all: its raw bytes were scanned
+
+
+@dataclass
+class SecretScan:
+    secrets: dict[str, str]  # what it is -> its value
+    found: list[str] = field(default_factory=list)  # "<where>: <what>"
+    scanned: int = 0
+
+    def scan(self, where: str, data: bytes | str) -> None:
+        raw = data.encode() if isinstance(data, str) else data
+        self.scanned += 1
+        for blob in readable(raw):
+            for what, value in self.secrets.items():
+                if any(form in blob for form in (value.encode(), quote(value, safe="").encode())):
+                    self.found.append(f"{where}: {what}")
+
+    def scan_tree(self, root: Path) -> None:
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and not path.is_symlink():
+                self.scan(str(path), path.read_bytes())
+
+
+class LogCapture(logging.Handler):
+    """Every log record of this process (the panel's side) while attached, formatted as a log file would hold it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        self._root = logging.getLogger()
+        self._level = self._root.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+    def __enter__(self) -> LogCapture:
+        self._root.addHandler(self)
+        self._root.setLevel(logging.INFO)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._root.removeHandler(self)
+        self._root.setLevel(self._level)
+
+
+# --- the shared run ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HubRun:
+    ctx: PanelContext
+    emulator: HubEmulator
+    moto: Any
+    bucket: str
+    root: Path
+    hf_id: int
+    keys_id: int
+    logs: list[str]
+    replica_answers: dict[str, int]  # how a replica's exposed port answered each kind of caller
+    proxy_listens: list[tuple[str, int]]  # the trainer's proxy's listening addresses, seen while it ran
+    secrets: dict[str, str]
+
+
+def _job_env(root: Path, hub_url: str) -> dict[str, str]:
+    (root / "jobtmp").mkdir()
+    return {
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "HOME": str(root / "home"),
+        "TMPDIR": str(root / "jobtmp"),
+        "GRPO_MODEL_CACHE": os.environ.get("GRPO_MODEL_CACHE", str(Path.home() / ".cache/grpo-panel/models")),
+        "NO_PROXY": "127.0.0.1,localhost",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_ENDPOINT": hub_url,
+    }
+
+
+def _proxy_listening(emulator: HubEmulator) -> list[tuple[str, int]]:
+    """The listening addresses of the proxy process inside the running trainer job ([] until it listens)."""
+    trainer = next((j for j in emulator.jobs.values() if j.spec["labels"]["grpo-role"] == "trainer"), None)
+    if trainer is None or trainer.pgid is None:
+        return []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getpgid(process.pid) == trainer.pgid and "jobs.proxy" in (process.info["cmdline"] or []):
+                return [
+                    (c.laddr.ip, c.laddr.port)
+                    for c in process.net_connections(kind="inet")
+                    if c.status == psutil.CONN_LISTEN
+                ]
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return []
+
+
+def _replica_answers(ctx: PanelContext) -> dict[str, int]:
+    with ctx.db.session() as session:
+        job = session.exec(select(Job).where(Job.run_id == RUN_ID, Job.role == "replica-0")).one()
+    health = job.endpoint.rstrip("/") + "/health"
+    load = job.endpoint.rstrip("/") + "/v1/load_lora_adapter"
+    body = {"lora_name": "x", "lora_path": "/tmp"}
+    return {
+        "no token": requests.get(health, timeout=10).status_code,
+        "another token": requests.get(health, headers={"Authorization": f"Bearer {BOB_TOKEN}"}, timeout=10).status_code,
+        "the token": requests.get(health, headers={"Authorization": f"Bearer {HF_TOKEN}"}, timeout=10).status_code,
+        "a load without a token": requests.post(load, json=body, timeout=10).status_code,
+    }
+
+
+@pytest.fixture(scope="module")
+def hub_run(tmp_path_factory, moto_server) -> HubRun:
+    root = tmp_path_factory.mktemp("security")
+    emulator = HubEmulator(root / "hub", tokens=(HF_TOKEN,), namespace=ALICE, scheduling_delay=0.2)
+    emulator.base_env = _job_env(root, emulator.url)
+    emulator.start()
+    ctx = PanelContext(Database(root / "panel" / "panel.sqlite3"), root / "panel", hub_endpoint=emulator.url)
+    credentials = moto_server.credentials
+    secrets = {
+        "the HF token": HF_TOKEN,
+        "the S3 access key id": credentials.access_key_id,
+        "the S3 secret key": credentials.secret_access_key,
+    }
+    bucket = moto_server.create_bucket()
+    try:
+        with LogCapture() as capture:
+            hf = ctx.vault.save(ALICE, "hub", "hf_token", HF_TOKEN)
+            keys = {"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}
+            store_keys = ctx.vault.save(ALICE, "bucket", "s3", keys)
+            spec = demo_spec(
+                RUN_ID,
+                f"s3://{bucket}/panel",
+                grpo={"max_steps": STEPS, "save_steps": 2},
+                compute={
+                    "backend": "hf_jobs",
+                    "namespace": ALICE,
+                    "trainer_flavor": "cpu-upgrade",
+                    "replica_flavor": "cpu-basic",
+                    "timeout": "30m",
+                },
+                storage={"uri": f"s3://{bucket}/panel", "endpoint": moto_server.url},
+            )
+            services = PanelServices(ctx, ALICE)
+            checked = services.preflight(spec, store_keys.id, hf.id)
+            assert checked.ok, checked.errors
+            services.runs.create(spec, store_keys.id, hf.id)
+            services.runs.launch(RUN_ID, wait=True)
+            replica_answers = _replica_answers(ctx)
+            poller = Poller(ctx)
+            listens: list[tuple[str, int]] = []
+
+            def ended() -> bool:
+                listens[:] = listens or _proxy_listening(emulator)
+                poller.poll_run(RUN_ID)
+                return services.runs.get(RUN_ID).status in TERMINAL_STATUSES
+
+            wait_until(ended, 600, what="the end of the run")
+            wait_until(lambda: all(job.finished for job in emulator.jobs.values()), 60, what="every job's end")
+            poller.poll_run(RUN_ID)
+            run = services.runs.get(RUN_ID)
+            assert run.status == "finished", run.status_message
+        yield HubRun(
+            ctx,
+            emulator,
+            moto_server,
+            bucket,
+            root,
+            hf.id,
+            store_keys.id,
+            capture.lines,
+            replica_answers,
+            listens,
+            secrets,
+        )
+    finally:
+        emulator.close()
+        ctx.db.close()
+
+
+# --- secrets ----------------------------------------------------------------------------------------------------
+
+
+def test_no_secret_value_is_left_anywhere_after_a_run(hub_run):
+    scan = SecretScan(hub_run.secrets)
+    # Every object in the bucket (its key and its bytes), not only the run's prefix.
+    client = hub_run.moto.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=hub_run.bucket):
+        for item in page.get("Contents", []):
+            scan.scan(f"s3://{hub_run.bucket}/{item['Key']} (key)", item["Key"])
+            body = client.get_object(Bucket=hub_run.bucket, Key=item["Key"])
+            scan.scan(f"s3://{hub_run.bucket}/{item['Key']}", body["Body"].read())
+            scan.scan(f"s3://{hub_run.bucket}/{item['Key']} (metadata)", json.dumps(body.get("Metadata", {})))
+    # The SQLite database with its -wal and -shm files, the panel's data folder, and everything the jobs wrote:
+    # their working folders, HOME and TMPDIR, and the emulator's volumes.
+    database = hub_run.ctx.db.path
+    assert database.is_relative_to(hub_run.root)
+    assert any(database.parent.glob("*.sqlite3-wal")), "the database is expected in WAL mode"
+    scan.scan_tree(hub_run.root)
+    # Every log: the jobs' log lines as the Hub serves them, and the panel's own log records.
+    for job in hub_run.emulator.jobs.values():
+        scan.scan(f"log of job {job.id}", "\n".join(job.lines))
+        scan.scan(f"job {job.id} as the Hub shows it", json.dumps(job.to_json()))
+    scan.scan("the panel's log", "\n".join(hub_run.logs))
+    # Every recorded job spec, but for the `secrets` field itself.
+    submissions = hub_run.emulator.submissions
+    assert len(submissions) == 3
+    for submission in submissions:
+        shown = {key: value for key, value in submission.spec.items() if key != "secrets"}
+        scan.scan(f"job spec {submission.job_id}", json.dumps(shown))
+    assert scan.found == [], "secret values leaked:\n" + "\n".join(scan.found)
+    assert scan.scanned > 100 and len(hub_run.logs) > 10
+    # The scan does find a secret where one is meant to be: in the submission's `secrets` field.
+    control = SecretScan(hub_run.secrets)
+    control.scan("raw submission", submissions[0].raw)
+    assert {entry.split(": ", 1)[1] for entry in control.found} == set(hub_run.secrets)
+
+
+def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
+    scan = SecretScan(hub_run.secrets)
+    alice = profile(ALICE)
+    scan.scan("account page", repr(pages.account.refresh(alice)))
+    scan.scan("runs page", repr(pages.runs.refresh([RUN_ID], None, alice)))
+    for subtab in SUBTABS:
+        shown = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", alice)
+        scan.scan(f"monitor {subtab}", repr(shown))
+        assert RUN_ID in repr(shown[0])  # alice does see her run
+    scan.scan("adapters page", repr(pages.adapters.show_run(RUN_ID, alice)))
+    scan.scan("launch page credentials", repr(pages.launch.on_open("", "", alice)))
+    pages.adapters.prepare_download(RUN_ID, 1, alice)
+    scan.scan_tree(pages.adapters.downloads)
+    assert scan.found == [], "secret values shown:\n" + "\n".join(scan.found)
+
+
+# --- the proxy and the replicas' ports --------------------------------------------------------------------------
+
+
+def test_replica_ports_demand_the_bearer_token_on_the_hub(hub_run):
+    assert hub_run.replica_answers == {
+        "no token": 401,
+        "another token": 401,
+        "the token": 200,
+        "a load without a token": 401,
+    }
+    replicas = [s.spec for s in hub_run.emulator.submissions if s.spec["labels"]["grpo-role"] != "trainer"]
+    assert replicas and all(not body["expose"].get("portsPublic") for body in replicas)
+
+
+def test_the_proxy_in_the_trainer_job_listens_on_loopback_only(hub_run):
+    assert hub_run.proxy_listens, "the trainer's proxy was never seen listening"
+    assert {address for address, _ in hub_run.proxy_listens} == {"127.0.0.1"}
+
+
+@pytest.fixture
+def proxy_process(tmp_path):
+    """`python -m jobs.proxy` as the trainer starts it, in front of one recording upstream."""
+    store = LocalStore(tmp_path / "store")
+    store.put_bytes(layout.spec_key("proxy-run"), RunSpec(run_id="proxy-run").to_json().encode())
+    upstream = EchoServer().start()
+    port = free_port()
+    token = "upstream-token-the-replicas-expect"
+    command = [sys.executable, "-m", "jobs.proxy", "--spec", f"file://{store.root}/{layout.spec_key('proxy-run')}"]
+    command += ["--port", str(port), "--upstream", upstream.url]
+    env = {**os.environ, ENV_UPSTREAM_TOKEN: token, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        try:
+            return requests.get(url + "/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    try:
+        wait_until(healthy, 30, 0.2, "the proxy")
+        yield process, url, upstream, token
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        upstream.stop()
+
+
+def test_the_proxy_listens_on_loopback_only(proxy_process):
+    process, url, _, _ = proxy_process
+    listening = [c.laddr for c in psutil.Process(process.pid).net_connections("inet") if c.status == "LISTEN"]
+    assert listening and {address.ip for address in listening} == {"127.0.0.1"}
+    # And it is not reachable on any other address of this machine.
+    others = {
+        address.address
+        for addresses in psutil.net_if_addrs().values()
+        for address in addresses
+        if address.family == socket.AF_INET and not address.address.startswith("127.")
+    }
+    for address in others:
+        with pytest.raises(OSError), socket.create_connection((address, int(url.rsplit(":", 1)[1])), timeout=2):
+            pass
+
+
+def test_the_clients_authorization_never_reaches_a_replica(proxy_process):
+    _, url, upstream, token = proxy_process
+    client_secret = "client-credential-that-must-stay-here"
+    headers = {"Authorization": f"Bearer {client_secret}"}
+    calls = [
+        ("POST", "/v1/completions", {"model": "echo/base-model", "prompt": [1, 2, 3], "max_tokens": 2}),
+        ("POST", "/v1/chat/completions", {"model": "echo/base-model", "messages": [{"role": "user", "content": "x"}]}),
+        ("POST", "/tokenize", {"model": "echo/base-model", "prompt": "x"}),
+        ("GET", "/v1/models", None),
+        ("GET", "/server_info", None),
+        ("GET", "/metrics", None),
+        ("POST", "/pause", None),
+        ("POST", "/resume", None),
+    ]
+    for method, path, body in calls:
+        response = requests.request(method, url + path, json=body, headers=headers, timeout=30)
+        assert response.status_code == 200, (path, response.text)
+    seen = upstream.requests
+    paths = {request.path for request in seen}
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize", "/metrics", "/pause", "/resume"} <= paths
+    for request in seen:
+        assert request.values("Authorization") == [f"Bearer {token}"], request
+        assert client_secret not in json.dumps(request.headers) + request.path
+        assert client_secret.encode() not in request.body
+
+
+# --- owner isolation --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pages:
+    launch: LaunchPage
+    runs: RunsPage
+    monitor: MonitorPage
+    adapters: AdaptersPage
+    account: AccountPage
+
+
+@pytest.fixture(scope="module")
+def pages(hub_run) -> Pages:
+    """Every page of a panel hosted as a Space (owners from the sign-in), built once."""
+    panel = Panel(hub_run.ctx, space=True)
+    built = Pages(LaunchPage(panel), RunsPage(panel), MonitorPage(panel), AdaptersPage(panel), AccountPage(panel))
+    with gr.Blocks():
+        for page in (built.launch, built.runs, built.monitor, built.adapters, built.account):
+            page.build()
+    return built
+
+
+@dataclass
+class Owners:
+    ctx: PanelContext
+    alice_run: str
+    alice_draft: str
+    alice_hf: int
+    alice_keys: int
+    bob_store: Path
+    bucket_uri: str
+    endpoint: str
+
+
+@pytest.fixture(scope="module")
+def owners(hub_run, tmp_path_factory) -> Owners:
+    """Alice: the finished Hub run (with versions, metrics, samples, jobs) and a draft run. Bob: his own token."""
+    ctx = hub_run.ctx
+    folder = tmp_path_factory.mktemp("owners")
+    RunService(ctx, ALICE).create(demo_spec("alice-draft", f"file://{folder / 'alice-store'}"))
+    ctx.vault.save(BOB, "bobs token", "hf_token", BOB_TOKEN)
+    RunService(ctx, BOB).create(demo_spec("bob-draft", f"file://{folder / 'bob-store'}"))
+    uri = f"s3://{hub_run.bucket}/panel"
+    return Owners(ctx, RUN_ID, "alice-draft", hub_run.hf_id, hub_run.keys_id, folder, uri, hub_run.moto.url)
+
+
+def alices_state(ctx: PanelContext) -> list[tuple]:
+    """Alice's runs as the panel and their buckets record them (CURRENT, stop requests), and her credentials."""
+    with ctx.db.session() as session:
+        runs = session.exec(select(Run).where(Run.owner == ALICE).order_by(Run.id)).all()
+        credentials = session.exec(select(Credential.id).where(Credential.owner == ALICE)).all()
+    state: list[tuple] = [tuple(credentials)]
+    for run in runs:
+        store = ctx.store_for(run)
+        keys = (layout.current_key(run.id), layout.control_key(run.id, STOP), layout.spec_key(run.id))
+        stored = tuple(store.get_bytes(key) if store.exists(key) else None for key in keys)
+        state.append((run.id, run.status, run.current_version, run.stop_requested_at, *stored))
+    return state
+
+
+def _service_calls(o: Owners) -> list[tuple[str, Callable[[], Any]]]:
+    ctx = o.ctx
+    runs, queries, adapters = RunService(ctx, BOB), QueryService(ctx, BOB), AdapterService(ctx, BOB)
+    run, draft = o.alice_run, o.alice_draft
+
+    def services() -> PanelServices:
+        return PanelServices(ctx, BOB)
+
+    return [
+        ("RunService.get", lambda: runs.get(run)),
+        ("RunService.jobs", lambda: runs.jobs(run)),
+        ("RunService.launch", lambda: runs.launch(draft)),
+        ("RunService.relaunch_trainer", lambda: runs.relaunch_trainer(run)),
+        ("RunService.replace_replica", lambda: runs.replace_replica(run, "replica-0")),
+        ("RunService.stop", lambda: runs.stop(draft)),
+        ("RunService.delete", lambda: runs.delete(draft, delete_bucket_data=True)),
+        ("QueryService.metric_names", lambda: queries.metric_names(run)),
+        ("QueryService.metric_series", lambda: queries.metric_series(run, "reward")),
+        ("QueryService.samples", lambda: queries.samples(run)),
+        ("QueryService.group", lambda: queries.group(run, 1, 0)),
+        ("QueryService.proxy_snapshots", lambda: queries.proxy_snapshots(run)),
+        ("QueryService.jobs", lambda: queries.jobs(run)),
+        ("QueryService.heartbeats", lambda: queries.heartbeats(run)),
+        ("QueryService.versions", lambda: queries.versions(run)),
+        ("QueryService.alerts", lambda: queries.alerts(run)),
+        ("QueryService.events", lambda: queries.events(run)),
+        ("QueryService.summary", lambda: queries.summary(run)),
+        ("ui_queries.sample_versions", lambda: ui_queries.sample_versions(ctx, BOB, run)),
+        ("ui_queries.sample_steps", lambda: ui_queries.sample_steps(ctx, BOB, run)),
+        ("ui_queries.recent_values", lambda: ui_queries.recent_values(ctx, BOB, run, "reward")),
+        ("ui_queries.flavor_prices", lambda: ui_queries.flavor_prices(ctx, BOB, o.alice_hf)),
+        ("AdapterService.versions", lambda: adapters.versions(run)),
+        ("AdapterService.version", lambda: adapters.version(run, 1)),
+        ("AdapterService.download_zip", lambda: adapters.download_zip(run, 1)),
+        ("AdapterService.compare", lambda: adapters.compare(run, 1, 2)),
+        ("AdapterService.generate", lambda: adapters.generate(run, [1], ["hello"])),
+        ("AdapterService.make_current", lambda: adapters.make_current(run, 1)),
+        ("AdapterService.branch", lambda: adapters.branch(run, 1, "bob-from-alice", launch=False)),
+        ("AdapterService.prepare_publish", lambda: adapters.prepare_publish(run, 1, o.bob_store)),
+        ("AdapterService.publish", lambda: adapters.publish(run, 1, "bob/alices-adapter")),
+        ("Vault.get", lambda: ctx.vault.get(BOB, o.alice_keys)),
+        ("Vault.delete", lambda: ctx.vault.delete(BOB, o.alice_keys)),
+        ("Vault.hf_token", lambda: ctx.vault.hf_token(BOB, o.alice_hf)),
+        ("Vault.store_credentials", lambda: ctx.vault.store_credentials(BOB, o.alice_keys)),
+        (
+            "PanelServices.test_connection",
+            lambda: services().test_connection(o.bucket_uri, o.endpoint, None, o.alice_keys),
+        ),
+        ("PanelServices.import_bucket", lambda: services().import_bucket(o.bucket_uri, o.endpoint, None, o.alice_keys)),
+        (
+            "RunService.create with alice's bucket keys",
+            lambda: runs.create(demo_spec("bob-keys", o.bucket_uri), store_credential_id=o.alice_keys),
+        ),
+        (
+            "RunService.create with alice's HF token",
+            lambda: runs.create(demo_spec("bob-token", f"file://{o.bob_store}/s"), hf_credential_id=o.alice_hf),
+        ),
+        (
+            "RunService.create as a branch of alice's run",
+            lambda: runs.create(
+                demo_spec("bob-branch", f"file://{o.bob_store}/s", parent={"run_id": run, "version": 1})
+            ),
+        ),
+    ]
+
+
+def _blanked(error: Exception, o: Owners) -> str:
+    """The refusal with alice's ids blanked: it must read exactly as the one for an id that does not exist."""
+    text = str(error)
+    for value in (o.alice_run, o.alice_draft, str(o.alice_keys), str(o.alice_hf)):
+        text = text.replace(repr(value), "ID").replace(value, "ID")
+    return text
+
+
+def _blank(kind: type) -> Any:
+    """An instance of dataclass `kind` with every field None: enough to list the calls' names at collection."""
+    return kind(*[None] * len(fields(kind)))
+
+
+SERVICE_CALLS = [name for name, _ in _service_calls(_blank(Owners))]
+
+
+def run_ids(ctx: PanelContext) -> set[str]:
+    with ctx.db.session() as session:
+        return {run.id for run in session.exec(select(Run)).all()}
+
+
+@pytest.fixture
+def no_new_runs(owners):
+    """The run ids before the test; any run bob managed to create is removed after it, so no failure spills over."""
+    before = run_ids(owners.ctx)
+    yield before
+    for run_id in run_ids(owners.ctx) - before:
+        RunService(owners.ctx, BOB).delete(run_id)
+
+
+@pytest.mark.parametrize("name", SERVICE_CALLS)
+def test_bob_gets_nothing_of_alices_from_any_service(owners, no_new_runs, name):
+    before = alices_state(owners.ctx)
+    with pytest.raises((RunNotFound, CredentialError)) as refusal:
+        dict(_service_calls(owners))[name]()
+    assert alices_state(owners.ctx) == before
+    assert _blanked(refusal.value, owners) in ("no run ID", "no credential ID for this account"), (
+        f"{name} answered {refusal.value!r}: it must read exactly as for an id that does not exist"
+    )
+    assert run_ids(owners.ctx) == no_new_runs
+
+
+def test_bob_lists_only_his_own(owners):
+    ctx = owners.ctx
+    assert [run.id for run in RunService(ctx, BOB).list()] == ["bob-draft"]
+    assert {credential.owner for credential in ctx.vault.list(BOB)} == {BOB}
+    assert QueryService(ctx, BOB).alerts() == []
+    assert {event.owner for event in QueryService(ctx, ALICE).alerts()} <= {ALICE}
+
+
+def test_preflight_refuses_another_owners_credentials(owners):
+    spec = demo_spec("bob-check", owners.bucket_uri, compute={"backend": "hf_jobs", "namespace": BOB})
+    data = spec.model_dump()
+    data["storage"]["endpoint"] = owners.endpoint
+    result = PanelServices(owners.ctx, BOB).preflight(data, owners.alice_keys, owners.alice_hf)
+    assert not result.ok
+    assert result.errors["storage.credentials"] == f"no credential {owners.alice_keys} for this account"
+    assert result.errors["compute.token"] == f"no credential {owners.alice_hf} for this account"
+
+
+def test_preflight_does_not_preview_another_owners_run_data(owners, tmp_path):
+    """Runs of two owners in one local folder: bob's dataset preview must not read alice's telemetry from it."""
+    shared = LocalStore(tmp_path / "shared")
+    RunService(owners.ctx, ALICE).create(demo_spec("alice-local", f"file://{shared.root}"))
+    samples = [{"prompt": "alice's private prompt", "completion": "alice's private completion", "reward": 1.0}]
+    shared.put_bytes(layout.telemetry_key("alice-local", "samples", 0), encode_jsonl(samples))
+    data = demo_spec("bob-peek", f"file://{shared.root}").model_dump()
+    data["dataset"] = {
+        "source": "store",
+        "id": layout.telemetry_key("alice-local", "samples", 0),
+        "prompt_column": "prompt",
+        "answer_column": "completion",
+    }
+    try:
+        result = PanelServices(owners.ctx, BOB).preflight(data)
+        assert "alice's private" not in repr(result.preview) + repr(result.trials)
+        assert "runs' own data" in result.errors["dataset.id"]
+    finally:
+        RunService(owners.ctx, ALICE).delete("alice-local")
+
+
+def _select(run_id: str) -> tuple[pd.DataFrame, gr.SelectData]:
+    table = pd.DataFrame([{"run id": run_id, "group": 0}])
+    return table, gr.SelectData(None, {"index": [0, 0], "value": run_id, "selected": True})
+
+
+def _handler_calls(p: Pages, o: Owners) -> list[tuple[str, Callable[[gr.OAuthProfile | None], Any]]]:
+    run = o.alice_run
+    table, event = _select(run)
+    return [
+        ("RunsPage.select", lambda who: p.runs.select(table, event, who)),
+        ("RunsPage.stop", lambda who: p.runs.stop(run, who)),
+        ("RunsPage.launch_draft", lambda who: p.runs.launch_draft(o.alice_draft, who)),
+        ("RunsPage.branch", lambda who: p.runs.branch(run, 1, "bob-runs-branch", True, who)),
+        ("MonitorPage.browse", lambda who: p.monitor.browse(run, 1, "", "", who)),
+        ("MonitorPage.pick_group", lambda who: p.monitor.pick_group(run, 1, table, event, who)),
+        ("MonitorPage.stop", lambda who: p.monitor.stop(run, who)),
+        ("AdaptersPage.show_run", lambda who: p.adapters.show_run(run, who)),
+        ("AdaptersPage.refresh", lambda who: p.adapters.refresh(run, None, who)),
+        ("AdaptersPage.prepare_download", lambda who: p.adapters.prepare_download(run, 1, who)),
+        ("AdaptersPage.make_current", lambda who: p.adapters.make_current(run, 1, who)),
+        ("AdaptersPage.branch", lambda who: p.adapters.branch(run, 1, "bob-adapters-branch", False, who)),
+        ("AdaptersPage.publish", lambda who: p.adapters.publish(run, 1, "bob/alices", True, who)),
+        ("AdaptersPage.compare", lambda who: p.adapters.compare(run, 1, 2, who)),
+        ("AdaptersPage.generate", lambda who: p.adapters.generate(run, 1, 2, "hello", who)),
+        ("AccountPage.delete", lambda who: p.account.delete(o.alice_keys, who)),
+    ]
+
+
+HANDLER_CALLS = [name for name, _ in _handler_calls(_blank(Pages), _blank(Owners))]
+
+
+@pytest.mark.parametrize("name", HANDLER_CALLS)
+def test_bob_can_neither_read_nor_change_alices_run_from_any_page(pages, owners, no_new_runs, name):
+    before = alices_state(owners.ctx)
+    downloads = sorted(pages.adapters.downloads.rglob("*"))
+    with pytest.raises((RunNotFound, CredentialError)):
+        dict(_handler_calls(pages, owners))[name](profile(BOB))
+    assert alices_state(owners.ctx) == before
+    assert sorted(pages.adapters.downloads.rglob("*")) == downloads
+    assert run_ids(owners.ctx) == no_new_runs
+
+
+@pytest.mark.parametrize("name", HANDLER_CALLS)
+def test_signed_out_visitors_get_nothing_from_any_page(pages, owners, no_new_runs, name):
+    before = alices_state(owners.ctx)
+    try:
+        shown = dict(_handler_calls(pages, owners))[name](None)
+    except SignInRequired:
+        pass  # actions ask to sign in
+    else:  # views show their signed-out empty state
+        assert RUN_ID not in repr(shown) and "v1 · step" not in repr(shown)
+    assert alices_state(owners.ctx) == before
+    assert run_ids(owners.ctx) == no_new_runs
+
+
+def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
+    bob = profile(BOB)
+    shown = [
+        pages.runs.refresh([RUN_ID, "alice-draft"], None, bob),
+        pages.monitor.open(RUN_ID, bob),
+        pages.adapters.open(RUN_ID, RUN_ID, bob),
+        pages.account.refresh(bob),
+        pages.launch.on_open(str(owners.alice_keys), str(owners.alice_hf), bob),
+    ]
+    alices = [RUN_ID, "alice-draft", "hub ·", "bucket ·"]
+    assert [value for value in alices if value in repr(shown)] == []
+    assert "bob-draft" in repr(shown[0]) and "bobs token" in repr(shown[3])  # bob does see his own
+    for subtab in SUBTABS:  # asked for alice's run by id, the monitor answers as for a run that does not exist
+        header, banner, *rest, drawn = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", bob)
+        assert header == cards.empty_state(f"No run {RUN_ID}.") and drawn == {}
+        assert banner.visible is False and all(isinstance(item, dict) for item in rest)
+
+
+def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_new_runs):
+    bob, page = profile(BOB), pages.launch
+    form = form_from_spec(demo_spec("bob-launch", owners.bucket_uri).model_dump())
+    form.update(
+        bucket_kind="minio",
+        storage_endpoint=owners.endpoint,
+        store_credential=str(owners.alice_keys),
+        hf_credential=str(owners.alice_hf),
+    )
+    values = {page.inputs[key]: form[key] for key in KEYS}
+    outputs = dict(zip(page._check_outputs(), page.check(values, bob), strict=True))
+    assert outputs[page.checked] == "" and outputs[page.launch_button].interactive is False
+    assert f"no credential {owners.alice_keys} for this account" in outputs[page.slots["storage"]].value
+    connection = page.test_connection({**values, page.access_key: "", page.secret_key: ""}, bob)
+    assert f"no credential {owners.alice_keys} for this account" in connection[0].value
+    # Even a "passed" check naming alice's keys (as if the check had been fooled) launches nothing.
+    run_id, _ = page.launch({**values, page.checked: _fingerprint(form)}, bob)
+    assert run_id is None
+    hub_form = {**form, "backend": "hf_jobs"}
+    cost = page.estimate_cost({page.inputs[key]: hub_form[key] for key in KEYS}, bob)[0]
+    assert "$—/h" in cost and f"no credential {owners.alice_hf} for this account" in cost
+    assert [run.id for run in RunService(owners.ctx, BOB).list()] == ["bob-draft"]
+
+
+# --- the reward sandbox -----------------------------------------------------------------------------------------
+
+ROWS = [{"prompt": [{"role": "user", "content": "1+1?"}], "answer": "2"}] * 2
+
+
+def user_reward(source: str) -> RewardSpec:
+    return RewardSpec(kind="code", name="probe", source=textwrap.dedent(source), entry_point="f")
+
+
+def sandbox_processes() -> list[int]:
+    return [
+        process.pid
+        for process in psutil.process_iter(["cmdline"])
+        if any("sandbox_runner.py" in part for part in process.info["cmdline"] or [])
+    ]
+
+
+def test_the_time_limit_ends_the_reward_in_bounded_time_with_nothing_left_behind():
+    started = time.monotonic()
+    with pytest.raises(SandboxError):
+        run_rewards([user_reward("def f(completions, **kw):\n    while True:\n        pass\n")], ROWS, ["2", "2"],
+                    SandboxLimits(seconds=2))  # fmt: skip
+    assert time.monotonic() - started < 2 + 5 + 10  # the limit, the start-up allowance, a loaded machine
+    assert sandbox_processes() == []
+
+
+def test_no_network_even_past_the_audit_hook():
+    """Reward code that calls libc's connect() through ctypes, beside Python's socket module, reaches nothing."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        port = listener.getsockname()[1]
+        source = f"""
+            import ctypes, struct
+            def f(completions, **kw):
+                libc = ctypes.CDLL(None, use_errno=True)
+                fd = libc.socket(2, 1, 0)
+                address = struct.pack("=H", 2) + struct.pack("!H", {port}) + bytes([127, 0, 0, 1]) + bytes(8)
+                return [float(libc.connect(fd, address, len(address)))] * len(completions)
+        """
+        (trial,) = run_rewards([user_reward(source)], ROWS, ["2", "2"], SandboxLimits(seconds=5))
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    assert trial.error is not None or trial.scores == [-1.0, -1.0]
+
+
+def test_no_commands_even_past_the_audit_hook(tmp_path):
+    """The audit hook refuses os.system; libc's system() through ctypes must not run a command either."""
+    marker = tmp_path / "escaped"
+    source = f"""
+        import ctypes
+        def f(completions, **kw):
+            ctypes.CDLL(None).system(b"touch {marker}")
+            return [1.0] * len(completions)
+    """
+    run_rewards([user_reward(source)], ROWS, ["2", "2"], SandboxLimits(seconds=5))
+    assert not marker.exists(), "reward code ran a shell command"
+
+
+def test_the_panels_environment_is_out_of_reach(tmp_path):
+    """A panel started with its key (or a token) in its environment: reward code must not read it from /proc."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        from backend.sandbox import SandboxLimits, run_rewards
+        from jobs.contract import RewardSpec
+        source = (
+            "import os\\n"
+            "def f(completions, **kw):\\n"
+            "    data = open(f'/proc/{os.getppid()}/environ', 'rb').read()\\n"
+            "    return [float(b'GRPO_PANEL_KEY=' in data)] * len(completions)\\n"
+        )
+        reward = RewardSpec(kind="code", name="peek", source=source, entry_point="f")
+        rows = [{"prompt": "x", "answer": "1"}]
+        (trial,) = run_rewards([reward], rows, ["1"], SandboxLimits(seconds=5))
+        print(json.dumps({"scores": trial.scores, "error": trial.error}))
+        """
+    )
+    env = {**os.environ, KEY_ENV: "panel-key-that-rewards-must-not-see", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    trial = json.loads(done.stdout.strip().splitlines()[-1])
+    assert trial["scores"] != [1.0], "reward code read the panel's environment"
+
+
+def test_the_vault_key_and_database_are_out_of_reach(tmp_path, monkeypatch):
+    """Reward code runs on the panel's machine: it must not read the key that decrypts every owner's credentials."""
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    ctx = PanelContext(Database(tmp_path / "data" / "panel.sqlite3"), tmp_path / "data")
+    ctx.vault.save(ALICE, "hub", "hf_token", HF_TOKEN)
+    paths = [tmp_path / "data" / "secret.key", ctx.db.path]
+    assert all(path.exists() for path in paths)
+    source = f"""
+        def f(completions, **kw):
+            readable = 0
+            for path in {[str(path) for path in paths]!r}:
+                try:
+                    readable += len(open(path, "rb").read()) > 0
+                except OSError:
+                    pass
+            return [float(readable)] * len(completions)
+    """
+    (trial,) = run_rewards([user_reward(source)], ROWS, ["2", "2"], SandboxLimits(seconds=5))
+    ctx.db.close()
+    assert trial.scores in ([], [0.0, 0.0]), "reward code read the vault key or the database"
