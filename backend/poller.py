@@ -20,8 +20,9 @@ from sqlmodel import Session, select
 from backend import alerts, ingest
 from backend.context import PanelContext
 from backend.launchers.base import TERMINAL
-from backend.models import AdapterVersion, Job, MetricPoint, PollCursor, ReplicaStatus, Run
+from backend.models import AdapterVersion, Event, Job, MetricPoint, PollCursor, ReplicaStatus, Run
 from jobs.contract import layout
+from jobs.contract.control import STOP, StopRequest
 from jobs.store import ObjectStore, StoreError, VersionNotPublished, read_manifest
 from jobs.telemetry import decode_jsonl
 
@@ -289,8 +290,32 @@ class Poller:
                 run.finished_at = now
             session.add(run)
             session.commit()
+        if status in ACTIVE and status != "stopping":
+            self._enforce_cost_cap(run_id)
         if status in TERMINAL_PHASES or status == "stopping":
             self._reap_jobs(run_id, status)
+
+    def _enforce_cost_cap(self, run_id: str) -> None:
+        """Stop a run gracefully once it has cost what its owner allowed (`compute.cost_cap_usd`)."""
+        with self.ctx.db.session() as session:
+            run = session.get(Run, run_id)
+        cap = self.ctx.spec(run).compute.cost_cap_usd
+        if cap is None or run.cost_usd < cap:
+            return
+        reason = f"cost cap reached: ${run.cost_usd:.2f} of ${cap:.2f}"
+        self.ctx.store_for(run).put_bytes(
+            layout.control_key(run_id, STOP), StopRequest(reason=reason).model_dump_json().encode()
+        )
+        with self.ctx.db.session() as session:
+            row = session.get(Run, run_id)
+            row.status, row.status_message, row.stop_requested_at = "stopping", reason, time.time()
+            session.add(row)
+            session.add(
+                Event(
+                    run_id=run_id, owner=run.owner, time=time.time(), level="warning", kind="cost_cap", message=reason
+                )
+            )
+            session.commit()
 
     def _reap_jobs(self, run_id: str, status: str) -> None:
         """Cancel whatever still runs once a run has ended (the trainer normally stops its replicas itself)."""

@@ -292,3 +292,41 @@ def _local(store, run_id: str, version: int):
     target = Path(tempfile.mkdtemp()) / "adapter"
     download_published(store, layout.adapter_prefix(run_id, version), target)
     return target
+
+
+def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path):
+    from safetensors.torch import load
+
+    from backend.models import Run
+    from backend.services.adapters import AdapterService
+    from tests.support.hub_emulator import HubEmulator
+
+    ctx, store, _, _ = finished_demo
+    token = "hf_publish0123456789abcdefghij"
+    hub = HubEmulator(tmp_path / "hub", tokens=(token,), namespace="tester").start()
+    try:
+        ctx.hub_endpoint = hub.url
+        credential = ctx.vault.save(OWNER, "hub", "hf_token", token)
+        with ctx.db.session() as session:
+            run = session.get(Run, "demo-e2e")
+            run.hf_credential_id = credential.id
+            session.add(run)
+            session.commit()
+        url = AdapterService(ctx, OWNER).publish("demo-e2e", STEPS, "tester/demo-adapter")
+        assert url.endswith("/tester/demo-adapter")
+        files = hub.repos["tester/demo-adapter"]
+        assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= set(files)
+        assert "manifest.json" not in files
+        card = files["README.md"].decode()
+        assert "base_model: builtin:tiny-qwen2" in card and f"version {STEPS}" in card and "digit_frac" in card
+        published = load(files["adapter_model.safetensors"])
+        original = load(store.get_bytes(layout.adapter_prefix("demo-e2e", STEPS) + "adapter_model.safetensors"))
+        assert published.keys() == original.keys() and all((published[k] == original[k]).all() for k in published)
+    finally:
+        with ctx.db.session() as session:
+            run = session.get(Run, "demo-e2e")
+            run.hf_credential_id = None
+            session.add(run)
+            session.commit()
+        ctx.hub_endpoint = None
+        hub.close()

@@ -12,7 +12,7 @@ from sqlmodel import select
 from backend import ingest
 from backend.context import PanelContext
 from backend.db import Database
-from backend.models import AdapterVersion, Event, MetricPoint, ReplicaStatus, RolloutSample, Run
+from backend.models import AdapterVersion, Event, Job, MetricPoint, ReplicaStatus, RolloutSample, Run
 from backend.poller import Poller
 from jobs.contract import layout
 from jobs.demo.preset import demo_spec
@@ -190,3 +190,45 @@ def test_a_broken_store_backs_off_that_run_only(panel, tmp_path):
     poller.poll_once()
     assert counts(panel, "run-good") == (4, 8)
     assert "run-bad" in poller._backoff
+
+
+def test_a_run_over_its_cost_cap_is_stopped_gracefully(panel, tmp_path):
+    from jobs.contract.control import STOP
+
+    store = LocalStore(tmp_path / "store")
+    spec = demo_spec("run-cap", f"file://{tmp_path / 'store'}", compute={"cost_cap_usd": 5.0})
+    now = time.time()
+    with panel.db.session() as session:
+        session.add(
+            Run(
+                id="run-cap",
+                owner="alice",
+                spec_json=spec.to_json(),
+                storage_uri=spec.storage.uri,
+                backend="local",
+                status="running",
+                created_at=now,
+            )
+        )
+        session.commit()
+        # An hour of a $10/hour job: $10 spent, over the $5 cap.
+        session.add(
+            Job(
+                run_id="run-cap",
+                owner="alice",
+                role="replica-0",
+                stage="completed",
+                price_per_hour=10.0,
+                started_at=now - 3600,
+                finished_at=now,
+            )
+        )
+        session.commit()
+    write_status(store, "run-cap", "trainer", {"phase": "training", "step": 3})
+    Poller(panel).poll_run("run-cap")
+    with panel.db.session() as session:
+        run = session.get(Run, "run-cap")
+        kinds = [e.kind for e in session.exec(select(Event).where(Event.run_id == "run-cap")).all()]
+    assert run.status == "stopping" and "cost cap reached: $10.00 of $5.00" in run.status_message
+    assert "cost cap reached" in store.get_bytes(layout.control_key("run-cap", STOP)).decode()
+    assert "cost_cap" in kinds

@@ -317,7 +317,7 @@ class AdapterService:
         run = self.runs.get(run_id)
         if run.hf_credential_id is None:
             raise RunStateError("publishing needs an HF token with write access; add one as a credential")
-        api = HfApi(token=self.ctx.vault.hf_token(self.owner, run.hf_credential_id))
+        api = HfApi(token=self.ctx.vault.hf_token(self.owner, run.hf_credential_id), endpoint=self.ctx.hub_endpoint)
         with tempfile.TemporaryDirectory() as folder:
             adapter = self.prepare_publish(run_id, version, Path(folder))
             api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)

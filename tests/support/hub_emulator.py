@@ -75,6 +75,7 @@ secret names with null values. Nothing the emulator logs contains an environment
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import http
 import json
@@ -445,6 +446,7 @@ class HubEmulator:
         self.default_timeout = default_timeout
         self.keepalive = keepalive
         self._jobs: dict[str, EmulatedJob] = {}
+        self.repos: dict[str, dict[str, bytes]] = {}  # model repos created through the API: repo id -> files
         self._submissions: list[Submission] = []
         self._faults: deque[_Fault] = deque()
         self._lock = threading.Lock()
@@ -610,6 +612,31 @@ class HubEmulator:
             job = self._jobs.get(job_id)
         return job if job is not None and job.namespace == namespace else None
 
+    def repo_call(self, name: str, match: re.Match[str], body: bytes) -> tuple[int, dict[str, Any]]:
+        """Model repos held in memory (`self.repos`: repo id -> {path: bytes}); files always upload inline."""
+        if name == "repo_create":
+            request = json.loads(body)
+            repo_id = f"{request.get('organization') or self.namespace}/{request['name']}"
+            with self._lock:
+                if repo_id in self.repos:
+                    return 409, {"error": "You already created this model repo", "url": f"{self.url}/{repo_id}"}
+                self.repos[repo_id] = {}
+            return 200, {"url": f"{self.url}/{repo_id}", "name": repo_id, "id": repo_id}
+        repo_id = match["repo"]
+        with self._lock:
+            files = self.repos.get(repo_id)
+        if files is None:
+            return 404, {"error": "Repository not found"}
+        if name == "preupload":
+            paths = [item["path"] for item in json.loads(body).get("files", [])]
+            return 200, {"files": [{"path": path, "uploadMode": "regular", "shouldIgnore": False} for path in paths]}
+        for line in body.decode().splitlines():
+            item = json.loads(line)
+            if item.get("key") == "file":
+                files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+        oid = token_hex(20)
+        return 200, {"commitUrl": f"{self.url}/{repo_id}/commit/{oid}", "commitOid": oid}
+
     def whoami(self) -> dict[str, Any]:
         return {
             "type": "user",
@@ -632,6 +659,11 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/api/jobs/(?P<ns>[^/]+)/(?P<id>[^/]+)"), "inspect"),
     ("POST", re.compile(r"/api/jobs/(?P<ns>[^/]+)/(?P<id>[^/]+)/cancel"), "cancel"),
     ("GET", re.compile(r"/api/jobs/(?P<ns>[^/]+)/(?P<id>[^/]+)/logs"), "logs"),
+    # Model repos, enough for `create_repo` + `upload_folder` of small files (sent inline, no LFS/Xet).
+    ("POST", re.compile(r"/api/repos/create"), "repo_create"),
+    ("POST", re.compile(r"/api/validate-yaml"), "validate_yaml"),
+    ("POST", re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)"), "preupload"),
+    ("POST", re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/]+)"), "commit"),
 ]
 
 
@@ -713,6 +745,10 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
                     return 200, emulator.submit(match["ns"], body).to_json()
                 except SpecError as error:
                     return error.status, {"error": str(error)}
+            if name == "validate_yaml":  # model card metadata: accepted as it is
+                return 200, {"errors": [], "warnings": []}
+            if name in ("repo_create", "preupload", "commit"):
+                return emulator.repo_call(name, match, body)
             if name == "list":
                 if match["ns"] != emulator.namespace:
                     return 403, {"error": f"You don't have access to the jobs of {match['ns']}"}
