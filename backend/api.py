@@ -9,7 +9,6 @@ services.adapters.download_zip(run_id, 3)
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from backend.context import PanelContext
@@ -18,7 +17,7 @@ from backend.preflight import Preflight, run_preflight
 from backend.sandbox import RewardTrial, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
-from backend.services.runs import RunService
+from backend.services.runs import RunService, run_row
 from jobs.contract import RewardSpec, RunSpec, layout, parse_storage_uri
 from jobs.store import StoreAccessError, open_store
 
@@ -79,21 +78,7 @@ class PanelServices:
                 if session.get(Run, spec.run_id) is not None:
                     continue
                 session.add(
-                    Run(
-                        id=spec.run_id,
-                        owner=self.owner,
-                        name=spec.name or spec.run_id,
-                        status="running",
-                        status_message="imported from the bucket",
-                        spec_json=spec.to_json(),
-                        storage_uri=spec.storage.uri,
-                        backend=spec.compute.backend,
-                        parent_run_id=spec.parent.run_id if spec.parent else None,
-                        parent_version=spec.parent.version if spec.parent else None,
-                        store_credential_id=store_credential_id,
-                        created_at=time.time(),
-                        max_steps=spec.grpo.max_steps,
-                    )
+                    run_row(spec, self.owner, "running", store_credential_id, message="imported from the bucket")
                 )
                 session.commit()
             poller = Poller(self.ctx)

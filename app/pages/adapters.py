@@ -15,6 +15,7 @@ import gradio as gr
 import pandas as pd
 
 from app import cards
+from app.actions import branch_from
 from app.charts.adapters import norms_heatmap
 from app.formatting import clock, number, size
 from app.launch_form import new_run_id
@@ -277,12 +278,9 @@ class AdaptersPage:
         profile: gr.OAuthProfile | None = None,
     ) -> str:
         """Make `version` current and start a child run from it; returns the child's id."""
-        services = self.panel.services(profile)
-        if not run_id or version is None:
-            raise gr.Error("Pick a run and a version first.")
-        child = services.adapters.branch(run_id, int(version), (new_id or "").strip(), launch=bool(start_now))
-        gr.Info(f"Created {child.id}, a branch of {run_id} from v{version}.")
-        return child.id
+        return branch_from(
+            self.panel.services(profile), run_id, version, new_id, start_now, "Pick a run and a version first."
+        )
 
     def publish(
         self, run_id: str | None, version: int | None, repo: str, private: bool, profile: gr.OAuthProfile | None = None

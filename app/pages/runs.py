@@ -12,6 +12,7 @@ import gradio as gr
 import pandas as pd
 
 from app import cards
+from app.actions import branch_from
 from app.charts.runs import Curve, overlay_figure
 from app.formatting import clock, duration, money
 from app.launch_form import new_run_id
@@ -205,9 +206,11 @@ class RunsPage:
         profile: gr.OAuthProfile | None = None,
     ) -> str | None:
         """A child run that trains on from `version`; returns its id."""
-        services = self.panel.services(profile)
-        if not run_id or version is None:
-            raise gr.Error("Click a run and pick one of its adapter versions first.")
-        child = services.adapters.branch(run_id, int(version), (new_id or "").strip(), launch=bool(start_now))
-        gr.Info(f"Created {child.id}, a branch of {run_id} from v{version}.")
-        return child.id
+        return branch_from(
+            self.panel.services(profile),
+            run_id,
+            version,
+            new_id,
+            start_now,
+            "Click a run and pick one of its adapter versions first.",
+        )

@@ -22,13 +22,9 @@ class QueryService:
         self.ctx, self.owner = ctx, owner
 
     def _check(self, run_id: str) -> Run:
-        from backend.services.runs import RunNotFound
+        from backend.services.runs import RunService
 
-        with self.ctx.db.session() as session:
-            run = session.get(Run, run_id)
-        if run is None or run.owner != self.owner:
-            raise RunNotFound(f"no run {run_id!r}")
-        return run
+        return RunService(self.ctx, self.owner).get(run_id)  # one owner check for every service
 
     def metric_names(self, run_id: str) -> list[str]:
         self._check(run_id)

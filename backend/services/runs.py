@@ -77,21 +77,7 @@ class RunService:
         if spec.parent is not None:
             self.get(spec.parent.run_id)  # a branch starts from the parent's adapter: only of one's own run
         check_hosting(spec)
-        run = Run(
-            id=spec.run_id,
-            owner=self.owner,
-            name=spec.name or spec.run_id,
-            status="draft",
-            spec_json=spec.to_json(),
-            storage_uri=spec.storage.uri,
-            backend=spec.compute.backend,
-            parent_run_id=spec.parent.run_id if spec.parent else None,
-            parent_version=spec.parent.version if spec.parent else None,
-            store_credential_id=store_credential_id,
-            hf_credential_id=hf_credential_id,
-            created_at=time.time(),
-            max_steps=spec.grpo.max_steps,
-        )
+        run = run_row(spec, self.owner, "draft", store_credential_id, hf_credential_id)
         store = self.ctx.store_for(run)
         store.put_bytes(layout.spec_key(spec.run_id), spec.to_json().encode())
         with self.ctx.db.session() as session:
@@ -335,3 +321,30 @@ def check_hosting(spec: RunSpec) -> None:
                     f"rewards.{index}: on a shared panel, code rewards run only on HF Jobs (in your own jobs); "
                     "switch compute to HF Jobs or use a built-in reward"
                 )
+
+
+def run_row(
+    spec: RunSpec,
+    owner: str,
+    status: str,
+    store_credential_id: int | None = None,
+    hf_credential_id: int | None = None,
+    message: str = "",
+) -> Run:
+    """The database row of a run, as its spec describes it."""
+    return Run(
+        id=spec.run_id,
+        owner=owner,
+        name=spec.name or spec.run_id,
+        status=status,
+        status_message=message,
+        spec_json=spec.to_json(),
+        storage_uri=spec.storage.uri,
+        backend=spec.compute.backend,
+        parent_run_id=spec.parent.run_id if spec.parent else None,
+        parent_version=spec.parent.version if spec.parent else None,
+        store_credential_id=store_credential_id,
+        hf_credential_id=hf_credential_id,
+        created_at=time.time(),
+        max_steps=spec.grpo.max_steps,
+    )

@@ -74,23 +74,10 @@ def vllm_command(spec: RunSpec, model_path: str, port: int, environ: Mapping[str
         "vllm",
         "serve",
         model_path,
-        "--served-model-name",
-        spec.model.id,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        spec.model.dtype,
-        "--max-model-len",
-        str(spec.model.max_model_len),
+        *_serving_flags(spec, port),
         "--gpu-memory-utilization",
         str(GPU_MEMORY_UTILIZATION),
         "--enable-lora",
-        "--max-lora-rank",
-        str(vllm_max_lora_rank(spec.lora.rank)),
-        "--max-loras",
-        str(max_loras),
         # Host RAM is cheap next to GPU slots: room for a branch's adapters or the proxy's replay of live versions.
         "--max-cpu-loras",
         str(2 * max_loras),
@@ -117,6 +104,21 @@ def cpu_engine_command(
         "jobs.replica.cpu_engine",
         "--model",
         model_path,
+        *_serving_flags(spec, port),
+        "--threads",
+        str(threads),
+    ]
+    if spec.model.revision and model_path == spec.model.id:
+        argv += ["--revision", spec.model.revision]
+    env = _engine_env(environ)
+    # The engine imports `jobs` wherever the replica was started from.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    return EngineCommand(argv=argv, env=env)
+
+
+def _serving_flags(spec: RunSpec, port: int) -> list[str]:
+    """The flags both engines take alike: what to serve, where, and the LoRA limits TRL checks at start."""
+    return [
         "--served-model-name",
         spec.model.id,
         "--host",
@@ -131,15 +133,7 @@ def cpu_engine_command(
         str(vllm_max_lora_rank(spec.lora.rank)),
         "--max-loras",
         str(vllm_max_loras(spec.grpo.max_staleness)),
-        "--threads",
-        str(threads),
     ]
-    if spec.model.revision and model_path == spec.model.id:
-        argv += ["--revision", spec.model.revision]
-    env = _engine_env(environ)
-    # The engine imports `jobs` wherever the replica was started from.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
-    return EngineCommand(argv=argv, env=env)
 
 
 def _engine_env(environ: Mapping[str, str]) -> dict[str, str]:
