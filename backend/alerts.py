@@ -6,14 +6,14 @@ condition clears, so the banner shows what is wrong now, and the run's history k
 
 from __future__ import annotations
 
-import json
 import time
 
 from sqlalchemy import func
 from sqlmodel import Session, select
 
 from backend.db import Database
-from backend.models import AdapterVersion, Event, MetricPoint, ProxySnapshot, Run
+from backend.ingest import latest_proxy_snapshots
+from backend.models import AdapterVersion, Event, MetricPoint, Run
 from jobs.contract import RunSpec
 
 RATIO_TOLERANCE = 0.01  # |ratio - 1| above this ...
@@ -96,12 +96,10 @@ def _clear_warnings(session: Session, run: Run) -> None:
 
 def _replica_lag(session: Session, run: Run) -> str:
     """Healthy replicas missing a version the proxy considers live, in the proxy's latest snapshot."""
-    snapshot = session.exec(
-        select(ProxySnapshot.stats_json).where(ProxySnapshot.run_id == run.id).order_by(ProxySnapshot.time.desc())
-    ).first()
-    if snapshot is None:
+    latest = latest_proxy_snapshots(session, run.id)
+    if not latest:
         return ""
-    stats = json.loads(snapshot)
+    stats = latest[0]
     live = set((stats.get("adapters") or {}).get("live") or [])
     lagging = []
     for replica in stats.get("replicas") or []:

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from sqlalchemy import delete, insert
-from sqlmodel import Session
+from sqlmodel import Session, col, select
 
 from backend.models import Event, MetricPoint, ProxySnapshot, RolloutSample
 
@@ -122,6 +122,21 @@ def ingest_proxy(session: Session, run_id: str, owner: str, snapshot: dict[str, 
         ],
     )
     return 1
+
+
+def latest_proxy_snapshots(session: Session, run_id: str, limit: int = 1) -> list[dict[str, Any]]:
+    """The proxy's newest snapshots, oldest first, in the order they were ingested.
+
+    Ingestion follows the chunks' sequence numbers, which is the order the proxies wrote them; the times inside come
+    from whichever machine wrote them, and a relaunched trainer's clock may run behind the dead one's.
+    """
+    rows = session.exec(
+        select(ProxySnapshot.stats_json)
+        .where(ProxySnapshot.run_id == run_id)
+        .order_by(col(ProxySnapshot.id).desc())
+        .limit(limit)
+    ).all()
+    return [json.loads(row) for row in reversed(rows)]
 
 
 def supersede(session: Session, run_id: str, resumed_from_step: int, attempt: int) -> None:

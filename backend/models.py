@@ -110,7 +110,7 @@ class RolloutSample(SQLModel, table=True):
 
 
 class ProxySnapshot(SQLModel, table=True):
-    __table_args__ = (Index("ix_proxy_run_time", "run_id", "time"),)
+    __table_args__ = (Index("ix_proxy_run_order", "run_id", "id"),)
     id: int | None = Field(default=None, primary_key=True)
     run_id: str = Field(foreign_key="run.id")
     owner: str

@@ -354,12 +354,6 @@ def _job_cost(job: Job, now: float) -> float:
 
 
 def _proxy_degraded(session: Session, run_id: str) -> bool:
-    from backend.models import ProxySnapshot
-
-    latest = session.exec(
-        select(ProxySnapshot.stats_json).where(ProxySnapshot.run_id == run_id).order_by(ProxySnapshot.time.desc())
-    ).first()
-    if latest is None:
-        return False
-    replicas = json.loads(latest).get("replicas") or []
+    latest = ingest.latest_proxy_snapshots(session, run_id)
+    replicas = (latest[0].get("replicas") or []) if latest else []
     return any(not r.get("healthy", True) or r.get("ejected") for r in replicas)

@@ -26,6 +26,7 @@ from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import LocalStore, download_published, list_published, read_manifest
 from jobs.telemetry import decode_jsonl
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 OWNER = "local"
@@ -34,16 +35,6 @@ STEPS = 40
 # first 5 by 0.55-0.87 at 40 steps (0.29-0.57 at 30), measured with bench/demo_bench.py (docs/benchmarks/demo.md);
 # the margin leaves room for slow, loaded CI machines.
 REWARD_MARGIN = 0.3
-
-
-def wait_until(predicate, timeout: float, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"condition not met within {timeout:.0f}s")
 
 
 def start_demo(tmp_path, run_id: str, steps: int, **grpo) -> tuple[PanelContext, Poller]:
@@ -62,7 +53,7 @@ def follow(ctx: PanelContext, poller: Poller, run_id: str, timeout: float = 900)
         poller.poll_run(run_id)
         return service.get(run_id).status in TERMINAL_STATUSES
 
-    wait_until(ended, timeout)
+    wait_until(ended, timeout, 1.0)
     return service.get(run_id).status
 
 
@@ -81,7 +72,7 @@ def finished_demo(tmp_path_factory):
     status = follow(ctx, poller, "demo-e2e")
     wall = time.monotonic() - started
     # Give the jobs their grace to exit, then make sure every process of every job is gone.
-    wait_until(lambda: not any(group_alive(pgid) for pgid in job_pgids(ctx, "demo-e2e").values()), 60)
+    wait_until(lambda: not any(group_alive(pgid) for pgid in job_pgids(ctx, "demo-e2e").values()), 60, 1.0)
     poller.poll_run("demo-e2e")  # the panel keeps polling an ended run until its jobs are seen to end
     yield ctx, LocalStore(tmp_path / "store"), status, wall
     ctx.db.close()
@@ -167,7 +158,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tmp_path):
             if s and s >= step
         ]
 
-    wait_until(checkpoint_beyond(8), 600)
+    wait_until(checkpoint_beyond(8), 600, 0.5)
     versions_before = set(list_published(store, layout.adapters_prefix("demo-resume")))
     trainer_pgid = job_pgids(ctx, "demo-resume")["trainer#1"]
     os.killpg(trainer_pgid, signal.SIGKILL)  # preemption: no chance to save or to stop the replicas
@@ -201,7 +192,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tmp_path):
     with ctx.db.session() as session:
         steps = session.exec(select(Job.attempt).where(Job.run_id == "demo-resume", Job.role == "trainer")).all()
     assert sorted(steps) == [1, 2]
-    wait_until(lambda: not any(group_alive(p) for p in job_pgids(ctx, "demo-resume").values()), 60)
+    wait_until(lambda: not any(group_alive(p) for p in job_pgids(ctx, "demo-resume").values()), 60, 1.0)
     ctx.db.close()
 
 

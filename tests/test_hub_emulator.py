@@ -21,6 +21,7 @@ from huggingface_hub import HfApi, Volume
 from huggingface_hub.errors import BadRequestError, HfHubHTTPError
 
 from tests.support.hub_emulator import HubEmulator
+from tests.support.processes import live_group_members
 
 TOKEN = "hf_test_token"
 NS = "tester"
@@ -84,22 +85,6 @@ servers[0].serve_forever()
 """
 
 
-def live_pids(pgid: int) -> list[int]:
-    """Members of process group `pgid` that have not exited (zombies have; init reaps them on its own schedule)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        state, _parent, group = stat.rsplit(")", 1)[1].split()[:3]
-        if int(group) == pgid and state not in ("Z", "X"):
-            pids.append(int(entry.name))
-    return pids
-
-
 def base_env(tmp_path: Path) -> dict[str, str]:
     return {
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
@@ -129,7 +114,7 @@ def emulator(tmp_path):
     emulator.close()
     for job in emulator.jobs.values():
         assert job.finished, job.id
-        assert job.pgid is None or live_pids(job.pgid) == [], f"job {job.id} left processes behind"
+        assert job.pgid is None or live_group_members(job.pgid) == [], f"job {job.id} left processes behind"
 
 
 @pytest.fixture
@@ -201,13 +186,13 @@ def test_cancel_stops_the_whole_process_group_after_the_grace_period(api, emulat
     job = run(api, py(STUBBORN))
     child = int(wait_line(emulator, job.id, "child").split()[1])
     pgid = emulator.job(job.id).pgid
-    assert set(live_pids(pgid)) >= {pgid, child}
+    assert set(live_group_members(pgid)) >= {pgid, child}
     started = time.monotonic()
     api.cancel_job(job_id=job.id, namespace=NS)
     info = wait(api, job.id)
     elapsed = time.monotonic() - started
     assert info.status.stage == "CANCELED" and info.finished_at is not None
-    assert live_pids(pgid) == []  # a terminal stage is only reported once the processes are gone
+    assert live_group_members(pgid) == []  # a terminal stage is only reported once the processes are gone
     assert 0.9 <= elapsed < 5  # SIGTERM was ignored, so it took the SIGKILL after the 1 s grace
 
 
@@ -228,7 +213,7 @@ def test_timeout_kills_the_job_and_reports_an_error(api, emulator):
     info = wait(api, job.id)
     assert info.status.stage == "ERROR" and info.status.message == "Job timed out after 1 seconds"
     assert 1 <= (info.finished_at - info.started_at).total_seconds() < 4
-    assert live_pids(emulator.job(job.id).pgid) == []
+    assert live_group_members(emulator.job(job.id).pgid) == []
     assert list(api.fetch_job_logs(job_id=job.id, namespace=NS)) == ["sleeping"]
 
 
@@ -415,10 +400,10 @@ def test_close_leaves_no_process_behind(tmp_path):
     child = int(wait_line(emulator, stubborn.id, "child").split()[1])
     wait_line(emulator, server.id, "listening")
     groups = [emulator.job(job.id).pgid for job in (stubborn, server)]
-    assert all(live_pids(pgid) for pgid in groups) and child in live_pids(groups[0])
+    assert all(live_group_members(pgid) for pgid in groups) and child in live_group_members(groups[0])
 
     emulator.close()
-    assert [live_pids(pgid) for pgid in groups] == [[], []]
+    assert [live_group_members(pgid) for pgid in groups] == [[], []]
     assert {job.stage for job in emulator.jobs.values()} == {"CANCELED"}
     for url in (f"{emulator.url}/api/whoami-v2", server.status.expose_urls[0]):
         with pytest.raises(requests.ConnectionError):

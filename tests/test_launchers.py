@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -24,19 +25,11 @@ from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import S3Store, list_published, open_store
 from tests.support.hub_emulator import HubEmulator
+from tests.support.waiting import wait_until
 
 TOKEN = "hf_emulatortoken0123456789abcdef"
 OWNER = "tester"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def wait_until(predicate, timeout: float, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"condition not met within {timeout:.0f}s")
 
 
 @pytest.fixture
@@ -182,16 +175,19 @@ def test_a_rejected_token_and_an_unknown_flavor_fail_before_anything_is_submitte
     assert emulator.submissions == []
 
 
-def test_hub_errors_are_retried_without_duplicate_jobs(emulator, moto_server, tmp_path):
+def test_hub_errors_are_retried_without_duplicate_jobs(emulator, moto_server, tmp_path, caplog):
     launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
     launcher.retry = type(launcher.retry)(6, 0.05, 0.2)
     spec = hub_spec("hub-retry", "some-bucket", moto_server.url)
     launcher._bundles["hub-retry"] = ["0" * 64, "http://127.0.0.1:9", "us-east-1", "never", "fetched"]
-    emulator.inject("429", count=2)
-    emulator.inject("5xx-after", count=1)  # the job is created, but the answer is lost
-    job = launcher.start_job(spec, "replica-0", RunSecrets(hf_token=TOKEN))
+    emulator.inject("429", count=2, methods=["POST"])  # the submission itself (GETs are retried by huggingface_hub)
+    emulator.inject("5xx-after", count=1, methods=["POST"])  # the job is created, but the answer is lost
+    with caplog.at_level("WARNING", logger="backend.launchers.hf_jobs"):
+        job = launcher.start_job(spec, "replica-0", RunSecrets(hf_token=TOKEN))
     created = [s for s in emulator.submissions if s.job_id is not None]
     assert len(created) == 1 and created[0].job_id == job.job_id
+    retries = [record.getMessage() for record in caplog.records if "the Hub failed to" in record.getMessage()]
+    assert len(retries) == 3, retries  # two 429s and the lost answer, each reported before its retry
     launcher.cancel(job)
     wait_until(lambda: launcher.state(job).stage in ("canceled", "error"), 30)
 
@@ -251,6 +247,22 @@ def test_local_launcher_reports_exit_codes_and_timeouts(tmp_path):
     assert "timed out" in launcher.state(job).message
     pgid = int((launcher.workdir / "local-x" / job.job_id / "pgid").read_text())
     wait_until(lambda: not group_alive(pgid), 20)
+    ctx.db.close()
+
+
+def test_a_killed_local_job_stays_an_error_when_cancelled_afterwards(tmp_path):
+    """Replacing a replica that crashed cancels its job: that must not relabel the crash "cancelled"."""
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    spec = demo_spec("local-k", f"file://{tmp_path / 'store'}", compute={"replicas": 1})
+    write_spec(spec)
+    launcher = ctx.local_launcher
+    job = launcher.start_job(spec, "replica-0", RunSecrets())
+    pgid = int((launcher.workdir / "local-k" / job.job_id / "pgid").read_text())
+    os.killpg(pgid, signal.SIGKILL)  # the whole group, exit recorder included: no exit code is written
+    wait_until(lambda: not group_alive(pgid), 20)
+    launcher.cancel(job)
+    state = launcher.state(job)
+    assert (state.stage, state.message) == ("error", "the process ended without an exit code")
     ctx.db.close()
 
 

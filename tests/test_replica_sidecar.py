@@ -29,6 +29,7 @@ from tests.support.replica import (
     tiny_spec,
     write_spec,
 )
+from tests.support.waiting import wait_until
 
 RUN_ID = "sidecar-run"
 PROMPT = [1, 447, 201, 356, 278, 2, 201, 1, 454, 201]
@@ -101,16 +102,6 @@ def adapter(tmp_path_factory) -> Path:
     return make_adapter(tmp_path_factory.mktemp("adapter") / "a", seed=1)
 
 
-def wait_for(predicate, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not reached within {timeout:.0f}s")
-
-
 def test_a_published_version_is_downloaded_verified_and_served(setup, adapter):
     ref = publish_adapter(setup.store, "serve-run", 1, adapter)
     response = setup.load("serve-run-v1", ref)
@@ -165,7 +156,9 @@ def test_a_corrupt_version_is_refused_and_nothing_is_loaded(setup, adapter):
     assert "corrupt" in message and "adapter_model.safetensors" in message
     assert "corrupt-run-v1" not in setup.adapter_names()
     assert setup.cached_versions("corrupt-run") == []  # no file of it reached the cache, not even a temporary one
-    status = wait_for(lambda: (s := setup.status())["last_error"] and "corrupt" in s["last_error"]["message"] and s)
+    status = wait_until(
+        lambda: (s := setup.status())["last_error"] and "corrupt" in s["last_error"]["message"] and s, 15
+    )
     assert "corrupt-run" in status["last_error"]["message"]
 
 
@@ -216,7 +209,7 @@ def test_heartbeat_reports_the_engine_its_adapters_and_its_traffic(setup, adapte
     worker = threading.Thread(target=traffic)
     worker.start()
     try:
-        status = wait_for(reflects_the_traffic, what="a heartbeat showing the traffic")
+        status = wait_until(reflects_the_traffic, 15, what="a heartbeat showing the traffic")
     finally:
         stop.set()
         worker.join()
@@ -225,7 +218,7 @@ def test_heartbeat_reports_the_engine_its_adapters_and_its_traffic(setup, adapte
     assert {"name": "beat-run-v1", "run_id": "beat-run", "version": 1} in status["adapters"]
     assert status["generated_tokens_total"] > 0
     setup.unload("beat-run-v1")
-    wait_for(lambda: all(a["name"] != "beat-run-v1" for a in setup.status()["adapters"]), what="the unload")
+    wait_until(lambda: all(a["name"] != "beat-run-v1" for a in setup.status()["adapters"]), 15, what="the unload")
 
 
 def test_every_request_needs_the_bearer_token(setup):
@@ -246,7 +239,8 @@ def test_sigterm_stops_the_replica_and_its_engine_cleanly(setup, adapter):
     assert setup.post("/pause?mode=keep", {}).status_code == 200
     with ThreadPoolExecutor(1) as pool:
         held = pool.submit(setup.post, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
-        wait_for(lambda: counter_value(setup.get("/metrics").text, "vllm:num_requests_waiting") >= 1, what="queued")
+        waiting = "vllm:num_requests_waiting"
+        wait_until(lambda: counter_value(setup.get("/metrics").text, waiting) >= 1, 15, what="queued")
         started = time.monotonic()
         assert setup.replica.stop(timeout=40) == 0
         assert time.monotonic() - started < 15

@@ -66,6 +66,7 @@ from jobs.telemetry import encode_jsonl
 from tests.support.echo_server import EchoServer
 from tests.support.hub_emulator import HubEmulator
 from tests.support.net import free_port
+from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 ALICE, BOB = "alice", "bob"
@@ -74,15 +75,6 @@ HF_TOKEN = "hf_SecurityScanKnownToken0123456789"
 BOB_TOKEN = "hf_BobsOwnTokenNotAlices9876543210"
 RUN_ID = "sec-hub"
 STEPS = 4
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, interval: float = 0.5, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"{what} not reached within {timeout:.0f}s")
 
 
 def profile(username: str) -> gr.OAuthProfile:
@@ -264,7 +256,7 @@ def hub_run(tmp_path_factory, moto_server) -> HubRun:
                 poller.poll_run(RUN_ID)
                 return services.runs.get(RUN_ID).status in TERMINAL_STATUSES
 
-            wait_until(ended, 600, what="the end of the run")
+            wait_until(ended, 600, 1.0, what="the end of the run")
             wait_until(lambda: all(job.finished for job in emulator.jobs.values()), 60, what="every job's end")
             poller.poll_run(RUN_ID)
             run = services.runs.get(RUN_ID)

@@ -148,7 +148,9 @@ class LocalLauncher(Launcher):
 
     def cancel(self, job: JobHandle) -> None:
         folder = self._folder(job)
-        if not (folder / "exit").exists():
+        # A job that already ended (with or without recording its exit: a SIGKILLed group records nothing) keeps the
+        # way it ended; cancelling it afterwards must not turn a crash into "cancelled".
+        if not (folder / "exit").exists() and group_alive(self._pgid(job)):
             (folder / "canceled").write_text(str(time.time()))
         terminate_group(self._pgid(job), CANCEL_GRACE_S)
 

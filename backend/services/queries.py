@@ -14,7 +14,8 @@ from sqlalchemy import func
 from sqlmodel import col, select
 
 from backend.context import PanelContext
-from backend.models import AdapterVersion, Event, Job, MetricPoint, ProxySnapshot, ReplicaStatus, RolloutSample, Run
+from backend.ingest import latest_proxy_snapshots
+from backend.models import AdapterVersion, Event, Job, MetricPoint, ReplicaStatus, RolloutSample, Run
 
 
 class QueryService:
@@ -89,13 +90,7 @@ class QueryService:
     def proxy_snapshots(self, run_id: str, limit: int = 500) -> list[dict[str, Any]]:
         self._check(run_id)
         with self.ctx.db.session() as session:
-            rows = session.exec(
-                select(ProxySnapshot.stats_json)
-                .where(ProxySnapshot.run_id == run_id)
-                .order_by(col(ProxySnapshot.time).desc())
-                .limit(limit)
-            ).all()
-        return [json.loads(row) for row in reversed(rows)]
+            return latest_proxy_snapshots(session, run_id, limit)
 
     def jobs(self, run_id: str) -> list[Job]:
         self._check(run_id)

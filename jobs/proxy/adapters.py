@@ -3,17 +3,23 @@
 Load (`POST /v1/load_lora_adapter` from TRL, naming `trl-policy-vN` and a directory on the trainer's disk):
 
 1. The directory is published to the store as version N (files, then the manifest with the optimizer step the
-   trainer last reported through `/proxy/trainer_state`).
+   trainer last reported through `/proxy/trainer_state`). A store that keeps failing transiently (5xx, timeouts,
+   resets beyond the store's own retries) is retried with backoff for about a minute: TRL treats a failed load as
+   fatal, so a brief store outage must not end the run. An interrupted upload has no manifest, so no replica can
+   load it; the retry uploads every file again and writes the manifest last.
 2. Every healthy replica is asked to load `<run_id>-vN` from `store:runs/<run_id>/adapters/v00000N/`; its sidecar
    materialises that from the store. A replica answering 404 "No adapter found" cannot see the version yet and is
-   re-sent the load alone every `load_retry_interval` until `load_deadline`. A transport failure or a 503 (the
-   sidecar could not read the store just then) is retried a few times with backoff; a replica that stays unreachable
-   is ejected (it gets the version on re-admission) and the sync goes on with the others, as long as `min_healthy`
-   accepted.
+   re-sent the load alone every `load_retry_interval` until `load_deadline`. A transport failure is retried a few
+   times with backoff, a 503 (the sidecar could not read the store just then) for as long as a store outage is
+   ridden out (below); a replica that stays unreachable, or is ejected meanwhile, is left out (it gets the version on
+   re-admission) and the sync goes on with the others, as long as `min_healthy` accepted.
 3. Any other failure undoes the load on the replicas that accepted it and answers TRL with an error it treats as
    fatal but not as "runtime LoRA disabled": never 404 (TRL's reading of 404), 504 for a version that never became
    visible. A policy name therefore never exists on only some routable replicas, where requests for it would fail.
 4. On success `adapters/CURRENT` is set to N.
+
+While fewer than `min_healthy` replicas are routable, a load, pause or resume waits for them (up to
+`load_deadline`) instead of failing the sync at once.
 
 Unload, pause, resume and reset_prefix_cache go to every healthy replica; failures are counted, never hidden. One
 lock orders all of these and the final step of a re-admission, so a replica joins between two broadcasts, never in
@@ -38,9 +44,10 @@ from jobs.proxy.http_server import Response
 from jobs.proxy.names import AdapterNames, BadName
 from jobs.proxy.router import Router
 from jobs.proxy.stats import Stats
-from jobs.proxy.upstreams import Membership, Replica
+from jobs.proxy.upstreams import EJECTED, Membership, Replica
 from jobs.retry import RetryPolicy
-from jobs.store import ObjectStore, StoreError, publish_directory
+from jobs.store import ObjectStore, StoreError, publish_through_outage
+from jobs.store.published import OUTAGE_RETRY
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +133,7 @@ class AdapterSync:
             self.stats.count_error("bad_request")
             return text_response(400, f"proxy: {error}")
         trl_name = derived.trl_adapter_name(version)
+        await self._await_replicas()
         async with self.lock:
             replicas = list(self.membership.routable)
             if len(replicas) < self.min_healthy:
@@ -152,16 +160,13 @@ class AdapterSync:
 
     def _publish(self, version: int, path: Path) -> None:
         prefix = layout.adapter_prefix(self.run_id, version)
-        # A resumed trainer may publish a version number again: drop the old manifest first, so no reader ever pairs
-        # it with the new files (without a manifest the version simply does not exist until the upload is complete).
-        self.store.delete(layout.manifest_key(prefix))
         meta = {
             "version": version,
             "step": self.step,
             "run_id": self.run_id,
             "trl_name": derived.trl_adapter_name(version),
         }
-        publish_directory(self.store, prefix, path, meta=meta)
+        publish_through_outage(self.store, prefix, path, meta)
 
     async def _settle_load(self, trl_name: str, version: int, outcomes: list[_Outcome]) -> Response:
         accepted = [outcome for outcome in outcomes if outcome.kind == "ok"]
@@ -222,10 +227,12 @@ class AdapterSync:
             if response.status == 200 or (replay and response.status == 400 and _ALREADY_LOADED in response.text):
                 return _Outcome(replica, "ok", 200, body=response.body, headers=response.headers)
             detail = f"{response.status} {self.names.restore_in_text(response.text.strip())[:300]}"
-            if response.status == 503 and transient + 1 < _TRANSPORT_RETRY.attempts and time.monotonic() < deadline:
+            if response.status == 503 and replica.state == EJECTED:
+                return _Outcome(replica, "unreachable", detail=detail)  # its health check failed meanwhile
+            if response.status == 503 and transient + 1 < OUTAGE_RETRY.attempts and time.monotonic() < deadline:
                 transient += 1  # the replica's store read failed for now (the sidecar's 503): try again shortly
                 self.stats.adapters["load_retries"] += 1
-                await asyncio.sleep(_TRANSPORT_RETRY.delay(transient))
+                await asyncio.sleep(min(OUTAGE_RETRY.delay(transient), max(deadline - time.monotonic(), 0)))
                 continue
             if response.status == 404 and _NOT_VISIBLE in response.text:
                 if time.monotonic() + self.load_retry_interval >= deadline:
@@ -311,6 +318,7 @@ class AdapterSync:
         cannot resume is ejected, never left in rotation paused.
         """
         target = f"{path}?{query}" if query else path
+        await self._await_replicas()
         async with self.lock:
             replicas = list(self.membership.routable)
             results = await asyncio.gather(*(self._control_on(replica, target) for replica in replicas))
@@ -368,6 +376,18 @@ class AdapterSync:
             if kind == "ok":
                 return True
         return False
+
+    async def _await_replicas(self) -> None:
+        """Hold a load or a pause/resume while fewer than `min_healthy` replicas are routable, up to `load_deadline`.
+
+        TRL treats a failed sync as fatal. With every replica gone, answering at once would end the run at its next
+        sync, before anyone could replace a replica, and with an error about a pause rather than about the replicas;
+        held, the sync goes through once a replaced replica is admitted (admission needs the lock, so this waits
+        outside it), or the trainer's replica watchdog ends the run saying why.
+        """
+        deadline = time.monotonic() + self.load_deadline
+        while len(self.membership.routable) < self.min_healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
 
     # -- admission -------------------------------------------------------------------------------------------------
 

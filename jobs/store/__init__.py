@@ -15,7 +15,14 @@ from jobs.store.errors import (
     VersionNotPublished,
 )
 from jobs.store.local import LocalStore
-from jobs.store.published import Manifest, download_published, list_published, publish_directory, read_manifest
+from jobs.store.published import (
+    Manifest,
+    download_published,
+    list_published,
+    publish_directory,
+    publish_through_outage,
+    read_manifest,
+)
 from jobs.store.s3 import S3Store, StoreCredentials
 
 
@@ -53,5 +60,6 @@ __all__ = [
     "list_published",
     "open_store",
     "publish_directory",
+    "publish_through_outage",
     "read_manifest",
 ]

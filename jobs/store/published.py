@@ -20,10 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from jobs.contract.layout import MANIFEST, manifest_key
+from jobs.retry import RetryPolicy, retry_call
 from jobs.store.base import ObjectStore
-from jobs.store.errors import IntegrityError, ObjectNotFound, VersionNotPublished
+from jobs.store.errors import IntegrityError, ObjectNotFound, TransientStoreError, VersionNotPublished
 
 _PARALLEL_TRANSFERS = 4
+# A store outage outlasting each call's own retries (~3 s): about a minute of backoff in all.
+OUTAGE_RETRY = RetryPolicy(attempts=8, base_delay=1.0, max_delay=15.0)
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,11 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def publish_directory(store: ObjectStore, prefix: str, local_dir: str | os.PathLike, meta: dict[str, Any]) -> Manifest:
-    """Upload every regular file under `local_dir` to `prefix`, then the manifest. Returns the manifest."""
+    """Upload every regular file under `local_dir` to `prefix`, then the manifest. Returns the manifest.
+
+    A manifest already at `prefix` (a resumed trainer publishing a version or a checkpoint again) is deleted first,
+    so no reader ever pairs it with the new files: until the upload completes, the directory does not exist.
+    """
     root = Path(local_dir)
     names = sorted(
         path.relative_to(root).as_posix()
@@ -76,6 +83,7 @@ def publish_directory(store: ObjectStore, prefix: str, local_dir: str | os.PathL
     if not names:
         raise ValueError(f"{root} holds no files to publish")
     prefix = prefix.rstrip("/") + "/"
+    store.delete(manifest_key(prefix))
 
     def upload(name: str) -> tuple[str, FileEntry]:
         path = root / name
@@ -88,6 +96,23 @@ def publish_directory(store: ObjectStore, prefix: str, local_dir: str | os.PathL
     manifest = Manifest(files=files, created=time.time(), meta=dict(meta))
     store.put_bytes(manifest_key(prefix), manifest.to_json())
     return manifest
+
+
+def publish_through_outage(
+    store: ObjectStore, prefix: str, local_dir: str | os.PathLike, meta: dict[str, Any]
+) -> Manifest:
+    """`publish_directory`, retried with backoff for about a minute while the store fails transiently.
+
+    For publishers that cannot go on without it: TRL treats a failed adapter load as fatal, and a trainer that cannot
+    store its checkpoint cannot be resumed, so a brief store outage must not end the run. Each try uploads every file
+    again and writes the manifest last.
+    """
+    return retry_call(
+        lambda: publish_directory(store, prefix, local_dir, meta),
+        lambda error: isinstance(error, TransientStoreError),
+        OUTAGE_RETRY,
+        what=f"publishing {prefix}",
+    )
 
 
 def read_manifest(store: ObjectStore, prefix: str) -> Manifest:

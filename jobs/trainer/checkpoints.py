@@ -1,9 +1,10 @@
 """Checkpoints, resume, branches and the final adapter: everything of the trainer's state that lives in the store.
 
 A job can be preempted at any moment and its disk is gone with it, so every checkpoint TRL writes is published to the
-store (files first, manifest last) and a restarted trainer resumes from the newest complete one. Adapter versions keep
-counting after the highest version already in the store, so a resumed trainer never republishes a name a replica
-already holds, and nothing an earlier attempt published is overwritten.
+store (files first, manifest last; a store outage is ridden out for about a minute) and a restarted trainer resumes
+from the newest complete one. Adapter versions keep counting after the highest version already in the store, so a
+resumed trainer never republishes a name a replica already holds, and nothing an earlier attempt published is
+overwritten.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from jobs.contract import ParentSpec, layout
-from jobs.store import ObjectStore, download_published, list_published, publish_directory
+from jobs.store import ObjectStore, download_published, list_published, publish_through_outage
 
 log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint-{step}"  # TRL / transformers' own naming inside output_dir
@@ -51,12 +52,17 @@ class CheckpointUploader(TrainerCallback):
         if not folder.is_dir():
             log.warning("checkpoint %s was not written; nothing to upload", folder)
             return
-        manifest = publish_directory(
+        if self.telemetry is not None:
+            # Telemetry first: a relaunch resumes after this step, so nothing logged up to it may still sit in a
+            # buffer when the checkpoint appears (a trainer killed then would lose those records for good).
+            self.telemetry.flush()
+        manifest = publish_through_outage(
             self.store, layout.checkpoint_prefix(self.run_id, step), folder, {"step": step, "attempt": self.attempt}
         )
         log.info("checkpoint of step %d published (%d bytes)", step, manifest.total_size)
         if self.telemetry is not None:
             self.telemetry.event("checkpoint", f"checkpoint of step {step} saved to the store", step=step)
+            self.telemetry.events.flush()
 
 
 class ContinueVersions(TrainerCallback):
@@ -103,4 +109,4 @@ def publish_final(store: ObjectStore, run_id: str, model, workdir: str | Path, m
     """Save the trained adapter (adapter files only) to `final/`."""
     folder = Path(workdir) / "final-adapter"
     model.save_pretrained(str(folder), safe_serialization=True)
-    publish_directory(store, layout.final_prefix(run_id), folder, meta)
+    publish_through_outage(store, layout.final_prefix(run_id), folder, meta)

@@ -10,8 +10,10 @@ every way out (success, error, SIGTERM), stop the proxy and the replicas and say
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -40,6 +42,8 @@ from jobs.trainer.rewards import build_rewards
 from jobs.trainer.telemetry import RecordingQueue, RewardErrorForwarder, TelemetryCallback, TrainerTelemetry
 
 log = logging.getLogger("jobs.trainer")
+# A failed write with less free space than this (or 5% of the disk) left is reported as a full disk.
+LOW_DISK_BYTES = 64 * 1024 * 1024
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.fail(str(error))
     except Exception as error:
         log.exception("training failed")
-        telemetry.fail(describe_failure(error))
+        telemetry.fail(describe_failure(error, workdir))
     finally:
         if watchdog is not None:
             watchdog.stop()
@@ -187,15 +191,42 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
-def describe_failure(error: BaseException) -> str:
-    """The error to show the user: TRL wraps the rollout worker's real failure in "see chained exception"."""
-    messages = []
-    while error is not None and len(messages) < 4:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if "see chained exception" not in first_line:
-            messages.append(first_line if ":" in first_line[:40] else f"{type(error).__name__}: {first_line}")
+def describe_failure(error: BaseException, workdir: Path | None = None) -> str:
+    """The error to show the user: TRL wraps the rollout worker's real failure in "see chained exception".
+
+    A full working disk is named as such: torch's and safetensors' write errors do not say so (torch reports
+    "unexpected pos ... iostream error").
+    """
+    errors: list[BaseException] = []
+    while error is not None and len(errors) < 4:
+        errors.append(error)
         error = error.__cause__ or error.__context__
-    return " <- ".join(messages)[:2000] or "training failed"
+    messages = []
+    for each in errors:
+        first_line = str(each).strip().splitlines()[0] if str(each).strip() else type(each).__name__
+        if "see chained exception" not in first_line:
+            messages.append(first_line if ":" in first_line[:40] else f"{type(each).__name__}: {first_line}")
+    text = " <- ".join(messages) or "training failed"
+    full = disk_full(errors, workdir)
+    return (f"{full}; {text}" if full else text)[:2000]
+
+
+def disk_full(errors: list[BaseException], workdir: Path | None) -> str | None:
+    """Why a failure is the working disk filling up (ENOSPC, or almost no space left on it), or None."""
+    if workdir is None:
+        return None
+    try:
+        usage = shutil.disk_usage(workdir)
+    except OSError:
+        return None
+    no_space = any(isinstance(error, OSError) and error.errno == errno.ENOSPC for error in errors)
+    if not no_space and usage.free >= min(LOW_DISK_BYTES, usage.total // 20):
+        return None
+    return (
+        f"the trainer's disk is full: {workdir} has {usage.free // 1024} KiB free of {usage.total // 1024} KiB "
+        "(checkpoints and adapter versions are written there before they go to the store); free space or give the "
+        "trainer a larger disk (GRPO_TRAINER_WORKDIR, --output-dir)"
+    )
 
 
 def _drain_queues_on_stop(worker) -> None:

@@ -87,6 +87,11 @@ class TrainerTelemetry:
         self.event("error", message, level="error")
         self.status("failed")
 
+    def flush(self) -> None:
+        """Write every buffered record now (what the store refuses stays buffered for the next try)."""
+        for writer in (self.metrics, self.samples, self.events):
+            writer.flush()
+
     def close(self) -> None:
         for writer in (self.metrics, self.samples, self.events):
             writer.close()

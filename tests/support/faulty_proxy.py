@@ -33,6 +33,7 @@ class Fault:
     status: int = 503
     seconds: float = 0.0
     methods: tuple[str, ...] = ()  # empty: any method
+    path: str = ""  # only requests whose path contains this (empty: any path)
 
 
 class FaultyProxy:
@@ -54,7 +55,7 @@ class FaultyProxy:
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
-                fault = proxy._next_fault(self.command)
+                fault = proxy._next_fault(self.command, self.path)
                 if fault is not None:
                     if fault.kind == "reset":
                         self.connection.setsockopt(
@@ -101,9 +102,10 @@ class FaultyProxy:
         with self._lock:
             return len(self._faults)
 
-    def _next_fault(self, method: str) -> Fault | None:
+    def _next_fault(self, method: str, path: str) -> Fault | None:
         with self._lock:
-            if self._faults and (not self._faults[0].methods or method in self._faults[0].methods):
+            fault = self._faults[0] if self._faults else None
+            if fault and (not fault.methods or method in fault.methods) and fault.path in path:
                 self.injected += 1
                 return self._faults.popleft()
             return None
@@ -114,14 +116,17 @@ class FaultyProxy:
         connection.request(handler.command, handler.path, body=body or None, headers=headers)
         response = connection.getresponse()
         payload = response.read()
-        handler.send_response(response.status, response.reason)
-        for key, value in response.getheaders():
-            if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
-                handler.send_header(key, value)
-        handler.send_header("Content-Length", str(len(payload)))
-        handler.end_headers()
-        if handler.command != "HEAD":
-            handler.wfile.write(payload)
         connection.close()
+        try:
+            handler.send_response(response.status, response.reason)
+            for key, value in response.getheaders():
+                if key.lower() not in _HOP_BY_HOP and key.lower() != "content-length":
+                    handler.send_header(key, value)
+            handler.send_header("Content-Length", str(len(payload)))
+            handler.end_headers()
+            if handler.command != "HEAD":
+                handler.wfile.write(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            handler.close_connection = True  # the client gave up waiting (a stall past its timeout)
         with self._lock:
             self.forwarded += 1

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ from jobs.proxy import Proxy, ProxyConfig
 from jobs.store import ObjectStore
 from tests.support.fake_replica import FakeReplica
 from tests.support.loop_thread import LoopThread
+from tests.support.waiting import wait_until
 
 RUN_ID = "proxy-test"
 TOKEN = "upstream-secret-token-1234"
@@ -86,14 +85,6 @@ class Harness:
             self.replica_loop.run(replica.stop())
             replica.close()
         self.replica_loop.close()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def start_harness(

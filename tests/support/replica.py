@@ -17,6 +17,7 @@ import requests
 from jobs.contract import DEMO_MODEL_ID, RunSpec, layout
 from jobs.store import ObjectStore, publish_directory
 from tests.support.net import free_port
+from tests.support.processes import process_table, with_descendants
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HTTP_TIMEOUT = 60  # seconds for one test request; generation on the tiny model takes milliseconds
@@ -114,20 +115,9 @@ class ReplicaProcess:
 
     def children(self) -> list[int]:
         """Pids of every live descendant of the replica process."""
-        parents: dict[int, list[int]] = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                parents.setdefault(ppid, []).append(int(entry.name))
-        found, frontier = [], [self.process.pid]
-        while frontier:
-            kids = parents.get(frontier.pop(), [])
-            found += kids
-            frontier += kids
-        return found
+        table = process_table()
+        below = with_descendants([self.process.pid], table) - {self.process.pid}
+        return sorted(pid for pid in below if not table[pid].exited)
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.process.poll() is None:
