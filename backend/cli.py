@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -176,13 +178,19 @@ def import_bucket(args: argparse.Namespace) -> int:
 
 
 def poll(args: argparse.Namespace) -> int:
-    poller = Poller(PanelContext(), interval=args.interval)
-    try:
-        while True:
-            poller.poll_once()
-            time.sleep(args.interval)
-    except KeyboardInterrupt:
-        return 0
+    """Poll until SIGINT or SIGTERM, then finish the pass under way and exit 0.
+
+    A signal never lands in the middle of a pass (each pass commits rows and cursors together anyway), and SIGINT
+    counts even where the shell started us with it ignored, as it does for background jobs.
+    """
+    stopping = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopping.set())
+    poller = Poller(PanelContext(), interval=args.interval).start()
+    while not stopping.wait(1.0):
+        pass
+    poller.stop()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

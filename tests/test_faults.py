@@ -109,8 +109,8 @@ class PanelProcess:
         self.kills += 1
 
     def stop(self) -> int:
-        """Interrupt it as Ctrl-C would; its exit code (0: a clean stop)."""
-        self.process.send_signal(signal.SIGINT)
+        """Stop it as a service manager would (SIGTERM); its exit code (0: a clean stop)."""
+        self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout=60)
 
 

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func
@@ -19,6 +24,7 @@ from jobs.demo.preset import demo_spec
 from jobs.runtime import write_status
 from jobs.store import LocalStore, publish_directory
 from jobs.telemetry import ChunkWriter
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -232,3 +238,23 @@ def test_a_run_over_its_cost_cap_is_stopped_gracefully(panel, tmp_path):
     assert run.status == "stopping" and "cost cap reached: $10.00 of $5.00" in run.status_message
     assert "cost cap reached" in store.get_bytes(layout.control_key("run-cap", STOP)).decode()
     assert "cost_cap" in kinds
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_the_poll_command_stops_cleanly_on_a_signal_even_started_in_the_background(tmp_path, signum):
+    """`python -m backend poll` ends with 0 on Ctrl-C or a service manager's SIGTERM, even when its shell started it
+    with SIGINT ignored (what a non-interactive shell does to background jobs)."""
+    command = [sys.executable, "-m", "backend", "poll", "--interval", "0.2"]
+    process = subprocess.Popen(
+        command,
+        cwd=Path(__file__).resolve().parent.parent,
+        env={**os.environ, "GRPO_PANEL_DATA": str(tmp_path)},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    try:
+        wait_until(lambda: (tmp_path / "panel.sqlite3").exists(), 60, what="the poller's database")
+        time.sleep(1)  # a few passes
+        process.send_signal(signum)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()

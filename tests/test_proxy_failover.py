@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -174,3 +175,30 @@ def test_a_replica_lost_during_pause_and_resume_does_not_stop_the_run(make_harne
     assert harness.replica_call(0, "GET", "/is_paused").json()["is_paused"] is True
     assert harness.post("/resume").status_code == 200
     assert harness.replica_call(0, "GET", "/is_paused").json()["is_paused"] is False
+
+
+def test_a_pause_that_finds_every_replica_gone_is_held_until_one_comes_back(make_harness):
+    """TRL treats a failed pause as fatal: losing the last replicas must leave time to replace them."""
+    harness = make_harness(health_interval=30.0, load_deadline=20.0)  # only the broadcast notices the deaths
+    harness.stop_replica(0)
+    harness.stop_replica(1)
+    with ThreadPoolExecutor(1) as pool:
+        pause = pool.submit(harness.post, "/pause?mode=keep", timeout=30)
+        wait_until(lambda: harness.healthy() == 0, what="both ejected by the pause")
+        time.sleep(0.5)
+        assert not pause.done()  # held, not failed
+        harness.start_replica(1)
+        harness.post("/proxy/replicas/upstream-1/admit")
+        response = pause.result(timeout=25)
+    assert response.status_code == 200
+    assert harness.replica_call(1, "GET", "/is_paused").json()["is_paused"] is True
+
+
+def test_a_pause_with_no_replica_back_by_the_deadline_fails_saying_so(make_harness):
+    harness = make_harness(health_interval=30.0, load_deadline=2.0)
+    harness.stop_replica(0)
+    harness.stop_replica(1)
+    started = time.monotonic()
+    response = harness.post("/pause?mode=keep", timeout=30)
+    assert response.status_code == 502 and "too few replicas" in response.text
+    assert time.monotonic() - started >= 2.0

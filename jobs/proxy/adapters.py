@@ -313,46 +313,53 @@ class AdapterSync:
         """Broadcast /pause, /resume or /reset_prefix_cache to every healthy replica.
 
         A replica that cannot be reached at all is ejected rather than failing the call (it is resynchronised when it
-        is re-admitted), so losing a replica does not stop the run as long as `min_healthy` answered. A replica that
-        answers with an error fails the call; a failed pause is undone on the replicas that paused, and a replica that
-        cannot resume is ejected, never left in rotation paused.
+        is re-admitted), so losing a replica does not stop the run as long as `min_healthy` answered; with fewer left,
+        the call is held and tried again as replicas come back, up to `load_deadline`. A replica that answers with an
+        error fails the call; a failed pause is undone on the replicas that paused, and a replica that cannot resume
+        is ejected, never left in rotation paused.
         """
         target = f"{path}?{query}" if query else path
-        await self._await_replicas()
-        async with self.lock:
-            replicas = list(self.membership.routable)
-            results = await asyncio.gather(*(self._control_on(replica, target) for replica in replicas))
-            done = [
-                (replica, detail) for replica, (kind, detail) in zip(replicas, results, strict=True) if kind == "ok"
-            ]
-            failed = [
-                (replica, detail) for replica, (kind, detail) in zip(replicas, results, strict=True) if kind == "failed"
-            ]
-            for replica, (kind, detail) in zip(replicas, results, strict=True):
-                if kind == "unreachable":
-                    self.membership.eject(replica, f"{path} could not reach it: {detail}")
-            if path == "/resume":
-                for replica, _ in failed:
-                    if not await self._resume_again(replica):
-                        self.membership.eject(replica, "it did not resume after a pause")
-                self.paused_query = None
-                failed = []
-            if failed or len(done) < self.min_healthy:
-                if path == "/pause" and done:
-                    await asyncio.gather(*(self._control_on(replica, "/resume") for replica, _ in done))
-                details = "; ".join(f"{replica.role}: {problem}" for replica, problem in failed) or "too few replicas"
-                undone = f"; resumed {_roles_of([replica for replica, _ in done])}" if path == "/pause" and done else ""
-                return text_response(
-                    502,
-                    f"proxy: {path} failed on {len(replicas) - len(done)}/{len(replicas)} replicas ({details}){undone};"
-                    " see GET /proxy/replicas",
-                )
-            if path == "/pause":
-                self.paused_query = query
-            elif path == "/reset_prefix_cache":
-                self.router.clear()
+        deadline = time.monotonic() + self.load_deadline
+        while True:
+            await self._await_replicas(deadline)
+            async with self.lock:
+                response, too_few = await self._control_once(path, query, target)
+            if not too_few or time.monotonic() >= deadline:
+                return response
+
+    async def _control_once(self, path: str, query: str, target: str) -> tuple[Response, bool]:
+        """One broadcast, under the lock: its response, and whether it failed only for want of replicas."""
+        replicas = list(self.membership.routable)
+        results = await asyncio.gather(*(self._control_on(replica, target) for replica in replicas))
+        done = [(replica, detail) for replica, (kind, detail) in zip(replicas, results, strict=True) if kind == "ok"]
+        failed = [
+            (replica, detail) for replica, (kind, detail) in zip(replicas, results, strict=True) if kind == "failed"
+        ]
+        for replica, (kind, detail) in zip(replicas, results, strict=True):
+            if kind == "unreachable":
+                self.membership.eject(replica, f"{path} could not reach it: {detail}")
+        if path == "/resume":
+            for replica, _ in failed:
+                if not await self._resume_again(replica):
+                    self.membership.eject(replica, "it did not resume after a pause")
+            self.paused_query = None
+            failed = []
+        if failed or len(done) < self.min_healthy:
+            if path == "/pause" and done:
+                await asyncio.gather(*(self._control_on(replica, "/resume") for replica, _ in done))
+            details = "; ".join(f"{replica.role}: {problem}" for replica, problem in failed) or "too few replicas"
+            undone = f"; resumed {_roles_of([replica for replica, _ in done])}" if path == "/pause" and done else ""
+            message = (
+                f"proxy: {path} failed on {len(replicas) - len(done)}/{len(replicas)} replicas ({details}){undone};"
+                " see GET /proxy/replicas"
+            )
+            return text_response(502, message), not failed
+        if path == "/pause":
+            self.paused_query = query
+        elif path == "/reset_prefix_cache":
+            self.router.clear()
         response = done[0][1]
-        return Response(200, response.body, _content_type(response.headers))
+        return Response(200, response.body, _content_type(response.headers)), False
 
     async def _control_on(self, replica: Replica, target: str) -> tuple[str, Any]:
         """("ok", response) on 200, ("failed", what it answered) or ("unreachable", the transport error)."""
@@ -377,15 +384,16 @@ class AdapterSync:
                 return True
         return False
 
-    async def _await_replicas(self) -> None:
-        """Hold a load or a pause/resume while fewer than `min_healthy` replicas are routable, up to `load_deadline`.
+    async def _await_replicas(self, deadline: float | None = None) -> None:
+        """Hold a load or a pause/resume while fewer than `min_healthy` replicas are routable, until `deadline`
+        (`load_deadline` from now by default).
 
         TRL treats a failed sync as fatal. With every replica gone, answering at once would end the run at its next
         sync, before anyone could replace a replica, and with an error about a pause rather than about the replicas;
         held, the sync goes through once a replaced replica is admitted (admission needs the lock, so this waits
         outside it), or the trainer's replica watchdog ends the run saying why.
         """
-        deadline = time.monotonic() + self.load_deadline
+        deadline = deadline or time.monotonic() + self.load_deadline
         while len(self.membership.routable) < self.min_healthy and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
 
