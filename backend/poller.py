@@ -20,9 +20,9 @@ from sqlmodel import Session, select
 from backend import alerts, ingest
 from backend.context import PanelContext
 from backend.launchers.base import TERMINAL
-from backend.models import AdapterVersion, Event, Job, MetricPoint, PollCursor, ReplicaStatus, Run
+from backend.models import AdapterVersion, Job, MetricPoint, PollCursor, ReplicaStatus, Run
+from backend.services.runs import RunService
 from jobs.contract import layout
-from jobs.contract.control import STOP, StopRequest
 from jobs.store import ObjectStore, StoreError, VersionNotPublished, read_manifest
 from jobs.telemetry import decode_jsonl
 
@@ -299,23 +299,12 @@ class Poller:
         """Stop a run gracefully once it has cost what its owner allowed (`compute.cost_cap_usd`)."""
         with self.ctx.db.session() as session:
             run = session.get(Run, run_id)
-        cap = self.ctx.spec(run).compute.cost_cap_usd
-        if cap is None or run.cost_usd < cap:
+        if run.cost_usd <= 0:  # local runs, and the first minutes of any run: nothing to compare yet
             return
-        reason = f"cost cap reached: ${run.cost_usd:.2f} of ${cap:.2f}"
-        self.ctx.store_for(run).put_bytes(
-            layout.control_key(run_id, STOP), StopRequest(reason=reason).model_dump_json().encode()
-        )
-        with self.ctx.db.session() as session:
-            row = session.get(Run, run_id)
-            row.status, row.status_message, row.stop_requested_at = "stopping", reason, time.time()
-            session.add(row)
-            session.add(
-                Event(
-                    run_id=run_id, owner=run.owner, time=time.time(), level="warning", kind="cost_cap", message=reason
-                )
-            )
-            session.commit()
+        cap = self.ctx.spec(run).compute.cost_cap_usd
+        if cap is not None and run.cost_usd >= cap:
+            reason = f"cost cap reached: ${run.cost_usd:.2f} of ${cap:.2f}"
+            RunService(self.ctx, run.owner).stop(run_id, reason, kind="cost_cap", level="warning")
 
     def _reap_jobs(self, run_id: str, status: str) -> None:
         """Cancel whatever still runs once a run has ended (the trainer normally stops its replicas itself)."""

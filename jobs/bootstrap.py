@@ -13,6 +13,7 @@ import hmac
 import importlib.util
 import io
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -32,7 +33,7 @@ def signed_get(endpoint, region, bucket, key, environ):
     base = endpoint.rstrip("/") if endpoint else f"https://s3.{region}.amazonaws.com"
     url = f"{base}/{bucket}/{urllib.parse.quote(key, safe='/-_.~')}"
     parsed = urllib.parse.urlparse(url)
-    now = datetime.datetime.now(datetime.UTC)
+    now = datetime.datetime.now(datetime.timezone.utc)  # noqa: UP017 (datetime.UTC needs 3.11; images vary)
     stamp, day = now.strftime("%Y%m%dT%H%M%SZ"), now.strftime("%Y%m%d")
     empty = hashlib.sha256(b"").hexdigest()
     headers = {"host": parsed.netloc, "x-amz-content-sha256": empty, "x-amz-date": stamp}
@@ -91,8 +92,10 @@ def main(argv):
             archive.extractall(staging, filter="data")
         try:
             os.rename(staging, root)
-        except OSError:  # another job on this machine unpacked the same bundle first
-            pass
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not os.path.isdir(root):  # not another job on this machine unpacking the same bundle first
+                raise
     if any(importlib.util.find_spec(name) is None for name in REQUIRED_MODULES):
         install(os.path.join(root, "requirements-jobs.txt"))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))

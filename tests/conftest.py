@@ -10,6 +10,7 @@ from jobs.contract import parse_storage_uri
 from jobs.secrets import install_log_redaction
 from jobs.store import LocalStore, S3Store
 from tests.support.moto_s3 import MotoS3Server
+from tests.support.proxy_harness import start_harness, write_adapter
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -41,3 +42,28 @@ def local_store(tmp_path) -> LocalStore:
 def store(request):
     """The store contract runs against both implementations."""
     return request.getfixturevalue(f"{request.param}_store")
+
+
+@pytest.fixture
+def make_harness(local_store, tmp_path):
+    """Start proxies in front of fake replicas (`start_harness`'s options); each is closed after the test.
+
+    With `with_version`, version 1 of an adapter is loaded before the harness is handed out.
+    """
+    made = []
+
+    def make(with_version: bool = False, **options):
+        harness = start_harness(local_store, **options)
+        made.append(harness)
+        if with_version:
+            assert harness.load(1, write_adapter(tmp_path / "v1")).status_code == 200
+        return harness
+
+    yield make
+    for harness in made:
+        harness.close()
+
+
+@pytest.fixture
+def harness(make_harness):
+    return make_harness()

@@ -50,7 +50,7 @@ from tests.support.net import free_port
 from tests.support.proxy_harness import start_harness
 
 OWNER = LOCAL_OWNER
-HF_TOKEN = "hf_badinputmatrix0123456789abcdef"
+HF_TOKEN = "hf_badinputmatrix0123456789abcdef"  # made up: token-shaped, valid nowhere
 # Short sandbox limits keep the hanging rows quick; everything else is the product's default.
 SANDBOX = SandboxLimits(seconds=3)
 SCORES = "    return [1.0] * len(completions)\n"

@@ -20,12 +20,13 @@ from backend.db import Database
 from backend.models import Job
 from backend.poller import Poller
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunService
+from backend.services.runs import RunService
 from jobs.contract import layout
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import LocalStore, download_published, list_published, read_manifest
 from jobs.telemetry import decode_jsonl
+from tests.support.runs import follow_to_end
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -47,14 +48,7 @@ def start_demo(tmp_path, run_id: str, steps: int, **grpo) -> tuple[PanelContext,
 
 
 def follow(ctx: PanelContext, poller: Poller, run_id: str, timeout: float = 900) -> str:
-    service = RunService(ctx, OWNER)
-
-    def ended():
-        poller.poll_run(run_id)
-        return service.get(run_id).status in TERMINAL_STATUSES
-
-    wait_until(ended, timeout, 1.0)
-    return service.get(run_id).status
+    return follow_to_end(poller, RunService(ctx, OWNER), run_id, timeout).status
 
 
 def job_pgids(ctx: PanelContext, run_id: str) -> dict[str, int]:

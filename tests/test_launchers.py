@@ -19,12 +19,13 @@ from backend.launchers.hf_jobs import HfJobsLauncher, HubTokenRejected, UnknownF
 from backend.models import Run
 from backend.poller import Poller
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunService
+from backend.services.runs import RunService
 from jobs.contract import layout, parse_spec
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import S3Store, list_published, open_store
 from tests.support.hub_emulator import HubEmulator
+from tests.support.runs import follow_to_end, hub_demo_spec
 from tests.support.waiting import wait_until
 
 TOKEN = "hf_emulatortoken0123456789abcdef"
@@ -68,22 +69,8 @@ def hub_panel(tmp_path, emulator, moto_server):
     ctx.db.close()
 
 
-def hub_spec(run_id: str, bucket: str, endpoint: str, steps: int = 5, **compute):
-    return demo_spec(
-        run_id,
-        f"s3://{bucket}/panel",
-        grpo={"max_steps": steps, "save_steps": 50},
-        compute={
-            "backend": "hf_jobs",
-            "namespace": OWNER,
-            "trainer_flavor": "cpu-upgrade",
-            "replica_flavor": "cpu-basic",
-            "engine": "auto",
-            "timeout": "30m",
-            **compute,
-        },
-        storage={"uri": f"s3://{bucket}/panel", "endpoint": endpoint},
-    )
+def hub_spec(run_id: str, bucket: str, endpoint: str, **compute):
+    return hub_demo_spec(run_id, bucket, endpoint, OWNER, engine="auto", **compute)
 
 
 def test_a_demo_run_goes_end_to_end_through_hf_jobs(hub_panel, emulator, moto_server):
@@ -94,14 +81,8 @@ def test_a_demo_run_goes_end_to_end_through_hf_jobs(hub_panel, emulator, moto_se
     started = time.monotonic()
     service.launch("hub-demo", wait=True)
     poller = Poller(ctx)
-
-    def ended():
-        poller.poll_run("hub-demo")
-        return service.get("hub-demo").status in TERMINAL_STATUSES
-
-    wait_until(ended, 900, 2)
+    run = follow_to_end(poller, service, "hub-demo", 900, 2)
     print(f"HF Jobs demo ({spec.grpo.max_steps} steps) through the emulator: {time.monotonic() - started:.0f}s")
-    run = service.get("hub-demo")
     assert run.status == "finished", run.status_message
     store = S3Store(ctx.fresh_store(run).location, ctx.vault.store_credentials(OWNER, keys_id))
     assert len(list_published(store, layout.adapters_prefix("hub-demo"))) >= spec.grpo.max_steps
@@ -151,14 +132,7 @@ def test_a_trainer_failing_mid_run_cancels_the_replicas(hub_panel, emulator, mot
     service = RunService(ctx, OWNER)
     service.create(parse_spec(data), store_credential_id=keys_id, hf_credential_id=hf_id)
     service.launch("hub-trainfail", wait=True)
-    poller = Poller(ctx)
-
-    def ended():
-        poller.poll_run("hub-trainfail")
-        return service.get("hub-trainfail").status in TERMINAL_STATUSES
-
-    wait_until(ended, 600, 2)
-    run = service.get("hub-trainfail")
+    run = follow_to_end(Poller(ctx), service, "hub-trainfail", 600, 2)
     assert run.status == "failed" and "broken" in run.status_message
     wait_until(lambda: all(j.stage != "RUNNING" for j in emulator.jobs.values()), 60)
     stages = {j.spec["labels"]["grpo-role"]: j.stage for j in emulator.jobs.values()}

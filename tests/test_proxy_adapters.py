@@ -9,26 +9,8 @@ import pytest
 
 from jobs.contract import layout
 from jobs.store import read_manifest
-from tests.support.proxy_harness import RUN_ID, start_harness, wait_until, write_adapter
-
-
-@pytest.fixture
-def make_harness(local_store):
-    made = []
-
-    def make(**options):
-        harness = start_harness(local_store, **options)
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.close()
-
-
-@pytest.fixture
-def harness(make_harness):
-    return make_harness()
+from tests.support.proxy_harness import RUN_ID, write_adapter
+from tests.support.waiting import wait_until
 
 
 def adapters_stats(harness) -> dict:

@@ -6,26 +6,11 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 from jobs.contract import layout
-from tests.support.proxy_harness import RUN_ID, start_harness, wait_until, write_adapter
+from tests.support.proxy_harness import RUN_ID, write_adapter
+from tests.support.waiting import wait_until
 
 PROMPT = list(range(500, 600))
-
-
-@pytest.fixture
-def make_harness(local_store):
-    made = []
-
-    def make(**options):
-        harness = start_harness(local_store, **options)
-        made.append(harness)
-        return harness
-
-    yield make
-    for harness in made:
-        harness.close()
 
 
 def index_of(harness, role: str) -> int:

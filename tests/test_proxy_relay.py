@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 
 import pytest
 import requests
@@ -17,28 +18,15 @@ from jobs.runtime import ENV_UPSTREAM_TOKEN
 from tests.support.fake_replica import FakeReplica, Seen
 from tests.support.loop_thread import LoopThread
 from tests.support.net import free_port
-from tests.support.proxy_harness import RUN_ID, TOKEN, start_harness, wait_until, write_adapter
+from tests.support.proxy_harness import RUN_ID, TOKEN, start_harness
 from tests.support.tls import make_server_tls
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
-def make_harness(local_store, tmp_path):
-    made = []
-
-    def make(**options):
-        harness = start_harness(local_store, **options)
-        made.append(harness)
-        assert harness.load(1, write_adapter(tmp_path / "v1")).status_code == 200
-        return harness
-
-    yield make
-    for harness in made:
-        harness.close()
-
-
-@pytest.fixture
-def harness(make_harness):
-    return make_harness()
+def make_harness(make_harness):
+    """Every proxy here starts with version 1 loaded."""
+    return partial(make_harness, with_version=True)
 
 
 def last_seen(harness) -> Seen:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import pytest
 
-from tests.support.proxy_harness import start_harness, wait_until, write_adapter
+from tests.support.proxy_harness import write_adapter
+from tests.support.waiting import wait_until
 
 TEMPLATE = list(range(1000, 1023))  # a 23-token chat template every prompt starts with
 
@@ -16,18 +18,9 @@ def prompt(seed: int, length: int = 90) -> list[int]:
 
 
 @pytest.fixture
-def make_harness(local_store, tmp_path):
-    made = []
-
-    def make(**options):
-        harness = start_harness(local_store, **options)
-        made.append(harness)
-        harness.load(1, write_adapter(tmp_path / "v1"))
-        return harness
-
-    yield make
-    for harness in made:
-        harness.close()
+def make_harness(make_harness):
+    """Every proxy here starts with version 1 loaded."""
+    return partial(make_harness, with_version=True)
 
 
 def routing(harness) -> dict:

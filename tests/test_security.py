@@ -66,12 +66,13 @@ from jobs.telemetry import encode_jsonl
 from tests.support.echo_server import EchoServer
 from tests.support.hub_emulator import HubEmulator
 from tests.support.net import free_port
+from tests.support.runs import hub_demo_spec
 from tests.support.waiting import wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 ALICE, BOB = "alice", "bob"
 # Known values: the run below uses these, so finding any of them anywhere is a leak. The bucket keys are moto's.
-HF_TOKEN = "hf_SecurityScanKnownToken0123456789"
+HF_TOKEN = "hf_SecurityScanKnownToken0123456789"  # made up: token-shaped, valid nowhere
 BOB_TOKEN = "hf_BobsOwnTokenNotAlices9876543210"
 RUN_ID = "sec-hub"
 STEPS = 4
@@ -229,19 +230,7 @@ def hub_run(tmp_path_factory, moto_server) -> HubRun:
             hf = ctx.vault.save(ALICE, "hub", "hf_token", HF_TOKEN)
             keys = {"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}
             store_keys = ctx.vault.save(ALICE, "bucket", "s3", keys)
-            spec = demo_spec(
-                RUN_ID,
-                f"s3://{bucket}/panel",
-                grpo={"max_steps": STEPS, "save_steps": 2},
-                compute={
-                    "backend": "hf_jobs",
-                    "namespace": ALICE,
-                    "trainer_flavor": "cpu-upgrade",
-                    "replica_flavor": "cpu-basic",
-                    "timeout": "30m",
-                },
-                storage={"uri": f"s3://{bucket}/panel", "endpoint": moto_server.url},
-            )
+            spec = hub_demo_spec(RUN_ID, bucket, moto_server.url, ALICE, steps=STEPS, save_steps=2)
             services = PanelServices(ctx, ALICE)
             checked = services.preflight(spec, store_keys.id, hf.id)
             assert checked.ok, checked.errors

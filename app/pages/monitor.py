@@ -20,9 +20,9 @@ from app.charts import training as training_charts
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import Run
-from backend.services.runs import TERMINAL_STATUSES, RunNotFound
+from backend.services.runs import RunNotFound
 from backend.services.ui_queries import recent_values, sample_steps, sample_versions
-from jobs.contract import RunSpec
+from jobs.contract import RunSpec, derived
 
 REFRESH_SECONDS = 2.0
 MAX_POINTS = 1000
@@ -200,10 +200,7 @@ class MonitorPage:
             _recent_step_seconds(self.panel, services, run.id) if run.status not in ("finished", "stopped") else None
         )
         header = cards.run_header(run, step_seconds)
-        alerts = services.queries.alerts(run.id)
-        if run.status in TERMINAL_STATUSES:  # an ended run's warnings are history; its errors still matter
-            alerts = [alert for alert in alerts if alert.level == "error"]
-        banner = cards.alert_banner(alerts)
+        banner = cards.alert_banner(services.queries.alerts(run.id))  # the poller clears an ended run's warnings
         if run.status == "failed" and run.status_message:
             banner = cards.note(f"The run failed: {run.status_message}", "bad") + banner
         drawn = dict(drawn or {})
@@ -246,7 +243,7 @@ class MonitorPage:
     def _rollouts(self, services: PanelServices, run: Run) -> list:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
-        queue_max = spec.grpo.queue_size or spec.grpo.max_staleness * 128
+        queue_max = derived.queue_size(spec.grpo)
         return [
             rollout_charts.queue_figure(
                 series(run.id, "sample/rollout_queue_size", MAX_POINTS),

@@ -27,6 +27,7 @@ from backend.models import (
     RolloutSample,
     Run,
 )
+from backend.services.costs import flavor_price_per_hour
 from jobs.contract import RunSpec, layout
 from jobs.contract.control import JOBS, STOP, UPSTREAMS, JobsRecord, StopRequest, Upstream, UpstreamsRecord
 
@@ -236,24 +237,22 @@ class RunService:
         return row
 
     def _price(self, spec: RunSpec, role: str) -> float:
-        if spec.compute.backend == "local":
-            return 0.0
-        from backend.services.costs import flavor_price_per_hour
-
-        flavor = spec.compute.trainer_flavor if role == "trainer" else spec.compute.replica_flavor
-        return flavor_price_per_hour(self.ctx, self.get(spec.run_id), flavor) or 0.0
+        return flavor_price_per_hour(self.ctx, self.get(spec.run_id), _flavor(spec, role)) or 0.0
 
     # --- stopping and deleting ------------------------------------------------------------------------------------
 
-    def stop(self, run_id: str, reason: str = "stopped from the panel") -> Run:
-        """Ask the trainer to save and exit; the poller cancels the jobs if it has not within the grace period."""
+    def stop(self, run_id: str, reason: str = "stopped from the panel", kind: str = "stop", level: str = "info") -> Run:
+        """Ask the trainer to save and exit; the poller cancels the jobs if it has not within the grace period.
+
+        `kind` and `level` are the event's: a stop the panel decides on (a cost cap) is a warning of its own kind.
+        """
         run = self.get(run_id)
         if run.status in TERMINAL_STATUSES:
             return run
         store = self.ctx.store_for(run)
         store.put_bytes(layout.control_key(run_id, STOP), StopRequest(reason=reason).model_dump_json().encode())
         self._set(run_id, status="stopping", stop_requested_at=time.time(), status_message=reason)
-        self._event(run_id, "stop", reason, "info")
+        self._event(run_id, kind, reason, level)
         return self.get(run_id)
 
     def delete(self, run_id: str, delete_bucket_data: bool = False) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -40,10 +39,10 @@ from typing import Any
 
 from jobs.contract import layout
 from jobs.store import ObjectStore, StoreError
+from jobs.telemetry import next_sequence
 
 log = logging.getLogger(__name__)
 _WINDOW = 1024
-_CHUNK = re.compile(r"^(\d{12})(?:-[a-z0-9]+)?\.json$")
 
 
 class Window:
@@ -100,26 +99,18 @@ class TelemetryWriter:
         self._stats = stats
         self._seq: int | None = None
 
-    def _next_seq(self) -> int:
-        prefix = layout.telemetry_prefix(self._run_id, "proxy")
-        highest = -1
-        for info in self._store.list(prefix):
-            match = _CHUNK.match(info.key[len(prefix) :])
-            if match:
-                highest = max(highest, int(match.group(1)))
-        return highest + 1
-
-    def write_once(self) -> None:
-        """Write one snapshot (blocking; run it in a thread)."""
+    def _put(self, data: bytes) -> None:
         if self._seq is None:
-            self._seq = self._next_seq()
-        key = layout.telemetry_key(self._run_id, "proxy", self._seq)
-        self._store.put_bytes(key, json.dumps(self._snapshot()).encode())
+            self._seq = next_sequence(self._store, self._run_id, "proxy")
+        self._store.put_bytes(layout.telemetry_key(self._run_id, "proxy", self._seq), data)
         self._seq += 1
 
     async def write(self) -> None:
+        """Write one snapshot. It is taken on the event loop, which alone changes what it reads; only the upload runs
+        in a thread."""
+        data = json.dumps(self._snapshot()).encode()
         try:
-            await asyncio.to_thread(self.write_once)
+            await asyncio.to_thread(self._put, data)
         except (StoreError, OSError) as error:
             self._stats.count_error("telemetry")
             log.warning("could not write proxy telemetry: %s", error)

@@ -81,7 +81,7 @@ def test_wrong_bucket_keys_show_the_connection_error(page: Page, moto_server) ->
     fill(page, "storage-endpoint", moto_server.url)
     fill(page, "storage-region", "us-east-1")
     wrong_secret = "wrong" + secrets.token_hex(12)
-    fill(page, "access-key", "AKIAWRONGKEY000000000")
+    fill(page, "access-key", "AKIAWRONGKEY000000000")  # made up: key-shaped, valid nowhere
     fill(page, "secret-key", wrong_secret)
     page.locator("#test-connection").click()
     error = page.locator("#error-storage")

@@ -1,0 +1,44 @@
+"""Runs as the tests drive them: the demo on the Hub Jobs emulator, and following a run to its end."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backend.models import Run
+from backend.poller import Poller
+from backend.services.runs import TERMINAL_STATUSES, RunService
+from jobs.contract import RunSpec
+from jobs.demo.preset import demo_spec
+from tests.support.waiting import wait_until
+
+
+def hub_demo_spec(
+    run_id: str, bucket: str, endpoint: str, namespace: str, steps: int = 5, save_steps: int = 50, **compute: Any
+) -> RunSpec:
+    """The embedded demo on (emulated) Hugging Face Jobs, its bucket on the S3 server at `endpoint`."""
+    uri = f"s3://{bucket}/panel"
+    return demo_spec(
+        run_id,
+        uri,
+        grpo={"max_steps": steps, "save_steps": save_steps},
+        compute={
+            "backend": "hf_jobs",
+            "namespace": namespace,
+            "trainer_flavor": "cpu-upgrade",
+            "replica_flavor": "cpu-basic",
+            "timeout": "30m",
+            **compute,
+        },
+        storage={"uri": uri, "endpoint": endpoint},
+    )
+
+
+def follow_to_end(poller: Poller, runs: RunService, run_id: str, timeout: float, interval: float = 1.0) -> Run:
+    """Poll the run until it ends (finished, failed or stopped); the run as it ended."""
+
+    def ended() -> Run | None:
+        poller.poll_run(run_id)
+        run = runs.get(run_id)
+        return run if run.status in TERMINAL_STATUSES else None
+
+    return wait_until(ended, timeout, interval, what=f"the end of {run_id}")
