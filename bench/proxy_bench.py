@@ -54,6 +54,7 @@ from jobs.store import LocalStore  # noqa: E402
 from tests.support.fake_replica import PrefixCache  # noqa: E402
 from tests.support.moto_s3 import MotoS3Server  # noqa: E402
 from tests.support.net import free_port  # noqa: E402
+from tests.support.proxy_harness import write_adapter  # noqa: E402
 
 PROMPTS = 1460
 GENERATIONS = 8
@@ -175,13 +176,6 @@ def cluster(workdir: Path, replicas: int, replica_args: list[str], proxy_args: l
         processes.stop()
 
 
-def write_adapter(directory: Path, size: int) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 1}))
-    (directory / "adapter_model.safetensors").write_bytes(os.urandom(size))
-    return directory
-
-
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
@@ -284,7 +278,7 @@ def bench_routing(workdir: Path, quick: bool) -> list[dict]:
     prompts = make_prompts()
     if quick:
         prompts = prompts[:300]
-    adapter = write_adapter(workdir / "adapter", 4096)
+    adapter = write_adapter(workdir / "adapter")
     results = []
     for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384)):
         for rule, args in (("proxy", []), ("recipe rule", ["--group-allowance", "0"])):
@@ -409,7 +403,7 @@ def _seed_service(body: bytes, low: float = 0.2, high: float = 1.6) -> float:
 def bench_latency(workdir: Path, quick: bool) -> dict:
     prompts = make_prompts()[:200]
     rng = random.Random(2)
-    adapter = write_adapter(workdir / "adapter", 4096)
+    adapter = write_adapter(workdir / "adapter")
     results = {}
     with cluster(workdir, 1, [], []) as running:
         proxy, urls = running.proxy, running.urls
@@ -483,7 +477,7 @@ def _latency_line(what: str, row: dict) -> str:
 def bench_throughput(workdir: Path, quick: bool) -> dict:
     prompts = make_prompts()
     rng = random.Random(3)
-    adapter = write_adapter(workdir / "adapter", 4096)
+    adapter = write_adapter(workdir / "adapter")
     rounds, count = (3, 2000) if quick else (6, 4000)
     with cluster(workdir, 1, [], []) as running:
         proxy, replica = running.proxy, running.urls[0]
@@ -642,7 +636,7 @@ def bench_sync(workdir: Path, quick: bool) -> dict:
         client = moto.client()
         spec = RunSpec(run_id=run_id, storage={"uri": store_uri, "endpoint": moto.url})
         client.put_object(Bucket=bucket, Key=f"runs-root/{layout.spec_key(run_id)}", Body=spec.to_json().encode())
-        adapter = write_adapter(workdir / "adapter-10mb", 10 * 1024 * 1024)
+        adapter = write_adapter(workdir / "adapter-10mb", size=10 * 1024 * 1024)
         replica_args = ["--spec-store", store_uri, "--store-endpoint", moto.url]
         proxy_args = ["--store-endpoint", moto.url]
         spec_uri = f"{store_uri}/{layout.spec_key(run_id)}"

@@ -212,3 +212,10 @@ def test_https_upstreams_are_verified_and_used(local_store, tmp_path, monkeypatc
         assert harness.healthy() == 0
     finally:
         harness.close()
+
+
+def test_an_unknown_proxy_path_is_the_proxys_own_404_and_reaches_no_replica(harness):
+    before = sum(len(replica.seen) for replica in harness.replicas)
+    response = harness.get("/proxy/statz")
+    assert response.status_code == 404 and "GET /proxy/statz is not supported" in response.text
+    assert sum(len(replica.seen) for replica in harness.replicas) == before

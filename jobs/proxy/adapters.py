@@ -40,7 +40,7 @@ from typing import Any
 
 from jobs.contract import derived, layout
 from jobs.proxy.http_client import ClientResponse, HttpClient, UpstreamError
-from jobs.proxy.http_server import Response
+from jobs.proxy.http_server import Response, content_type_header
 from jobs.proxy.names import AdapterNames, BadName
 from jobs.proxy.router import Router
 from jobs.proxy.stats import Stats
@@ -182,7 +182,7 @@ class AdapterSync:
             self.stats.adapters["loads_ok"] += 1
             await self._write_current(version)
             first = accepted[0]
-            return Response(200, first.body, _content_type(first.headers))
+            return Response(200, first.body, content_type_header(first.headers) or list(_TEXT))
         self.stats.adapters["loads_failed"] += 1
         if accepted:
             await self._rollback(version, [outcome.replica for outcome in accepted])
@@ -359,7 +359,7 @@ class AdapterSync:
         elif path == "/reset_prefix_cache":
             self.router.clear()
         response = done[0][1]
-        return Response(200, response.body, _content_type(response.headers)), False
+        return Response(200, response.body, content_type_header(response.headers) or list(_TEXT)), False
 
     async def _control_on(self, replica: Replica, target: str) -> tuple[str, Any]:
         """("ok", response) on 200, ("failed", what it answered) or ("unreachable", the transport error)."""
@@ -455,13 +455,6 @@ class AdapterSync:
     async def _post(self, replica: Replica, target: str, body: bytes, timeout: float) -> ClientResponse:
         headers = [*self.auth, ("Content-Type", "application/json")] if body else list(self.auth)
         return await self.client.request(replica.origin, "POST", target, headers, body, timeout)
-
-
-def _content_type(headers: list[tuple[str, str]] | None) -> list[tuple[str, str]]:
-    for name, value in headers or []:
-        if name.lower() == "content-type":
-            return [("Content-Type", value)]
-    return list(_TEXT)
 
 
 def _roles(outcomes: list[_Outcome]) -> str:

@@ -34,7 +34,14 @@ from jobs.proxy.adapters import AdapterSync, text_response
 from jobs.proxy.config import ProxyConfig
 from jobs.proxy.http_client import Exchange as UpstreamExchange
 from jobs.proxy.http_client import HttpClient, UpstreamError
-from jobs.proxy.http_server import Exchange, HttpServer, Response, ResponseStream, forwardable_headers
+from jobs.proxy.http_server import (
+    Exchange,
+    HttpServer,
+    Response,
+    ResponseStream,
+    content_type_header,
+    forwardable_headers,
+)
 from jobs.proxy.names import AdapterNames, BadJson, BadName, generation_fields, replace_model, restore_model
 from jobs.proxy.router import Router
 from jobs.proxy.stats import Stats, TelemetryWriter
@@ -144,7 +151,7 @@ class Proxy:
             return await route(exchange)
         if request.method == "POST" and request.path.startswith("/proxy/replicas/"):
             return await self._replica_action(request.path)
-        if request.method in ("GET", "HEAD"):
+        if request.method in ("GET", "HEAD") and not request.path.startswith("/proxy/"):  # the proxy's own: above
             return await self._forward(exchange)
         return text_response(
             404,
@@ -319,11 +326,11 @@ class Proxy:
             return self._no_replica(), None
         _, response = answer
         if response.status != 200:
-            return Response(response.status, response.body, _content_type_of(response.headers)), None
+            return Response(response.status, response.body, content_type_header(response.headers)), None
         try:
             return None, json.loads(response.body)
         except ValueError:
-            return Response(200, response.body, _content_type_of(response.headers)), None
+            return Response(200, response.body, content_type_header(response.headers)), None
 
     async def _server_info(self, exchange: Exchange) -> Response:
         answer, info = await self._json_from_one(exchange.request.target)
@@ -434,7 +441,3 @@ class Proxy:
 
 def _is_event_stream(headers: list[tuple[str, str]]) -> bool:
     return any(name.lower() == "content-type" and value.startswith("text/event-stream") for name, value in headers)
-
-
-def _content_type_of(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return [(name, value) for name, value in headers if name.lower() == "content-type"]

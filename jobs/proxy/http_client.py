@@ -198,10 +198,6 @@ class _Connection(asyncio.Protocol):
         return data
 
     @property
-    def complete(self) -> bool:
-        return self._complete
-
-    @property
     def reusable(self) -> bool:
         return self._complete and self._keep_alive and not self.closed and not self._buffer
 

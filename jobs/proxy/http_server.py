@@ -31,15 +31,14 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 class Request:
     """One parsed request. Header names are lower-cased; repeated headers are joined with ', '."""
 
-    __slots__ = ("body", "headers", "keep_alive", "method", "path", "query", "target", "version")
+    __slots__ = ("body", "headers", "keep_alive", "method", "path", "query", "target")
 
-    def __init__(self, method: str, target: str, version: str, headers: dict[str, str], body: bytes, keep_alive: bool):
+    def __init__(self, method: str, target: str, headers: dict[str, str], body: bytes, keep_alive: bool):
         self.method = method
         self.target = target
         path, _, query = target.partition("?")
         self.path = path
         self.query = query
-        self.version = version
         self.headers = headers
         self.body = body
         self.keep_alive = keep_alive
@@ -143,8 +142,8 @@ class _ServerProtocol(asyncio.Protocol):
         self._can_write.set()
         self._last_activity = 0.0
         self._idle_handle: asyncio.TimerHandle | None = None
-        # Partially parsed request: (method, target, version, headers, keep_alive, body framing).
-        self._head: tuple[str, str, str, dict[str, str], bool] | None = None
+        # Partially parsed request: (method, target, headers, keep_alive).
+        self._head: tuple[str, str, dict[str, str], bool] | None = None
         self._length = 0
         self._chunked = False
         self._chunks = bytearray()
@@ -235,7 +234,7 @@ class _ServerProtocol(asyncio.Protocol):
                 raise _BadRequest(431, "request headers are too large")
             self._head = self._parse_head(bytes(buffer[:end]))
             del buffer[: end + 4]
-        method, target, version, headers, keep_alive = self._head
+        method, target, headers, keep_alive = self._head
         if self._chunked:
             if not self._read_chunks():
                 return None
@@ -248,9 +247,9 @@ class _ServerProtocol(asyncio.Protocol):
             del buffer[: self._length]
         self._head = None
         self._chunked = False
-        return Request(method, target, version, headers, body, keep_alive)
+        return Request(method, target, headers, body, keep_alive)
 
-    def _parse_head(self, head: bytes) -> tuple[str, str, str, dict[str, str], bool]:
+    def _parse_head(self, head: bytes) -> tuple[str, str, dict[str, str], bool]:
         try:
             text = head.decode("latin-1")
             request_line, *lines = text.split("\r\n")
@@ -287,7 +286,7 @@ class _ServerProtocol(asyncio.Protocol):
                 raise _BadRequest(413, f"request body larger than {self._server.max_body} bytes")
         if headers.get("expect", "").lower() == "100-continue":
             self.write(_CONTINUE)
-        return method, target, version, headers, keep_alive
+        return method, target, headers, keep_alive
 
     def _read_chunks(self) -> bool:
         """Move complete chunks from the buffer into the body; True once the last chunk and trailers are in."""
@@ -395,3 +394,11 @@ class HttpServer:
 def forwardable_headers(headers: dict[str, str], drop: frozenset[str]) -> list[tuple[str, str]]:
     """The request headers worth passing upstream: no hop-by-hop header and none named in `drop`."""
     return [(name, value) for name, value in headers.items() if name not in _HOP_BY_HOP and name not in drop]
+
+
+def content_type_header(headers: list[tuple[str, str]] | None) -> list[tuple[str, str]]:
+    """The Content-Type of an upstream answer, to pass on with a body the proxy answers itself ([] if it had none)."""
+    for name, value in headers or []:
+        if name.lower() == "content-type":
+            return [("Content-Type", value)]
+    return []

@@ -25,6 +25,7 @@ from pathlib import Path
 from aiohttp import web
 
 from jobs.models import resolve_model
+from jobs.processes import terminate_group
 from jobs.replica.engine_command import choose_engine, engine_command
 from jobs.replica.heartbeat import Heartbeat
 from jobs.replica.sidecar import Sidecar
@@ -169,16 +170,11 @@ class Replica:
                 await asyncio.sleep(0.5)
 
     async def _stop_engine(self) -> None:
-        """SIGTERM the engine's process group, SIGKILL whatever is left after the grace period."""
+        """SIGTERM the engine's process group (vLLM and its workers), SIGKILL whatever is left after the grace."""
         if self.engine is None:
             return
-        if self.engine.returncode is None:
-            _signal_group(self.engine.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.engine.wait(), ENGINE_STOP_GRACE_S)
-            except TimeoutError:
-                log.warning("the engine ignored SIGTERM for %.0fs; killing it", ENGINE_STOP_GRACE_S)
-        _signal_group(self.engine.pid, signal.SIGKILL)  # the engine's own children (vLLM workers), if any remain
+        if await asyncio.to_thread(terminate_group, self.engine.pid, ENGINE_STOP_GRACE_S):
+            log.warning("the engine ignored SIGTERM for %.0fs; killed it", ENGINE_STOP_GRACE_S)
         await self.engine.wait()
 
 
@@ -197,11 +193,6 @@ async def _first(**awaitables) -> str:
     if not task.cancelled() and task.exception() is not None:
         raise task.exception()
     return tasks[task]
-
-
-def _signal_group(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signum)
 
 
 def _die_with_parent() -> None:

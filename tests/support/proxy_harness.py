@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,5 +115,5 @@ def write_adapter(directory: Path, size: int = 4096, seed: int = 0) -> Path:
     """A directory shaped like a PEFT adapter save (the proxy publishes whatever files it holds)."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 1, "seed": seed}))
-    (directory / "adapter_model.safetensors").write_bytes(bytes((seed + i) % 251 for i in range(size)))
+    (directory / "adapter_model.safetensors").write_bytes(random.Random(seed).randbytes(size))
     return directory
