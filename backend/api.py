@@ -45,6 +45,20 @@ class PanelServices:
         completions = completions if completions is not None else [str(r.get("answer") or "") for r in rows]
         return run_rewards(rewards, rows, completions, SandboxLimits())
 
+    def flavor_prices(self, hf_credential_id: int) -> dict[str, float]:
+        """$/hour of every HF Jobs flavor, as the Hub lists them for this owner's token (cached per token)."""
+        self.ctx.vault.get(self.owner, hf_credential_id)  # raises unless this owner holds the credential
+        probe = Run(
+            id="price-probe",
+            owner=self.owner,
+            spec_json="{}",
+            storage_uri="",
+            backend="hf_jobs",
+            created_at=0.0,
+            hf_credential_id=hf_credential_id,
+        )
+        return self.ctx.launcher_for(probe).prices_per_hour()
+
     def test_connection(
         self, uri: str, endpoint: str | None, region: str | None, store_credential_id: int | None
     ) -> str:

@@ -52,7 +52,6 @@ from backend.db import Database
 from backend.models import Credential, Job, Run
 from backend.poller import Poller
 from backend.sandbox import SandboxError, SandboxLimits, run_rewards
-from backend.services import ui_queries
 from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
@@ -504,10 +503,10 @@ def _service_calls(o: Owners) -> list[tuple[str, Callable[[], Any]]]:
         ("QueryService.alerts", lambda: queries.alerts(run)),
         ("QueryService.events", lambda: queries.events(run)),
         ("QueryService.summary", lambda: queries.summary(run)),
-        ("ui_queries.sample_versions", lambda: ui_queries.sample_versions(ctx, BOB, run)),
-        ("ui_queries.sample_steps", lambda: ui_queries.sample_steps(ctx, BOB, run)),
-        ("ui_queries.recent_values", lambda: ui_queries.recent_values(ctx, BOB, run, "reward")),
-        ("ui_queries.flavor_prices", lambda: ui_queries.flavor_prices(ctx, BOB, o.alice_hf)),
+        ("QueryService.sample_versions", lambda: QueryService(ctx, BOB).sample_versions(run)),
+        ("QueryService.sample_steps", lambda: QueryService(ctx, BOB).sample_steps(run)),
+        ("QueryService.recent_values", lambda: QueryService(ctx, BOB).recent_values(run, "reward")),
+        ("PanelServices.flavor_prices", lambda: PanelServices(ctx, BOB).flavor_prices(o.alice_hf)),
         ("AdapterService.versions", lambda: adapters.versions(run)),
         ("AdapterService.version", lambda: adapters.version(run, 1)),
         ("AdapterService.download_zip", lambda: adapters.download_zip(run, 1)),

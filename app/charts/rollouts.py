@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from app.charts.style import COLORS, base_figure, empty_figure, integer_steps
-from backend.services.ui_queries import VersionUse
+from backend.services.queries import VersionUse
 
 Series = list[tuple[int, float]]
 

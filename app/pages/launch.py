@@ -33,8 +33,8 @@ from app.launch_form import (
 )
 from app.panel import Panel
 from backend import presets
+from backend.api import PanelServices
 from backend.sandbox import SandboxError
-from backend.services.ui_queries import flavor_prices
 from jobs.contract import VLLM_LORA_RANKS, RewardSpec, RunSpec, parse_spec, timeout_seconds
 from jobs.contract.spec import SpecError
 
@@ -548,14 +548,14 @@ class LaunchPage:
             cards.note("Settings changed since the last check: press Check settings again.", "warn"),
         ]
 
-    def _prices(self, values: dict[str, Any], owner: str | None) -> tuple[dict[str, float] | None, str]:
+    def _prices(self, values: dict[str, Any], services: PanelServices | None) -> tuple[dict[str, float] | None, str]:
         credential = values.get("hf_credential")
         if values.get("backend") != "hf_jobs":
             return None, ""
-        if not credential or owner is None:
+        if not credential or services is None:
             return None, "Select an HF token to see the Hub's live prices."
         try:
-            return flavor_prices(self.panel.ctx, owner, int(credential)), ""
+            return services.flavor_prices(int(credential)), ""
         except Exception as error:  # the Hub is unreachable or refuses the token: say so, keep the form usable
             return None, f"Could not read prices from the Hub: {error}"
 
@@ -585,7 +585,7 @@ class LaunchPage:
             key: values[self.inputs[key]]
             for key in ("backend", "hf_credential", "trainer_flavor", "replica_flavor", "replicas", "timeout")
         }
-        prices, problem = self._prices(form, self.panel.owner(profile))
+        prices, problem = self._prices(form, self.panel.services_or_none(profile))
         flavors = sorted(prices) if prices else COMMON_FLAVORS
         return [
             self._cost_html(form, prices, problem),

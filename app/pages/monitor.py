@@ -21,7 +21,6 @@ from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import Run
 from backend.services.runs import RunNotFound
-from backend.services.ui_queries import recent_values, sample_steps, sample_versions
 from jobs.contract import RunSpec, derived
 
 REFRESH_SECONDS = 2.0
@@ -38,7 +37,7 @@ def run_choices(services: PanelServices | None) -> list[tuple[str, str]]:
 
 def _recent_step_seconds(panel: Panel, services: PanelServices, run_id: str) -> float | None:
     """Seconds per step over the last 20 steps: what the time-left estimate extrapolates."""
-    recent = recent_values(panel.ctx, services.owner, run_id, "perf/step_s", 20)
+    recent = services.queries.recent_values(run_id, "perf/step_s", 20)
     return statistics.fmean(recent) if recent else None
 
 
@@ -256,7 +255,7 @@ class MonitorPage:
                 spec.grpo.max_staleness,
             ),
             rollout_charts.tokens_figure(series(run.id, "rollout/generated_tok_s", MAX_POINTS)),
-            rollout_charts.sample_versions_figure(sample_versions(self.panel.ctx, services.owner, run.id)),
+            rollout_charts.sample_versions_figure(services.queries.sample_versions(run.id)),
         ]
 
     def _replicas(self, services: PanelServices, run: Run) -> list:
@@ -274,7 +273,7 @@ class MonitorPage:
     def _samples(self, services, run, step, follow, min_reward, max_reward, fresh: bool) -> list:
         if not fresh:  # nothing new arrived since the last draw; the filters redraw through their own events
             return [gr.skip()] * 4
-        bounds = sample_steps(self.panel.ctx, services.owner, run.id)
+        bounds = services.queries.sample_steps(run.id)
         if bounds is None:
             return [
                 gr.Slider(minimum=1, maximum=2, value=1),

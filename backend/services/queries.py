@@ -18,6 +18,17 @@ from backend.ingest import latest_proxy_snapshots
 from backend.models import AdapterVersion, Event, Job, MetricPoint, ReplicaStatus, RolloutSample, Run
 
 
+@dataclass(frozen=True)
+class VersionUse:
+    """How many of a step's samples one adapter version generated (and how many were dropped as too stale)."""
+
+    step: int
+    policy_version: int
+    samples: int
+    dropped: int
+    trainer_version: int  # the trainer's own version when it pulled them (policy_version + staleness)
+
+
 class QueryService:
     def __init__(self, ctx: PanelContext, owner: str):
         self.ctx, self.owner = ctx, owner
@@ -48,6 +59,49 @@ class QueryService:
                 query = query.where(MetricPoint.step % stride == 0)
             rows = session.exec(query.order_by(MetricPoint.step)).all()
         return [(int(step), float(value)) for step, value in rows]
+
+    def sample_versions(self, run_id: str, max_steps: int = 400) -> list[VersionUse]:
+        """Per step and generating version, over the last `max_steps` steps with samples: one GROUP BY, not rows."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            last = session.exec(select(func.max(RolloutSample.step)).where(RolloutSample.run_id == run_id)).first()
+            if last is None:
+                return []
+            rows = session.exec(
+                select(
+                    RolloutSample.step,
+                    RolloutSample.policy_version,
+                    func.count(),
+                    func.sum(RolloutSample.dropped),
+                    func.max(RolloutSample.policy_version + RolloutSample.staleness),
+                )
+                .where(RolloutSample.run_id == run_id, RolloutSample.step > last - max_steps)
+                .group_by(RolloutSample.step, RolloutSample.policy_version)
+                .order_by(RolloutSample.step, RolloutSample.policy_version)
+            ).all()
+        return [VersionUse(int(s), int(v), int(n), int(d or 0), int(t)) for s, v, n, d, t in rows]
+
+    def sample_steps(self, run_id: str) -> tuple[int, int] | None:
+        """The first and last step that have rollout samples (for the sample browser's step slider)."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            low, high = session.exec(
+                select(func.min(RolloutSample.step), func.max(RolloutSample.step)).where(RolloutSample.run_id == run_id)
+            ).one()
+        return None if low is None else (int(low), int(high))
+
+    def recent_values(self, run_id: str, name: str, count: int = 20) -> list[float]:
+        """The last `count` values of one metric, newest first (an index range scan, however long the run)."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            return list(
+                session.exec(
+                    select(MetricPoint.value)
+                    .where(MetricPoint.run_id == run_id, MetricPoint.name == name)
+                    .order_by(MetricPoint.step.desc())
+                    .limit(count)
+                ).all()
+            )
 
     def samples(
         self,
