@@ -150,33 +150,7 @@ class RunService:
         run = self.get(run_id)
         if run.status in ("draft", "stopping"):
             raise RunStateError(f"run {run_id} is {run.status}; a trainer can be relaunched only once it has run")
-        spec = self.ctx.spec(run)
-        launcher = self.ctx.launcher_for(run)
-        with self.ctx.db.session() as session:
-            previous = session.exec(
-                select(Job).where(Job.run_id == run_id, Job.role == "trainer").order_by(Job.attempt.desc())
-            ).first()
-        if previous is not None and previous.stage not in ("completed", "error", "canceled"):
-            launcher.cancel(self.ctx.handle(previous))
-        secrets = self.ctx.secrets_for(run)
-        store = self.ctx.store_for(run)
-        launcher.prepare(spec, secrets, store)
-        handle = launcher.start_job(spec, "trainer", secrets)
-        job = Job(
-            run_id=run_id,
-            owner=self.owner,
-            role="trainer",
-            attempt=(previous.attempt + 1) if previous else 1,
-            backend_job_id=handle.job_id,
-            url=handle.url,
-            stage="scheduling",
-            flavor=_flavor(spec, "trainer"),
-            price_per_hour=self._price(spec, "trainer"),
-        )
-        with self.ctx.db.session() as session:
-            session.add(job)
-            session.commit()
-            session.refresh(job)
+        job, _ = self._start_attempt(run, "trainer")
         self._set(run_id, status="running", finished_at=None, status_message="trainer relaunched; resuming")
         self._event(run_id, "relaunch", f"trainer relaunched (attempt {job.attempt})", "info")
         return job
@@ -193,31 +167,9 @@ class RunService:
         spec = self.ctx.spec(run)
         if not role.startswith("replica-") or int(role.removeprefix("replica-")) >= spec.compute.replicas:
             raise RunStateError(f"{role!r} is not a replica of run {run_id}")
-        launcher, secrets, store = self.ctx.launcher_for(run), self.ctx.secrets_for(run), self.ctx.store_for(run)
-        with self.ctx.db.session() as session:
-            previous = session.exec(
-                select(Job).where(Job.run_id == run_id, Job.role == role).order_by(Job.attempt.desc())
-            ).first()
-        if previous is not None and previous.stage not in ("completed", "error", "canceled"):
-            launcher.cancel(self.ctx.handle(previous))
-        launcher.prepare(spec, secrets, store)
-        handle = launcher.start_job(spec, role, secrets)
-        job = Job(
-            run_id=run_id,
-            owner=self.owner,
-            role=role,
-            attempt=(previous.attempt + 1) if previous else 1,
-            backend_job_id=handle.job_id,
-            url=handle.url,
-            stage="scheduling",
-            flavor=_flavor(spec, role),
-            price_per_hour=self._price(spec, role),
-        )
-        with self.ctx.db.session() as session:
-            session.add(job)
-            session.commit()
-            session.refresh(job)
-        launcher.wait_healthy([handle], secrets)
+        job, handle = self._start_attempt(run, role)
+        launcher, store = self.ctx.launcher_for(run), self.ctx.store_for(run)
+        launcher.wait_healthy([handle], self.ctx.secrets_for(run))
         upstreams = UpstreamsRecord.model_validate_json(store.get_bytes(layout.control_key(run_id, UPSTREAMS)))
         upstreams.replicas = [u for u in upstreams.replicas if u.role != role] + [
             Upstream(role=role, url=handle.endpoint)
@@ -235,6 +187,35 @@ class RunService:
             session.refresh(row)
         self._event(run_id, "replica_replaced", f"{role} replaced (attempt {job.attempt}) at {handle.endpoint}", "info")
         return row
+
+    def _start_attempt(self, run: Run, role: str) -> tuple[Job, JobHandle]:
+        """Cancel the role's current job if it still runs, start the next attempt, and record it."""
+        spec, launcher = self.ctx.spec(run), self.ctx.launcher_for(run)
+        with self.ctx.db.session() as session:
+            previous = session.exec(
+                select(Job).where(Job.run_id == run.id, Job.role == role).order_by(Job.attempt.desc())
+            ).first()
+        if previous is not None and previous.stage not in ("completed", "error", "canceled"):
+            launcher.cancel(self.ctx.handle(previous))
+        secrets = self.ctx.secrets_for(run)
+        launcher.prepare(spec, secrets, self.ctx.store_for(run))
+        handle = launcher.start_job(spec, role, secrets)
+        job = Job(
+            run_id=run.id,
+            owner=self.owner,
+            role=role,
+            attempt=(previous.attempt + 1) if previous else 1,
+            backend_job_id=handle.job_id,
+            url=handle.url,
+            stage="scheduling",
+            flavor=_flavor(spec, role),
+            price_per_hour=self._price(spec, role),
+        )
+        with self.ctx.db.session() as session:
+            session.add(job)
+            session.commit()
+            session.refresh(job)
+        return job, handle
 
     def _price(self, spec: RunSpec, role: str) -> float:
         return flavor_price_per_hour(self.ctx, self.get(spec.run_id), _flavor(spec, role)) or 0.0

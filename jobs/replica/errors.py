@@ -20,11 +20,15 @@ _TYPES = {
 }
 
 
-def error_response(status: int, message: str, error_type: str | None = None) -> web.Response:
-    body = {
+def error_body(status: int, message: str, error_type: str | None = None) -> dict:
+    """vLLM's JSON error shape, which TRL and OpenAI clients parse."""
+    return {
         "error": {"message": message, "type": error_type or _TYPES.get(status, "Error"), "param": None, "code": status}
     }
-    return web.json_response(body, status=status)
+
+
+def error_response(status: int, message: str, error_type: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, error_type), status=status)
 
 
 def no_adapter_found(lora_name: str, lora_path: str) -> web.Response:

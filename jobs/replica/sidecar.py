@@ -36,7 +36,7 @@ import aiohttp
 from aiohttp import web
 
 from jobs.contract import layout
-from jobs.replica.errors import error_response, no_adapter_found
+from jobs.replica.errors import error_body, error_response, no_adapter_found
 from jobs.store import (
     IntegrityError,
     ObjectStore,
@@ -263,8 +263,7 @@ class Sidecar:
         except (TimeoutError, aiohttp.ClientError) as error:
             message = f"the inference engine is not reachable ({type(error).__name__}); it may still be starting"
             self.note_error(message)
-            payload = {"error": {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}}
-            return 503, json.dumps(payload).encode(), "application/json"
+            return 503, json.dumps(error_body(503, message)).encode(), "application/json"
 
     # ---- everything else -------------------------------------------------------------------------------------
 
