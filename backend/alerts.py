@@ -41,7 +41,8 @@ def _series(session: Session, run_id: str, name: str, last: int) -> list[float]:
 
 
 def evaluate(db: Database, run_id: str) -> None:
-    with db.session() as session:
+    # Locked: two pollers evaluating the same run would each see no active alert and both raise it.
+    with db.session(write_lock=True) as session:
         run = session.get(Run, run_id)
         if run is None:
             return

@@ -41,8 +41,16 @@ class Database:
         SQLModel.metadata.create_all(self.engine)
 
     @contextmanager
-    def session(self) -> Iterator[Session]:
+    def session(self, write_lock: bool = False) -> Iterator[Session]:
+        """A session; with `write_lock`, its transaction takes SQLite's write lock before its first statement.
+
+        Without it a transaction begins at its first write (SQLite's deferred mode), so what it read before may have
+        changed by then. Take the lock when the session reads, decides and writes, and another process (a second
+        poller) may do the same at once: the other then waits for this one's commit and reads its result.
+        """
         with Session(self.engine, expire_on_commit=False) as session:
+            if write_lock:
+                session.connection().exec_driver_sql("BEGIN IMMEDIATE")
             yield session
 
     def close(self) -> None:

@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 from sqlalchemy import delete, insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col, select
 
-from backend.models import Event, MetricPoint, ProxySnapshot, RolloutSample
+from backend.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample
 
 # Columns every metric record carries that are not metrics.
 _RECORD_FIELDS = {"step", "time", "attempt"}
@@ -80,11 +81,11 @@ def _bulk_insert(session: Session, table, rows: list[dict[str, Any]]) -> int:
 
 
 def ingest_metrics(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
-    return _bulk_insert(session, MetricPoint, metric_rows(run_id, owner, records))
+    return _bulk_insert(session, MetricPoint, _not_superseded(session, run_id, metric_rows(run_id, owner, records)))
 
 
 def ingest_samples(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
-    return _bulk_insert(session, RolloutSample, sample_rows(run_id, owner, records))
+    return _bulk_insert(session, RolloutSample, _not_superseded(session, run_id, sample_rows(run_id, owner, records)))
 
 
 def ingest_events(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
@@ -140,8 +141,27 @@ def latest_proxy_snapshots(session: Session, run_id: str, limit: int = 1) -> lis
 
 
 def supersede(session: Session, run_id: str, resumed_from_step: int, attempt: int) -> None:
-    """Drop what earlier attempts logged after the checkpoint a later attempt resumed from: those steps are redone."""
+    """Drop what earlier attempts logged after the checkpoint a later attempt resumed from: those steps are redone.
+
+    The resume point is kept, so records of the earlier attempts that are ingested later (the rest of a backlog read
+    in several passes, or a dying attempt's last chunks) are dropped on arrival by `_not_superseded`.
+    """
+    session.execute(
+        sqlite_insert(ResumePoint)
+        .values(run_id=run_id, attempt=attempt, resumed_from_step=resumed_from_step)
+        .on_conflict_do_nothing()
+    )
     for table in (MetricPoint, RolloutSample):
         session.execute(
             delete(table).where(table.run_id == run_id, table.step > resumed_from_step, table.attempt < attempt)
         )
+
+
+def _not_superseded(session: Session, run_id: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` without those a later attempt redid: logged by an attempt before it, past the step it resumed from."""
+    points = session.exec(
+        select(ResumePoint.attempt, ResumePoint.resumed_from_step).where(ResumePoint.run_id == run_id)
+    ).all()
+    if not points:
+        return rows
+    return [row for row in rows if not any(row["attempt"] < attempt and row["step"] > step for attempt, step in points)]

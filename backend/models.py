@@ -153,6 +153,37 @@ class PollCursor(SQLModel, table=True):
     updated_at: float = 0.0
 
 
+class ResumePoint(SQLModel, table=True):
+    """A trainer attempt that resumed from a checkpoint: what earlier attempts logged past that step is superseded.
+
+    Kept as a row, not only applied once, because the records it supersedes may still be on their way: a poller that
+    reads a long backlog in several passes meets the resume event before some of the dead attempt's later chunks.
+    """
+
+    run_id: str = Field(primary_key=True, foreign_key="run.id")
+    attempt: int = Field(primary_key=True)
+    resumed_from_step: int
+
+
+class Launch(SQLModel, table=True):
+    """A run's launch, step by step, so that a panel that dies mid-launch leaves something another panel can finish.
+
+    The panel driving the launch (`holder`) renews `renewed_at` while it works; a launch that is not done and has not
+    been renewed for a while is taken over by whichever panel notices first (compare-and-set on holder and
+    `renewed_at`), which finds the jobs already started by their labels and goes on from there.
+    """
+
+    run_id: str = Field(primary_key=True, foreign_key="run.id")
+    owner: str
+    # preparing, replicas, healthy, trainer, done, failed, cancelled
+    step: str = "preparing"
+    holder: str = ""  # the panel process driving it: host:pid:nonce
+    renewed_at: float = 0.0
+    takeovers: int = 0  # how many times another panel took over after the holder stopped renewing
+    updated_at: float = 0.0
+    message: str = ""
+
+
 class Credential(SQLModel, table=True):
     """A secret entered once; stored encrypted, shown masked, handed to launchers as Job secrets only."""
 

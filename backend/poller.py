@@ -1,9 +1,11 @@
 """The poller: brings everything a run writes to its store, and every job's stage, into SQLite.
 
 Exactly once: a stream is listed after the last key ingested, and each chunk's rows are committed in the same
-transaction as the cursor that moves past it, so a panel killed at any moment resumes where it stopped with nothing
-lost or duplicated. Every run is polled independently; a store or Hub error on one run backs off that run only, and
-the loop itself survives any failed iteration.
+transaction as the cursor that moves past it, moved by compare-and-set (`backend.cursors`), so a panel killed at any
+moment resumes where it stopped, and several pollers on one data folder (the panel, `backend follow`, a second panel)
+never ingest a chunk twice. Every run is polled independently; a store or Hub error on one run backs off that run only,
+and the loop itself survives any failed iteration. Each pass also takes over launches whose panel died mid-launch
+(backend/services/launches.py).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import time
 from typing import Any
 
 from sqlalchemy import func
+from sqlalchemy.dialects.sqlite import insert
 from sqlmodel import Session, select
 
-from backend import alerts, ingest
+from backend import alerts, cursors, ingest
 from backend.context import PanelContext
 from backend.launchers.base import TERMINAL
-from backend.models import AdapterVersion, Job, MetricPoint, PollCursor, ReplicaStatus, Run
+from backend.models import AdapterVersion, Job, MetricPoint, ReplicaStatus, Run
+from backend.services.launches import Launches
 from backend.services.runs import RunService
 from jobs.contract import layout
 from jobs.store import ObjectStore, StoreError, VersionNotPublished, read_manifest
@@ -44,9 +48,11 @@ class Poller:
         stall_after: float = 300.0,
         chunks_per_pass: int = 200,
         stop_grace: float = 120.0,
+        launches: Launches | None = None,
     ):
         self.ctx, self.interval, self.stall_after = ctx, interval, stall_after
         self.chunks_per_pass, self.stop_grace = chunks_per_pass, stop_grace
+        self.launches = launches or Launches(ctx)
         self._backoff: dict[str, tuple[float, float]] = {}  # run id -> (retry at, current delay)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -72,6 +78,10 @@ class Poller:
             self._stop.wait(self.interval)
 
     def poll_once(self) -> None:
+        try:
+            self.launches.recover()
+        except Exception:
+            log.exception("recovering interrupted launches failed")
         with self.ctx.db.session() as session:
             active = set(session.exec(select(Run.id).where(Run.status.in_(ACTIVE))).all())
             # An ended run whose jobs still run is polled too, until they are reaped: nothing keeps billing.
@@ -110,37 +120,31 @@ class Poller:
         alerts.evaluate(self.ctx.db, run_id)
         return chunks
 
-    def _cursor(self, session: Session, run_id: str, stream: str) -> PollCursor:
-        cursor = session.get(PollCursor, (run_id, stream))
-        return cursor or PollCursor(run_id=run_id, stream=stream, cursor="")
-
     def _ingest_stream(self, run: Run, store: ObjectStore, stream: str) -> int:
-        with self.ctx.db.session() as session:
-            start = self._cursor(session, run.id, stream).cursor or None
+        expected = cursors.read(self.ctx.db, run.id, stream)
         chunks = list(
-            store.list(layout.telemetry_prefix(run.id, stream), start_after=start, limit=self.chunks_per_pass)
+            store.list(
+                layout.telemetry_prefix(run.id, stream), start_after=expected or None, limit=self.chunks_per_pass
+            )
         )
-        for info in chunks:
+        for ingested, info in enumerate(chunks):
             data = store.get_bytes(info.key)
             with self.ctx.db.session() as session:
+                if not cursors.advance(session, run.id, stream, expected, info.key):
+                    return ingested  # another poller took this chunk; the next pass lists after where it got to
                 if stream == "proxy":
                     ingest.ingest_proxy(session, run.id, run.owner, json.loads(data))
                 else:
                     STREAM_INGESTERS[stream](session, run.id, run.owner, decode_jsonl(data))
-                cursor = self._cursor(session, run.id, stream)
-                cursor.cursor, cursor.updated_at = info.key, time.time()
-                session.add(cursor)
                 session.commit()  # rows and cursor together: exactly once
+            expected = info.key
         return len(chunks)
 
     def _ingest_versions(self, run: Run, store: ObjectStore) -> None:
-        with self.ctx.db.session() as session:
-            start = self._cursor(session, run.id, "adapters").cursor or None
-        for info in store.list(layout.adapters_prefix(run.id), start_after=start):
-            rest = info.key[len(layout.adapters_prefix(run.id)) :]
-            if not rest.endswith("/" + layout.MANIFEST):
-                continue
-            version = layout.parse_version_dir(rest.split("/")[0])
+        prefix = layout.adapters_prefix(run.id)
+        expected = cursors.read(self.ctx.db, run.id, "adapters")
+        for info in store.list(prefix, start_after=expected or None):
+            version = _manifest_version(info.key[len(prefix) :])
             if version is None:
                 continue
             try:
@@ -148,27 +152,25 @@ class Poller:
             except VersionNotPublished:
                 continue
             with self.ctx.db.session() as session:
-                exists = session.exec(
-                    select(AdapterVersion.id).where(AdapterVersion.run_id == run.id, AdapterVersion.version == version)
-                ).first()
-                if exists is None:
-                    session.add(
-                        AdapterVersion(
-                            run_id=run.id,
-                            owner=run.owner,
-                            version=version,
-                            step=manifest.meta.get("step"),
-                            created_at=manifest.created,
-                            size_bytes=manifest.total_size,
-                            manifest_json=manifest.to_json().decode(),
-                            attempt=manifest.meta.get("attempt"),
-                            reward=_reward_near(session, run.id, manifest.meta.get("step")),
-                        )
+                if not cursors.advance(session, run.id, "adapters", expected, info.key):
+                    return
+                session.execute(
+                    insert(AdapterVersion)
+                    .values(
+                        run_id=run.id,
+                        owner=run.owner,
+                        version=version,
+                        step=manifest.meta.get("step"),
+                        created_at=manifest.created,
+                        size_bytes=manifest.total_size,
+                        manifest_json=manifest.to_json().decode(),
+                        attempt=manifest.meta.get("attempt"),
+                        reward=_reward_near(session, run.id, manifest.meta.get("step")),
                     )
-                cursor = self._cursor(session, run.id, "adapters")
-                cursor.cursor, cursor.updated_at = info.key, time.time()
-                session.add(cursor)
+                    .on_conflict_do_nothing()  # republished after a crash: the version is already listed
+                )
                 session.commit()
+            expected = info.key
 
     def _ingest_current(self, run: Run, store: ObjectStore) -> None:
         try:
@@ -183,26 +185,25 @@ class Poller:
                 session.commit()
 
     def _ingest_audits(self, run: Run, store: ObjectStore) -> None:
-        with self.ctx.db.session() as session:
-            start = self._cursor(session, run.id, "audit").cursor or None
-        for info in store.list(layout.audit_prefix(run.id), start_after=start):
+        expected = cursors.read(self.ctx.db, run.id, "audit")
+        for info in store.list(layout.audit_prefix(run.id), start_after=expected or None):
             record = json.loads(store.get_bytes(info.key))
             diffs = [r.get("max_abs_diff") for r in record.get("replicas", {}).values()]
             worst = max((d for d in diffs if d is not None), default=None)
             with self.ctx.db.session() as session:
+                if not cursors.advance(session, run.id, "audit", expected, info.key):
+                    return
                 version = session.exec(
                     select(AdapterVersion).where(
                         AdapterVersion.run_id == run.id, AdapterVersion.version == record.get("version")
                     )
                 ).first()
                 if version is None:
-                    return  # the manifest is not ingested yet; read this audit on the next pass
+                    return  # the manifest is not ingested yet; read this audit on the next pass (nothing committed)
                 version.audit_max_diff, version.audit_ok = worst, bool(record.get("ok"))
                 session.add(version)
-                cursor = self._cursor(session, run.id, "audit")
-                cursor.cursor, cursor.updated_at = info.key, time.time()
-                session.add(cursor)
                 session.commit()
+            expected = info.key
 
     def _ingest_status(self, run: Run, store: ObjectStore) -> dict[str, Any] | None:
         trainer = None
@@ -214,13 +215,13 @@ class Poller:
                 continue
             if role == "trainer":
                 trainer = body
+            heartbeat = {"time": float(body.get("time") or time.time()), "data_json": json.dumps(body)}
             with self.ctx.db.session() as session:
-                row = session.exec(
-                    select(ReplicaStatus).where(ReplicaStatus.run_id == run.id, ReplicaStatus.role == role)
-                ).first()
-                row = row or ReplicaStatus(run_id=run.id, owner=run.owner, role=role, time=0.0, data_json="{}")
-                row.time, row.data_json = float(body.get("time") or time.time()), json.dumps(body)
-                session.add(row)
+                session.execute(
+                    insert(ReplicaStatus)
+                    .values(run_id=run.id, owner=run.owner, role=role, **heartbeat)
+                    .on_conflict_do_update(index_elements=[ReplicaStatus.run_id, ReplicaStatus.role], set_=heartbeat)
+                )
                 session.commit()
         return trainer
 
@@ -242,7 +243,9 @@ class Poller:
 
     def _derive_status(self, run_id: str, trainer: dict[str, Any] | None, arrived: bool) -> None:
         now = time.time()
-        with self.ctx.db.session() as session:
+        # Locked: a stop from the panel (or another poller's verdict) between reading the run and writing it back
+        # would otherwise be overwritten.
+        with self.ctx.db.session(write_lock=True) as session:
             run = session.get(Run, run_id)
             jobs = list(session.exec(select(Job).where(Job.run_id == run_id)).all())
             latest_step = session.exec(select(func.max(MetricPoint.step)).where(MetricPoint.run_id == run_id)).first()
@@ -319,6 +322,13 @@ class Poller:
             launcher.cancel(self.ctx.handle(job))
         if jobs:
             self._update_jobs(run)
+
+
+def _manifest_version(rest: str) -> int | None:
+    """The version whose manifest `rest` (a key below the run's adapters/ prefix) is, else None."""
+    if not rest.endswith("/" + layout.MANIFEST):
+        return None
+    return layout.parse_version_dir(rest.split("/")[0])
 
 
 def _reward_near(session: Session, run_id: str, step: int | None, window: int = 5) -> float | None:

@@ -117,7 +117,10 @@ def test_a_failure_mid_ingest_loses_and_duplicates_nothing(panel, tmp_path, monk
     assert counts(panel, "run-p") == (12, 24)
 
 
-def test_a_resume_supersedes_what_the_lost_attempt_logged_past_the_checkpoint(panel, tmp_path):
+@pytest.mark.parametrize("chunks_per_pass", [200, 1], ids=["one pass", "a pass per chunk"])
+def test_a_resume_supersedes_what_the_lost_attempt_logged_past_the_checkpoint(panel, tmp_path, chunks_per_pass):
+    """Read in one pass or chunk by chunk (a long backlog), the resume event arrives before some of the lost
+    attempt's later chunks: those are dropped on arrival, not only the ones already ingested."""
     store = LocalStore(tmp_path / "store")
     add_run(panel, tmp_path / "store")
     write_steps(store, "run-p", range(1, 9), attempt=1)  # attempt 1 got to step 8, its checkpoint was at step 5
@@ -125,7 +128,11 @@ def test_a_resume_supersedes_what_the_lost_attempt_logged_past_the_checkpoint(pa
     events.add({"kind": "resume", "attempt": 2, "resumed_from_step": 5, "message": "resumed", "time": time.time()})
     events.flush()
     write_steps(store, "run-p", range(6, 10), attempt=2)
-    Poller(panel).poll_run("run-p")
+    poller = Poller(panel, chunks_per_pass=chunks_per_pass)
+    passes = 1
+    while poller.poll_run("run-p"):
+        passes += 1
+    assert passes == (2 if chunks_per_pass == 200 else 13)  # 12 metric chunks, one per pass, then an empty pass
     with panel.db.session() as session:
         steps = session.exec(
             select(MetricPoint.step, MetricPoint.attempt)
@@ -244,6 +251,9 @@ def test_a_run_over_its_cost_cap_is_stopped_gracefully(panel, tmp_path):
 def test_the_poll_command_stops_cleanly_on_a_signal_even_started_in_the_background(tmp_path, signum):
     """`python -m backend poll` ends with 0 on Ctrl-C or a service manager's SIGTERM, even when its shell started it
     with SIGINT ignored (what a non-interactive shell does to background jobs)."""
+    panel = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    add_run(panel, tmp_path / "store")
+    write_steps(LocalStore(tmp_path / "store"), "run-p", range(1, 3))
     command = [sys.executable, "-m", "backend", "poll", "--interval", "0.2"]
     process = subprocess.Popen(
         command,
@@ -252,9 +262,9 @@ def test_the_poll_command_stops_cleanly_on_a_signal_even_started_in_the_backgrou
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
-        wait_until(lambda: (tmp_path / "panel.sqlite3").exists(), 60, what="the poller's database")
-        time.sleep(1)  # a few passes
+        wait_until(lambda: counts(panel, "run-p") == (4, 8), 60, what="the poll command ingesting (it is polling)")
         process.send_signal(signum)
         assert process.wait(timeout=30) == 0
     finally:
         process.kill()
+        panel.db.close()
