@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from backend.context import PanelContext
 from backend.db import Database
 from backend.launchers.base import LaunchError, RunSecrets
 from backend.launchers.hf_jobs import HfJobsLauncher, HubTokenRejected, UnknownFlavor
+from backend.launchers.local import LocalLauncher
 from backend.models import Run
 from backend.poller import Poller
 from backend.services.queries import QueryService
@@ -24,49 +24,26 @@ from jobs.contract import layout, parse_spec
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import S3Store, list_published, open_store
-from tests.support.hub_emulator import HubEmulator
+from tests.support.hub_panel import OWNER, TOKEN, start_emulator
+from tests.support.hub_panel import hub_panel as hub_panel_of
 from tests.support.runs import follow_to_end, hub_demo_spec
 from tests.support.waiting import wait_until
 
-TOKEN = "hf_emulatortoken0123456789abcdef"
-OWNER = "tester"
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
 def emulator(tmp_path):
-    env = {
-        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
-        "HOME": str(tmp_path / "home"),
-        "TMPDIR": str(tmp_path / "jobtmp"),
-        "GRPO_MODEL_CACHE": os.environ.get("GRPO_MODEL_CACHE", str(Path.home() / ".cache/grpo-panel/models")),
-        "NO_PROXY": "127.0.0.1,localhost",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-    }
-    (tmp_path / "jobtmp").mkdir()
-    hub = HubEmulator(tmp_path / "hub", tokens=(TOKEN,), namespace=OWNER, base_env=env, scheduling_delay=0.2)
-    hub.base_env["HF_ENDPOINT"] = hub.url  # the trainer job cancels its replicas through the same (emulated) Hub
-    hub.start()
+    hub = start_emulator(tmp_path)
     yield hub
     hub.close()
 
 
 @pytest.fixture
 def hub_panel(tmp_path, emulator, moto_server):
-    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path, hub_endpoint=emulator.url)
-    hf = ctx.vault.save(OWNER, "hub", "hf_token", TOKEN)
-    keys = ctx.vault.save(
-        OWNER,
-        "bucket",
-        "s3",
-        {
-            "access_key_id": moto_server.credentials.access_key_id,
-            "secret_access_key": moto_server.credentials.secret_access_key,
-        },
-    )
-    bucket = moto_server.create_bucket()
-    yield ctx, hf.id, keys.id, bucket
-    ctx.db.close()
+    panel = hub_panel_of(tmp_path, emulator, moto_server)
+    yield panel.ctx, panel.hf_credential_id, panel.store_credential_id, panel.bucket
+    panel.ctx.db.close()
 
 
 def hub_spec(run_id: str, bucket: str, endpoint: str, **compute):
@@ -203,11 +180,17 @@ def test_local_launcher_submit_status_logs_cancel_and_no_orphans(tmp_path):
         "sidecar" in line or "engine" in line or "listening" in line.lower() for line in launcher.logs(job, 200)
     ), launcher.logs(job, 50)
     pgid = int((launcher.workdir / "local-l" / job.job_id / "pgid").read_text())
+    # The replica's token reaches it through its environment, never its command line.
+    assert secrets.replica_token in Path(f"/proc/{pgid}/environ").read_bytes().decode(errors="replace")
+    assert secrets.replica_token not in (launcher.workdir / "local-l" / job.job_id / "command").read_text()
+    # A panel that restarts finds the job from its folder alone (a folder whose process never started is no job).
+    (launcher.workdir / "local-l" / "replica-1-deadbeef").mkdir()
+    found = LocalLauncher(launcher.workdir).find_jobs(spec)
+    assert [(j.job_id, j.role, j.endpoint) for j in found] == [(job.job_id, "replica-0", job.endpoint)]
     launcher.cancel(job)
     assert launcher.state(job).stage == "canceled"
     wait_until(lambda: not group_alive(pgid), 20)
-    assert "sk" not in (launcher.workdir / "local-l" / job.job_id / "command").read_text().split()
-    assert secrets.replica_token not in (launcher.workdir / "local-l" / job.job_id / "command").read_text()
+    assert LocalLauncher(launcher.workdir).find_jobs(spec) == []  # an ended job is not taken over
     ctx.db.close()
 
 

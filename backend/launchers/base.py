@@ -3,8 +3,9 @@
 A run is launched the same way everywhere: start the replica jobs, wait until each answers `/health` (with its bearer
 token), record their URLs in `control/upstreams.json` and the jobs in `control/jobs.json`, then start the trainer. If
 any job fails to start or errors on the way, everything already started is cancelled and the error carries that job's
-log tail: nothing keeps running, nothing keeps billing. Backends differ only in how one job is started, inspected,
-logged and cancelled.
+log tail: nothing keeps running, nothing keeps billing. A launch can be resumed: the jobs of the run that are still
+alive (a panel died mid-launch) are found and taken over, so a role never gets a second job. Backends differ only in
+how one job is started, found, inspected, logged and cancelled.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ class JobState:
     finished_at: float | None = None
 
 
+class LaunchInterrupted(BaseException):
+    """Another panel took this launch over (this one stopped renewing its lease): leave its jobs running.
+
+    A BaseException, so that nothing on the way treats it as a failed launch and cancels the jobs.
+    """
+
+
 class LaunchError(RuntimeError):
     """A run could not be started; `role` and `log_tail` say which job failed and why."""
 
@@ -121,6 +129,11 @@ class Launcher(ABC):
     def cancel(self, job: JobHandle) -> None:
         """Stop the job; cancelling a finished job is not an error."""
 
+    @abstractmethod
+    def find_jobs(self, spec: RunSpec) -> list[JobHandle]:
+        """The run's jobs that have not ended, found on the backend itself (not in the panel's database), so that a
+        launch interrupted between starting a job and recording it can find that job."""
+
     def prepare(self, spec: RunSpec, secrets: RunSecrets, store: ObjectStore) -> None:
         """Whatever must exist before any job of the run starts (HF Jobs: the code bundle). Idempotent."""
         return None  # local jobs run this checkout's code directly
@@ -144,25 +157,41 @@ class Launcher(ABC):
         secrets: RunSecrets,
         store: ObjectStore,
         on_started: Callable[[JobHandle], None] = lambda job: None,
+        on_step: Callable[[str], None] = lambda step: None,
     ) -> list[JobHandle]:
         """Start replicas, wait until they are healthy, publish their URLs, then start the trainer.
 
-        `on_started` sees each job as soon as it exists, so the panel can show it while the others start.
+        Jobs of the run that are still alive (an interrupted launch started them) are taken over instead of started
+        again. `on_started` sees each job as soon as it exists (or is found), so the panel can show it while the
+        others start; `on_step` sees each step (preparing, replicas, healthy, trainer) as it begins, and may raise
+        LaunchInterrupted to give the launch up without cancelling anything.
         """
+        on_step("preparing")
         self.prepare(spec, secrets, store)
-        started: list[JobHandle] = []
+        alive = {job.role: job for job in self.find_jobs(spec)}
+        started = list(alive.values())
         try:
+            for job in started:
+                on_started(job)
+            on_step("replicas")
             for index in range(spec.compute.replicas):
-                started.append(self.start_job(spec, f"replica-{index}", secrets))
-                on_started(started[-1])
-            self.wait_healthy(started, secrets)
-            upstreams = UpstreamsRecord(replicas=[Upstream(role=job.role, url=job.endpoint) for job in started])
+                if f"replica-{index}" not in alive:
+                    started.append(self.start_job(spec, f"replica-{index}", secrets))
+                    on_started(started[-1])
+            replicas = [job for job in started if job.role != "trainer"]
+            on_step("healthy")
+            self.wait_healthy(replicas, secrets)
+            upstreams = UpstreamsRecord(replicas=[Upstream(role=job.role, url=job.endpoint) for job in replicas])
             store.put_bytes(layout.control_key(spec.run_id, UPSTREAMS), upstreams.model_dump_json().encode())
             store.put_bytes(
-                layout.control_key(spec.run_id, JOBS), self.describe_jobs(spec, started).model_dump_json().encode()
+                layout.control_key(spec.run_id, JOBS), self.describe_jobs(spec, replicas).model_dump_json().encode()
             )
-            started.append(self.start_job(spec, "trainer", secrets))
-            on_started(started[-1])
+            on_step("trainer")
+            if "trainer" not in alive:
+                started.append(self.start_job(spec, "trainer", secrets))
+                on_started(started[-1])
+        except LaunchInterrupted:
+            raise
         except BaseException:
             self.cancel_all(started)
             raise

@@ -27,6 +27,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from backend.bundle import bootstrap_source, upload_bundle
 from backend.launchers.base import (
     REPLICA_PORT,
+    TERMINAL,
     JobHandle,
     JobState,
     Launcher,
@@ -192,13 +193,31 @@ class HfJobsLauncher(Launcher):
             endpoint=(info.status.expose_urls or [None])[0] if info.status else None,
         )
 
+    def find_jobs(self, spec: RunSpec) -> list[JobHandle]:
+        run_id, namespace = spec.run_id, spec.compute.namespace
+        jobs = self._call(
+            lambda: list(self.api.list_jobs(labels={LABEL_RUN: run_id}, namespace=namespace)), "list the run's jobs"
+        )
+        found = []
+        for info in jobs:
+            labels = info.labels or {}
+            stage = _STAGES.get(info.status.stage if info.status else "", "scheduling")
+            if labels.get(LABEL_RUN) != run_id or LABEL_ROLE not in labels or stage in TERMINAL:
+                continue  # the label filter is the server's; a job of another run must never be taken over
+            self._namespaces[info.id] = namespace
+            found.append(
+                JobHandle(run_id=run_id, role=labels[LABEL_ROLE], job_id=info.id, backend=self.backend, url=info.url)
+            )
+        return found
+
     def _find(self, namespace: str, submission: str):
         # list_jobs is lazy: materialise it inside the retried call, where its request actually happens.
         jobs = self._call(
             lambda: list(self.api.list_jobs(labels={LABEL_SUBMISSION: submission}, namespace=namespace)),
             "look up a submitted job",
         )
-        return jobs[0] if jobs else None
+        # The filter is the server's; check the label on what came back, so no other job is mistaken for this one.
+        return next((job for job in jobs if (job.labels or {}).get(LABEL_SUBMISSION) == submission), None)
 
     def _inspect(self, job: JobHandle):
         return self._call(

@@ -1,9 +1,10 @@
 """The embedded default: every job is a local process in its own process group.
 
-Each job gets a folder under the launcher's work directory holding its log, its process group id, and — once it ends —
-its exit code, so a restarted panel can still tell how a job ended. Replicas listen on free ports on 127.0.0.1 and
-demand a per-run bearer token. Cancelling sends SIGTERM to the whole group (the job and every child it started), then
-SIGKILL after a grace period.
+Each job gets a folder under the launcher's work directory holding its command, endpoint, log, its process group id
+(written by the job's own group leader, so a panel killed right after starting it still leaves it findable) and — once
+it ends — its exit code, so a restarted panel can find the job and tell how it ended. Replicas listen on free ports on
+127.0.0.1 and demand a per-run bearer token. Cancelling sends SIGTERM to the whole group (the job and every child it
+started), then SIGKILL after a grace period.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from pathlib import Path
 from secrets import token_hex
 
 from backend.db import PROJECT_ROOT
-from backend.launchers.base import JobHandle, JobState, Launcher, RunSecrets, job_env, job_module_args
+from backend.launchers.base import TERMINAL, JobHandle, JobState, Launcher, RunSecrets, job_env, job_module_args
 from jobs.contract import RunSpec, timeout_seconds
 from jobs.contract.control import JobRef, JobsRecord
 from jobs.processes import group_alive, terminate_group
+from jobs.store.base import atomic_write
 
 CANCEL_GRACE_S = 15.0
 _EXIT_RECORDER = """
+echo $$ > "$JOB_FOLDER/pgid.tmp" && mv -f "$JOB_FOLDER/pgid.tmp" "$JOB_FOLDER/pgid"
 trap : TERM INT
 "$@" &
 child=$!
@@ -33,7 +36,7 @@ while :; do
   wait "$child"; code=$?
   kill -0 "$child" 2>/dev/null || break
 done
-echo "$code" > "$JOB_EXIT_FILE"
+echo "$code" > "$JOB_FOLDER/exit"
 """
 # Environment a local job inherits; anything else (other credentials of the panel's user) stays out.
 _INHERITED_ENV = (
@@ -94,6 +97,8 @@ class LocalLauncher(Launcher):
         folder = self._folder(job)
         folder.mkdir(parents=True)
         (folder / "command").write_text(shlex.join(command))  # the command only: secrets are in the environment
+        if job.endpoint:
+            (folder / "endpoint").write_text(job.endpoint)
         (folder / "timeout").write_text(str(timeout_seconds(spec.compute.timeout)))
         with open(folder / "log", "ab") as log_file:
             # `sh` stays the group leader and records the exit code, so a restarted panel still knows how it ended.
@@ -102,12 +107,12 @@ class LocalLauncher(Launcher):
             process = subprocess.Popen(
                 ["/bin/sh", "-c", _EXIT_RECORDER, "sh", *command],
                 cwd=PROJECT_ROOT,
-                env={**env, "JOB_EXIT_FILE": str(folder / "exit")},
+                env={**env, "JOB_FOLDER": str(folder)},
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        (folder / "pgid").write_text(str(process.pid))
+        atomic_write(folder / "pgid", str(process.pid).encode())  # the leader writes it too, as soon as it runs
         (folder / "started").write_text(str(time.time()))
         # Reap the group leader the moment it exits, so it never lingers as a zombie that still "belongs" to the group.
         threading.Thread(target=process.wait, name=f"reap-{job.job_id}", daemon=True).start()
@@ -153,6 +158,24 @@ class LocalLauncher(Launcher):
         if not (folder / "exit").exists() and group_alive(self._pgid(job)):
             (folder / "canceled").write_text(str(time.time()))
         terminate_group(self._pgid(job), CANCEL_GRACE_S)
+
+    def find_jobs(self, spec: RunSpec) -> list[JobHandle]:
+        run_id, found = spec.run_id, []
+        folders = sorted((self.workdir / run_id).iterdir()) if (self.workdir / run_id).is_dir() else []
+        for folder in folders:
+            if not (folder / "pgid").exists():
+                continue  # the panel died before the job's process started: there is no job
+            endpoint = folder / "endpoint"
+            job = JobHandle(
+                run_id=run_id,
+                role=folder.name.rsplit("-", 1)[0],
+                job_id=folder.name,
+                backend=self.backend,
+                endpoint=endpoint.read_text() if endpoint.exists() else None,
+            )
+            if self.state(job).stage not in TERMINAL:
+                found.append(job)
+        return found
 
     def describe_jobs(self, spec: RunSpec, jobs: list[JobHandle]) -> JobsRecord:
         return JobsRecord(

@@ -7,27 +7,29 @@ to someone else is reported exactly like one that does not exist.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from sqlalchemy import delete
 from sqlmodel import select
 
 from backend.context import PanelContext
+from backend.events import record_event
 from backend.hosting import on_space
-from backend.launchers.base import JobHandle, LaunchError
+from backend.launchers.base import JobHandle
 from backend.models import (
     AdapterVersion,
     Event,
     Job,
+    Launch,
     MetricPoint,
     PollCursor,
     ProxySnapshot,
     ReplicaStatus,
+    ResumePoint,
     RolloutSample,
     Run,
 )
-from backend.services.costs import flavor_price_per_hour
+from backend.services.launches import Launches, job_row
 from jobs.contract import RunSpec, layout
 from jobs.contract.control import JOBS, STOP, UPSTREAMS, JobsRecord, StopRequest, Upstream, UpstreamsRecord
 
@@ -87,63 +89,17 @@ class RunService:
         return run
 
     def launch(self, run_id: str, wait: bool = False) -> Run:
-        """Start the run's jobs. With `wait=False` the launch proceeds in the background (the panel stays live)."""
+        """Start the run's jobs. With `wait=False` the launch proceeds in the background (the panel stays live).
+
+        Only a draft can be launched, and only once: the move to `launching` is atomic, so a second click (or a
+        second panel) is refused. The launch survives the panel: see backend/services/launches.py.
+        """
         run = self.get(run_id)
-        if run.status != "draft":
-            raise RunStateError(f"run {run_id} is {run.status}; only a new run can be launched")
-        self._set(run_id, status="launching", started_at=time.time(), status_message="starting the replicas")
-        if wait:
-            self._launch(run_id)
-        else:
-            threading.Thread(target=self._launch, args=(run_id,), name=f"launch-{run_id}", daemon=True).start()
+        launches = Launches(self.ctx)
+        if not launches.claim(run_id, self.owner):
+            raise RunStateError(f"run {run_id} is {self.get(run_id).status}; only a new run can be launched")
+        launches.start(run.id, wait)
         return self.get(run_id)
-
-    def _launch(self, run_id: str) -> None:
-        run = self.get(run_id)
-        spec = self.ctx.spec(run)
-        launcher = self.ctx.launcher_for(run)
-
-        def record(job: JobHandle) -> None:
-            with self.ctx.db.session() as session:
-                session.add(
-                    Job(
-                        run_id=run_id,
-                        owner=self.owner,
-                        role=job.role,
-                        backend_job_id=job.job_id,
-                        url=job.url,
-                        endpoint=job.endpoint,
-                        stage="scheduling",
-                        flavor=_flavor(spec, job.role),
-                        price_per_hour=self._price(spec, job.role),
-                    )
-                )
-                session.commit()
-
-        try:
-            jobs = launcher.launch(spec, self.ctx.secrets_for(run), self.ctx.store_for(run), on_started=record)
-        except LaunchError as error:
-            message = f"{error}\n{error.log_tail}".strip()
-            self._set(run_id, status="failed", status_message=message[:4000], finished_at=time.time())
-            self._event(run_id, "job_error", str(error), "error")
-            return
-        except Exception as error:
-            log.exception("launching %s failed", run_id)
-            self._set(
-                run_id,
-                status="failed",
-                status_message=f"{type(error).__name__}: {error}"[:4000],
-                finished_at=time.time(),
-            )
-            return
-        with self.ctx.db.session() as session:
-            for job in jobs:  # replicas' endpoints are known only once they are healthy
-                row = session.exec(select(Job).where(Job.run_id == run_id, Job.backend_job_id == job.job_id)).first()
-                if row is not None:
-                    row.endpoint, row.url = job.endpoint, job.url
-                    session.add(row)
-            session.commit()
-        self._set(run_id, status_message="jobs started; the trainer is starting")
 
     def relaunch_trainer(self, run_id: str) -> Job:
         """Start a new trainer attempt (after a crash or preemption); it resumes from the newest stored checkpoint."""
@@ -200,25 +156,12 @@ class RunService:
         secrets = self.ctx.secrets_for(run)
         launcher.prepare(spec, secrets, self.ctx.store_for(run))
         handle = launcher.start_job(spec, role, secrets)
-        job = Job(
-            run_id=run.id,
-            owner=self.owner,
-            role=role,
-            attempt=(previous.attempt + 1) if previous else 1,
-            backend_job_id=handle.job_id,
-            url=handle.url,
-            stage="scheduling",
-            flavor=_flavor(spec, role),
-            price_per_hour=self._price(spec, role),
-        )
+        job = job_row(self.ctx, run, handle, (previous.attempt + 1) if previous else 1)
         with self.ctx.db.session() as session:
             session.add(job)
             session.commit()
             session.refresh(job)
         return job, handle
-
-    def _price(self, spec: RunSpec, role: str) -> float:
-        return flavor_price_per_hour(self.ctx, self.get(spec.run_id), _flavor(spec, role)) or 0.0
 
     # --- stopping and deleting ------------------------------------------------------------------------------------
 
@@ -251,6 +194,8 @@ class RunService:
                 ReplicaStatus,
                 Event,
                 PollCursor,
+                ResumePoint,
+                Launch,
                 AdapterVersion,
                 Job,
             ):
@@ -269,26 +214,7 @@ class RunService:
             session.commit()
 
     def _event(self, run_id: str, kind: str, message: str, level: str) -> None:
-        with self.ctx.db.session() as session:
-            session.add(
-                Event(
-                    run_id=run_id,
-                    owner=self.owner,
-                    time=time.time(),
-                    level=level,
-                    kind=kind,
-                    message=message[:4000],
-                    active=level == "error",
-                )
-            )
-            session.commit()
-
-
-def _flavor(spec: RunSpec, role: str) -> str:
-    """The hardware a job runs on; local jobs run on this machine, whatever the spec's (HF Jobs) flavors say."""
-    if spec.compute.backend == "local":
-        return ""
-    return spec.compute.trainer_flavor if role == "trainer" else spec.compute.replica_flavor
+        record_event(self.ctx.db, run_id, self.owner, kind, message, level)
 
 
 def check_hosting(spec: RunSpec) -> None:

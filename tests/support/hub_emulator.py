@@ -62,6 +62,11 @@ root); the process finds the folder in `EMULATOR_MOUNT_<MOUNT_PATH>`: the mount 
 upper-cased, every non-alphanumeric character replaced by `_` (`/data` -> EMULATOR_MOUNT_DATA, `/mnt/out` ->
 EMULATOR_MOUNT_MNT_OUT). Read-only is not enforced; repo volumes start empty.
 
+Holds, for tests that kill a client at an exact step: `hold(route, nth, after=False)` stops the `nth` next request
+to a route (by its name in `_ROUTES`) before it is handled, or with `after=True` once it is handled but before the
+answer is sent; `hold.arrived` is set when it waits, `hold.release()` lets it go on. A request held before it was
+handled whose client has gone by the release is dropped unhandled (the client died before sending it).
+
 Faults, for retry tests: `inject("5xx" | "429" | "5xx-after", count)` makes the next `count` known API requests
 (optionally only some methods) fail: "5xx" answers `status` (503) and "429" answers 429 with `Retry-After` and the
 Hub's `RateLimit` headers, both before looking at the request; "5xx-after" performs the request for real and then
@@ -83,7 +88,9 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -209,6 +216,22 @@ class _Fault:
     status: int
     retry_after: int
     methods: frozenset[str]
+
+
+class Hold:
+    """A request held on its way through the emulator until the test releases it (see `HubEmulator.hold`)."""
+
+    def __init__(self, route: str, nth: int, after: bool) -> None:
+        self.route, self.remaining, self.after = route, nth, after
+        self.arrived = threading.Event()  # set once the held request is waiting
+        self._released = threading.Event()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def wait(self) -> None:
+        self.arrived.set()
+        self._released.wait()
 
 
 class EmulatedJob:
@@ -449,9 +472,10 @@ class HubEmulator:
         self.repos: dict[str, dict[str, bytes]] = {}  # model repos created through the API: repo id -> files
         self._submissions: list[Submission] = []
         self._faults: deque[_Fault] = deque()
+        self._holds: list[Hold] = []
         self._lock = threading.Lock()
         self._closed = False
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_class(self))
+        self.server = _Server(("127.0.0.1", 0), _handler_class(self))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.1,), daemon=True)
@@ -508,6 +532,25 @@ class HubEmulator:
         with self._lock:
             self._faults.extend([fault] * count)
 
+    def hold(self, route: str, nth: int = 1, *, after: bool = False) -> Hold:
+        """Hold the `nth` next request to `route` (a route name of `_ROUTES`: "create", "list", "inspect", ...) until
+        `release()`: before it is handled, or with `after` once it is handled but before its answer is sent (the
+        caller then never learns what happened). A barrier for tests that kill a client at an exact step."""
+        hold = Hold(route, nth, after)
+        with self._lock:
+            self._holds.append(hold)
+        return hold
+
+    def _take_hold(self, route: str, after: bool) -> Hold | None:
+        with self._lock:
+            for hold in self._holds:
+                if hold.route == route and hold.after == after:
+                    hold.remaining -= 1
+                    if hold.remaining == 0:
+                        self._holds.remove(hold)
+                        return hold
+        return None
+
     @property
     def pending_faults(self) -> int:
         with self._lock:
@@ -520,6 +563,9 @@ class HubEmulator:
                 return
             self._closed = True
             jobs = list(self._jobs.values())
+            holds, self._holds = self._holds, []
+        for hold in holds:
+            hold.release()
         for job in jobs:
             job.cancel()
         for job in jobs:
@@ -667,6 +713,22 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
 ]
 
 
+def _peer_closed(connection: socket.socket) -> bool:
+    try:
+        return connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:  # nothing to read, and still connected
+        return False
+    except OSError:
+        return True
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that died mid-request (a killed panel) is not worth a traceback; anything else is."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 def _route(method: str, path: str) -> tuple[str, re.Match[str]] | None:
     for route_method, pattern, name in _ROUTES:
         if route_method == method and (match := pattern.fullmatch(path)):
@@ -708,11 +770,21 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
                     tail = next((int(value) for key, value in query if key == "tail" and value.isdigit()), None)
                     self._stream_logs(job, tail)
                 return
+            if (hold := emulator._take_hold(name, after=False)) is not None:
+                hold.wait()
+                if _peer_closed(self.connection):  # the client died before its request got through: drop it
+                    self.close_connection = True
+                    return
             status, payload = self._answer(name, match, query, body)
-            if fault is not None:
-                self._send_fault(fault)
-            else:
-                send_json(self, status, payload)
+            if (hold := emulator._take_hold(name, after=True)) is not None:
+                hold.wait()
+            try:
+                if fault is not None:
+                    self._send_fault(fault)
+                else:
+                    send_json(self, status, payload)
+            except OSError:  # the client went away while the answer was held
+                self.close_connection = True
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
 

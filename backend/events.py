@@ -1,0 +1,25 @@
+"""A run's history: notable happenings (launch steps, stops, relaunches, failures) recorded as `Event` rows."""
+
+from __future__ import annotations
+
+import time
+
+from backend.db import Database
+from backend.models import Event
+
+
+def record_event(db: Database, run_id: str, owner: str, kind: str, message: str, level: str) -> None:
+    """Add one event; an error stays active (shown as a banner) until dismissed or cleared by a later success."""
+    with db.session() as session:
+        session.add(
+            Event(
+                run_id=run_id,
+                owner=owner,
+                time=time.time(),
+                level=level,
+                kind=kind,
+                message=message[:4000],
+                active=level == "error",
+            )
+        )
+        session.commit()
