@@ -13,9 +13,10 @@ Load (`POST /v1/load_lora_adapter` from TRL, naming `trl-policy-vN` and a direct
    times with backoff, a 503 (the sidecar could not read the store just then) for as long as a store outage is
    ridden out (below); a replica that stays unreachable, or is ejected meanwhile, is left out (it gets the version on
    re-admission) and the sync goes on with the others, as long as `min_healthy` accepted.
-3. Any other failure undoes the load on the replicas that accepted it and answers TRL with an error it treats as
-   fatal but not as "runtime LoRA disabled": never 404 (TRL's reading of 404), 504 for a version that never became
-   visible. A policy name therefore never exists on only some routable replicas, where requests for it would fail.
+3. Any other failure undoes the load on the replicas that accepted it (one that fails to unload it is ejected, and
+   its re-admission unloads it) and answers TRL with an error it treats as fatal but not as "runtime LoRA
+   disabled": never 404 (TRL's reading of 404), 504 for a version that never became visible. A policy name
+   therefore never exists on only some routable replicas, where requests for it would fail.
 4. On success `adapters/CURRENT` is set to N.
 
 While fewer than `min_healthy` replicas are routable, a load, pause or resume waits for them (up to
@@ -184,9 +185,7 @@ class AdapterSync:
             first = accepted[0]
             return Response(200, first.body, content_type_header(first.headers) or list(_TEXT))
         self.stats.adapters["loads_failed"] += 1
-        if accepted:
-            await self._rollback(version, [outcome.replica for outcome in accepted])
-        undone = f"; rolled back on {_roles(accepted)}" if accepted else ""
+        undone = await self._rollback(trl_name, version, [outcome.replica for outcome in accepted]) if accepted else ""
         if failed:
             details = "; ".join(f"{outcome.replica.role}: {outcome.detail}" for outcome in failed)
             statuses = [outcome.status for outcome in failed if outcome.kind == "failed"]
@@ -247,13 +246,27 @@ class AdapterSync:
                 continue
             return _Outcome(replica, "failed", response.status, detail)
 
-    async def _rollback(self, version: int, replicas: list[Replica]) -> None:
+    async def _rollback(self, trl_name: str, version: int, replicas: list[Replica]) -> str:
+        """Unload a version that did not go live from the replicas that took it; what to add to the error for TRL.
+
+        A replica that did not unload it may still serve it, so it is ejected: its re-admission unloads the version
+        (and keeps it out while that fails), and no routable replica serves a version that is not live.
+        """
         self.stats.adapters["rolled_back"] += 1
         results = await asyncio.gather(*(self._unload_on(replica, version) for replica in replicas))
+        undone, failures = [], []
         for replica, problem in zip(replicas, results, strict=True):
-            if problem is not None:
-                self.stats.adapters["unloads_failed"] += 1
-                log.error("rollback: unloading version %d from %s failed: %s", version, replica.role, problem)
+            if problem is None:
+                undone.append(replica)
+                continue
+            self.stats.adapters["unloads_failed"] += 1
+            log.error("rollback: unloading version %d from %s failed: %s", version, replica.role, problem)
+            self.membership.eject(replica, f"rolling back {trl_name} failed: {problem}")
+            failures.append(f"{replica.role} ({problem})")
+        said = f"; rolled back on {_roles_of(undone)}" if undone else ""
+        if failures:
+            said += f"; rollback failed on {', '.join(failures)}, ejected until re-admission unloads it"
+        return said
 
     async def _write_current(self, version: int) -> None:
         try:
@@ -455,10 +468,6 @@ class AdapterSync:
     async def _post(self, replica: Replica, target: str, body: bytes, timeout: float) -> ClientResponse:
         headers = [*self.auth, ("Content-Type", "application/json")] if body else list(self.auth)
         return await self.client.request(replica.origin, "POST", target, headers, body, timeout)
-
-
-def _roles(outcomes: list[_Outcome]) -> str:
-    return _roles_of([outcome.replica for outcome in outcomes])
 
 
 def _roles_of(replicas: list[Replica]) -> str:

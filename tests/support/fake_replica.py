@@ -7,13 +7,20 @@ is 404 "No adapter found for <path>", an unknown adapter on unload 404, an unkno
 
 With a store, a load whose `lora_path` is a `store:` reference is materialised like the sidecar does (download,
 sha256-verified); a version without a manifest answers "No adapter found", so the proxy's retry is exercised for real.
+Like the sidecar (`jobs/replica/sidecar.py`), a repeated load of a name with the same `store:` reference answers 200
+without loading again (a retry whose first answer was lost); the same name with another path is vLLM's 400.
 
-Switches (attributes, or `POST /fake/control` with a JSON object of them) make it misbehave: `healthy` (False: /health
-answers 503), `lag_loads` (the next N load attempts answer "No adapter found"), `transient_loads` (the next N answer
-503, as a sidecar does when the store does not answer), `fail_loads` / `fail_unloads` /
-`fail_pause` (an HTTP status to answer with), `raw_response` (bytes returned verbatim by generations). `/pause` holds
-generations until `/resume`, so a test can keep requests in flight; `stop()` and `start()` make it die and come back
-on the same port.
+Switches (attributes; all but `raw_response` and `load_gate` also through `POST /fake/control` with a JSON object of
+them) make it misbehave: `healthy` (False: /health answers 503), `lag_loads` (the next N load attempts answer "No
+adapter found"), `transient_loads` (the next N answer 503, as a sidecar does when the store does not answer),
+`fail_loads` / `fail_unloads` / `fail_pause` (an HTTP status to answer with), `lose_load_answers` (the next N load
+attempts are carried out, then the connection is dropped without an answer), `raw_response` (bytes returned verbatim
+by generations), `load_gate` (a `Gate`: loads that get past the repeat check wait there until the test releases them,
+and the test learns when one is waiting). `/pause` holds generations until `/resume`, so a test can keep requests in
+flight; one cut while held (its caller went away, or the replica died) is counted in `counters.cancelled`. `stop()`
+makes it die (requests in flight, held ones too, are cut) and `start()` come back on the same port, with `fresh=True`
+as a restarted engine (no adapters, not paused, empty prefix cache; `counters`, `seen` and `unrouted` keep counting).
+`unrouted` lists the requests for paths it does not serve.
 
 For the benchmark it keeps a vLLM-shaped prefix cache (16-token blocks, hashes chained from the adapter name, LRU,
 hits capped so the last prompt token is always computed, generated blocks cached too) and charges `prefill_s` per
@@ -30,12 +37,14 @@ import json
 import shutil
 import ssl
 import tempfile
+import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from jobs.contract import layout, parse_storage_uri
 from jobs.store import ObjectStore, VersionNotPublished, download_published, open_store
@@ -54,6 +63,7 @@ class Seen:
 @dataclass
 class Counters:
     requests: int = 0
+    cancelled: int = 0  # generations cut while a pause held them
     prompt_tokens: int = 0
     computed_tokens: int = 0  # prompt tokens not served from the prefix cache
     cached_requests: int = 0  # requests whose prompt was cached as far as vLLM can use it
@@ -64,6 +74,42 @@ class Counters:
     pauses: int = 0
     resumes: int = 0
     resets: int = 0
+
+
+class Gate:
+    """Holds requests on the replica's event loop until a test, on its own thread, releases them.
+
+    `arrived` is set once a request is held at the gate, so the test can act while it waits there; `release()` lets
+    every held request and every later one through. Both are safe to use from any thread.
+    """
+
+    def __init__(self) -> None:
+        self.arrived = threading.Event()
+        self._lock = threading.Lock()
+        self._open = False
+        self._held: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+
+    async def wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._open:
+                return
+            held: asyncio.Future[None] = loop.create_future()
+            self._held.append((loop, held))
+        self.arrived.set()
+        await held
+
+    def release(self) -> None:
+        with self._lock:
+            self._open = True
+            held, self._held = self._held, []
+        for loop, future in held:
+            loop.call_soon_threadsafe(_let_through, future)
+
+
+def _let_through(future: asyncio.Future[None]) -> None:
+    if not future.done():  # not cut meanwhile by the replica dying
+        future.set_result(None)
 
 
 class PrefixCache:
@@ -131,11 +177,14 @@ class FakeReplica:
     fail_loads: int = 0
     fail_unloads: int = 0
     fail_pause: int = 0
+    lose_load_answers: int = 0
+    load_gate: Gate | None = None
     raw_response: bytes | None = None
     # what happened
     counters: Counters = field(default_factory=Counters)
     adapters: dict[str, str] = field(default_factory=dict)  # name -> path
     seen: deque[Seen] = field(default_factory=lambda: deque(maxlen=512))  # the last generation requests
+    unrouted: list[str] = field(default_factory=list)  # "METHOD /path" of requests for paths it does not serve
 
     def __post_init__(self) -> None:
         self.cache = PrefixCache(self.block_size, self.cache_blocks)
@@ -143,6 +192,7 @@ class FakeReplica:
         self._resumed: asyncio.Event | None = None
         self._workdir = Path(tempfile.mkdtemp(prefix="fake-replica-"))
         self._next_id = 0
+        self._sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
 
     @property
     def url(self) -> str:
@@ -152,11 +202,17 @@ class FakeReplica:
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
-    async def start(self) -> FakeReplica:
+    async def start(self, fresh: bool = False) -> FakeReplica:
+        """Listen; with `fresh`, as a restarted engine that holds no adapter, is not paused and has an empty cache."""
+        if fresh:
+            self.adapters.clear()
+            self._sources.clear()
+            self.cache.clear()
+            self._resumed = None
         if self._resumed is None:
             self._resumed = asyncio.Event()
             self._resumed.set()
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._note_unrouted])
         app.router.add_get("/health", self._health)
         app.router.add_route("*", "/ping", self._health)
         app.router.add_get("/server_info", self._server_info)
@@ -172,7 +228,8 @@ class FakeReplica:
         app.router.add_get("/fake/stats", self._stats)
         app.router.add_post("/fake/control", self._control)
         app.router.add_post("/fake/reset", self._reset)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        # A short shutdown_timeout: stop() is a death, it cuts requests in flight rather than waiting for them.
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, backlog=1024, ssl_context=self.ssl_context)
         await site.start()
@@ -189,6 +246,12 @@ class FakeReplica:
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     # -- endpoints ----------------------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _note_unrouted(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.match_info.http_exception is not None:
+            self.unrouted.append(f"{request.method} {request.path}")
+        return await handler(request)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -233,17 +296,27 @@ class FakeReplica:
         return web.json_response({"success": True})
 
     async def _load(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        name, path = body.get("lora_name"), body.get("lora_path")
         self.counters.load_attempts += 1
+        response = await self._load_answer(await request.json())
+        if self.lose_load_answers > 0:
+            self.lose_load_answers -= 1
+            request.transport.close()  # whatever was done stays done; the answer never reaches the caller
+        return response
+
+    async def _load_answer(self, body: dict) -> web.Response:
+        name, path = body.get("lora_name"), body.get("lora_path")
         if not name or not path:
             return _error(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if name in self.adapters:
+            if path.startswith(layout.STORE_REF_SCHEME) and self._sources.get(name) == path:
+                return _loaded(name)  # the sidecar's answer to a retry whose first answer was lost
             return _error(
                 400,
                 f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in place, "
                 "set 'load_inplace' to True.",
             )
+        if self.load_gate is not None:
+            await self.load_gate.wait()
         if self.lag_loads > 0:
             self.lag_loads -= 1
             return _error(404, f"Loading lora {name} failed: No adapter found for {path}")
@@ -252,16 +325,18 @@ class FakeReplica:
             return _error(503, f"Loading lora {name} failed: the store did not answer; retry later")
         if self.fail_loads:
             return _error(self.fail_loads, f"LoRA rank 64 is greater than max_lora_rank {self.max_lora_rank}.")
+        local = path
         if self.store is not None and path.startswith(layout.STORE_REF_SCHEME):
             prefix = path[len(layout.STORE_REF_SCHEME) :]
             try:
                 await asyncio.to_thread(download_published, self.store, prefix, self._workdir / name)
             except VersionNotPublished:
                 return _error(404, f"Loading lora {name} failed: No adapter found for {path}")
-            path = str(self._workdir / name)
-        self.adapters[name] = path
+            local = str(self._workdir / name)
+        self.adapters[name] = local
+        self._sources[name] = path
         self.counters.loads += 1
-        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+        return _loaded(name)
 
     async def _unload(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -271,6 +346,7 @@ class FakeReplica:
         if name not in self.adapters:
             return _error(404, f"The lora adapter '{name}' cannot be found.")
         del self.adapters[name]
+        self._sources.pop(name, None)
         shutil.rmtree(self._workdir / name, ignore_errors=True)
         self.counters.unloads += 1
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
@@ -285,7 +361,11 @@ class FakeReplica:
         model = body.get("model")
         if model != self.model and model not in self.adapters:
             return _error(404, f"The model `{model}` does not exist.")
-        await self._resumed.wait()
+        try:
+            await self._resumed.wait()
+        except asyncio.CancelledError:
+            self.counters.cancelled += 1
+            raise
         if self.raw_response is not None:
             return web.Response(body=self.raw_response, content_type="application/json")
         prompt = body.get("prompt")
@@ -371,10 +451,15 @@ _SWITCHES = {
     "fail_loads",
     "fail_unloads",
     "fail_pause",
+    "lose_load_answers",
     "prefill_s",
     "decode_s",
 }
 _SWITCHES |= {"service_from_seed", "default_tokens"}
+
+
+def _loaded(name: str) -> web.Response:
+    return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -69,8 +69,9 @@ class Harness:
     def stop_replica(self, index: int) -> None:
         self.replica_loop.run(self.replicas[index].stop())
 
-    def start_replica(self, index: int) -> None:
-        self.replica_loop.run(self.replicas[index].start())
+    def start_replica(self, index: int, fresh: bool = False) -> None:
+        """Bring a stopped replica back on its port; `fresh`: as a restarted engine (no adapters, not paused)."""
+        self.replica_loop.run(self.replicas[index].start(fresh=fresh))
 
     def healthy(self) -> int:
         return self.proxy.membership.healthy_count
