@@ -74,25 +74,47 @@ ADVANCED = {
     "grpo.gradient_checkpointing", "grpo.save_steps", "grpo.seed", "grpo.adam_beta2", "grpo.epsilon",
     "grpo.audit_every", "compute.trainer_image", "compute.replica_image", "compute.engine", "compute.cost_cap_usd",
 }  # fmt: skip
+# The human label of every field an error can name (tests/test_form_errors.py checks that each RunSpec field has one).
 LABELS = {
-    "run_id": "Run id", "name": "Name", "spec": "Settings", "parent": "Parent run",
-    "model.id": "Model", "model.revision": "Revision", "model.max_model_len": "Max model length",
-    "model.dtype": "Dtype", "dataset.id": "Dataset", "dataset.source": "Dataset source", "dataset.split": "Split",
+    "spec": "Settings", "schema_version": "Spec version", "run_id": "Run id", "name": "Name",
+    "model": "Model", "model.id": "Model", "model.revision": "Revision", "model.max_model_len": "Max model length",
+    "model.dtype": "Dtype",
+    "dataset": "Dataset", "dataset.id": "Dataset", "dataset.source": "Dataset source", "dataset.split": "Split",
     "dataset.prompt_column": "Prompt column", "dataset.answer_column": "Answer column", "dataset.limit": "Row limit",
-    "storage.uri": "Bucket location", "storage.endpoint": "Endpoint", "storage.region": "Region",
-    "storage.credentials": "Bucket keys", "compute.token": "HF token", "compute.namespace": "Namespace",
-    "compute.trainer_flavor": "Trainer hardware", "compute.replica_flavor": "Replica hardware",
-    "compute.replicas": "Replicas", "compute.timeout": "Timeout", "compute.engine": "Inference engine",
-    "compute.cost_cap_usd": "Cost cap", "lora.rank": "LoRA rank", "lora.alpha": "LoRA alpha",
-    "lora.target_modules": "Target modules", "lora.dropout": "LoRA dropout",
-    "grpo.num_generations": "Generations per prompt", "grpo.completions_per_step": "Completions per step",
-    "grpo.max_completion_length": "Max completion tokens", "grpo.learning_rate": "Learning rate",
-    "grpo.max_steps": "Max steps", "grpo.max_staleness": "Max staleness", "grpo.temperature": "Temperature",
-    "grpo.top_p": "Top-p", "grpo.top_k": "Top-k", "grpo.weight_sync_steps": "Weight sync every",
-    "grpo.max_inflight": "Max in flight", "grpo.queue_size": "Queue size", "grpo.token_budget": "Token budget",
-    "grpo.save_steps": "Checkpoint every", "grpo.seed": "Seed", "grpo.adam_beta2": "Adam β2",
-    "grpo.epsilon": "Clip ε", "grpo.audit_every": "Policy audit every",
+    "dataset.system_prompt": "System prompt",
+    "rewards": "Rewards",
+    "storage": "Bucket", "storage.uri": "Bucket location", "storage.endpoint": "Endpoint", "storage.region": "Region",
+    "storage.credentials": "Bucket keys",
+    "compute": "Compute", "compute.token": "HF token", "compute.backend": "Where the jobs run",
+    "compute.namespace": "Namespace", "compute.trainer_flavor": "Trainer hardware",
+    "compute.replica_flavor": "Replica hardware", "compute.replicas": "Replicas", "compute.timeout": "Timeout",
+    "compute.engine": "Inference engine", "compute.cost_cap_usd": "Cost cap", "compute.trainer_image": "Trainer image",
+    "compute.replica_image": "Replica image",
+    "lora": "LoRA", "lora.rank": "LoRA rank", "lora.alpha": "LoRA alpha", "lora.target_modules": "Target modules",
+    "lora.dropout": "LoRA dropout",
+    "grpo": "Training", "grpo.num_generations": "Generations per prompt",
+    "grpo.completions_per_step": "Completions per step", "grpo.max_completion_length": "Max completion tokens",
+    "grpo.learning_rate": "Learning rate", "grpo.max_steps": "Max steps", "grpo.max_staleness": "Max staleness",
+    "grpo.temperature": "Temperature", "grpo.top_p": "Top-p", "grpo.top_k": "Top-k",
+    "grpo.weight_sync_steps": "Weight sync every", "grpo.max_inflight": "Max in flight",
+    "grpo.queue_size": "Queue size",
+    "grpo.token_budget": "Token budget", "grpo.gradient_checkpointing": "Gradient checkpointing",
+    "grpo.save_steps": "Checkpoint every", "grpo.seed": "Seed", "grpo.adam_beta2": "Adam β2", "grpo.epsilon": "Clip ε",
+    "grpo.audit_every": "Policy audit every",
+    "parent": "Parent run", "parent.run_id": "Parent run id", "parent.version": "Parent version",
 }  # fmt: skip
+# A reward's own fields (`rewards.<i>.<field>`), as the form names them.
+REWARD_LABELS = {
+    "kind": "Kind", "name": "Name", "params": "Parameters", "source": "Code", "entry_point": "Function to call",
+    "weight": "Weight",
+}  # fmt: skip
+# Which note shows the errors of each section (a field of "Advanced" goes to that note instead: ADVANCED above).
+SECTION_SLOTS = {
+    "run_id": "run", "name": "run", "model": "model", "dataset": "dataset", "storage": "storage", "compute": "compute",
+    "lora": "training", "grpo": "training",
+}  # fmt: skip
+_SECTIONS = {key.split(".", 1)[0] for key in LABELS if "." in key}
+_REWARD = re.compile(r"^rewards\.(\d+)(?:\.(.+))?$")
 
 
 @dataclass
@@ -317,44 +339,76 @@ def bucket_kind(uri: str, endpoint: str | None) -> str:
     return "minio" if endpoint else "aws"
 
 
-def label(dotted: str) -> str:
-    if dotted in LABELS:
-        return LABELS[dotted]
-    match = re.match(r"^rewards\.(\d+)(?:\.(.+))?$", dotted)
+def field_path(key: str) -> str:
+    """An error key as a dotted path. Validation names list items `rewards.1.source`; the secret check names them as
+    JSON paths, `rewards[1].source`: both become `rewards.1.source`."""
+    return re.sub(r"\[(\d+)\]", r".\1", key.strip())
+
+
+def _field_label(path: str) -> str | None:
+    """The label of `path`, or of the field it lies in (`lora.target_modules.0`, a union member such as
+    `lora.target_modules.list[str]`): the longest labelled prefix that names a field, not only a section."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in LABELS and (end == len(parts) or prefix not in _SECTIONS):
+            return LABELS[prefix]
+    return None
+
+
+def label(dotted: str, rewards: list[dict[str, Any]] | None = None) -> str:
+    """The human label of an error key (a spec field, or one of preflight's own), never the raw key."""
+    path = field_path(dotted)
+    match = _REWARD.match(path)
     if match:
-        return f"Reward {int(match.group(1)) + 1}" + (f" ({match.group(2)})" if match.group(2) else "")
-    return dotted
+        index, rest = int(match.group(1)), match.group(2)
+        name = (rewards[index].get("name") if rewards and index < len(rewards) else None) or ""
+        reward = f"reward {index + 1}" + (f" ({name})" if name else "")
+        if rest is None:
+            return reward[0].upper() + reward[1:]
+        field_name = rest.split(".", 1)[0]
+        return f"{REWARD_LABELS.get(field_name, _words(field_name).capitalize())} of {reward}"
+    known = _field_label(path)
+    if known is not None:
+        return known
+    head, _, rest = path.partition(".")
+    section = LABELS.get(head, "Settings")
+    return f"{section}: {_words(rest)}" if rest else f"{section}: {_words(head)}"
+
+
+def _words(name: str) -> str:
+    """A field name nobody gave a label (a misspelt one, say) as words: `max_stalenes` -> `max stalenes`."""
+    return re.sub(r"[_.\[\]]+", " ", name).strip()
+
+
+def _in(path: str, fields: set[str]) -> bool:
+    """Whether `path` is one of `fields` or lies inside one of them."""
+    return any(path == name or path.startswith(name + ".") for name in fields)
 
 
 def slot_of(dotted: str, reward_slots: list[str], code_enabled: bool) -> str:
     """Which note under the form shows an error about `dotted` (a field name from Preflight.errors)."""
-    if dotted in ADVANCED:
+    path = field_path(dotted)
+    if _in(path, ADVANCED):
         return "advanced"
-    head = dotted.split(".", 1)[0]
-    match = re.match(r"^rewards\.(\d+)", dotted)
+    match = _REWARD.match(path)
     if match and int(match.group(1)) < len(reward_slots):
         return reward_slots[int(match.group(1))]
+    head = path.split(".", 1)[0]
     if head == "rewards":
         return "rewards_code" if code_enabled else "rewards_builtin"
-    return {
-        "run_id": "run",
-        "name": "run",
-        "model": "model",
-        "dataset": "dataset",
-        "storage": "storage",
-        "compute": "compute",
-        "lora": "training",
-        "grpo": "training",
-    }.get(head, "general")
+    return SECTION_SLOTS.get(head, "general")
 
 
 def route_errors(errors: dict[str, str], built: Built | None, code_enabled: bool) -> dict[str, list[str]]:
     """{slot: ["Label: message", ...]} for every slot (empty lists included, so stale notes are cleared)."""
     routed: dict[str, list[str]] = {slot: [] for slot in SLOTS}
     slots = built.reward_slots if built else []
+    rewards = built.spec.get("rewards") if built else None
     for dotted, message in errors.items():
         # A reward's own errors already start with its name ("custom (row 2): ..."): no label in front.
-        text = message if re.fullmatch(r"rewards\.\d+", dotted) else f"{label(dotted)}: {message}"
+        whole_reward = re.fullmatch(r"rewards\.\d+", field_path(dotted))
+        text = message if whole_reward else f"{label(dotted, rewards)}: {message}"
         routed[slot_of(dotted, slots, code_enabled)].append(text)
     return routed
 

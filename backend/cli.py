@@ -186,11 +186,19 @@ def poll(args: argparse.Namespace) -> int:
     stopping = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stopping.set())
-    poller = Poller(PanelContext(), interval=args.interval).start()
+    options = {"chunks_per_pass": args.chunks_per_pass} if args.chunks_per_pass is not None else {}
+    poller = Poller(PanelContext(), interval=args.interval, **options).start()
     while not stopping.wait(1.0):
         pass
     poller.stop()
     return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,7 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     import_parser.add_argument("--store-credential", type=int)
     import_parser.set_defaults(handler=import_bucket)
     poll_parser = commands.add_parser("poll", help="run the poller in the foreground")
-    poll_parser.add_argument("--interval", type=float, default=2.0)
+    poll_parser.add_argument("--interval", type=float, default=2.0, help="seconds between passes")
+    poll_parser.add_argument(
+        "--chunks-per-pass",
+        type=_positive_int,
+        help="at most this many telemetry chunks per stream and run in one pass (default: the poller's own)",
+    )
     poll_parser.set_defaults(handler=poll)
     args = parser.parse_args(argv)
     return args.handler(args)

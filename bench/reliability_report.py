@@ -1,10 +1,11 @@
 """Reliability figures: the fault matrix and the bad-input matrix run through pytest, summarised.
 
 Runs tests/test_faults.py, the two fault rows tested elsewhere (a killed trainer resuming from its checkpoint in
-tests/test_e2e_demo.py; the Hub API answering 5xx/429 in tests/test_launchers.py) and tests/test_bad_input.py. A
-small pytest plugin collects every test's outcome and the figures the fault tests record with `record_property`
-(`fault`, `records_lost`, `orphans`). It prints one table row per fault of the matrix and the bad-input totals; with
---write it also puts them into docs/reliability.md, between the markers there, with the command that produced them.
+tests/test_e2e_demo.py; the Hub API answering 5xx/429 in tests/test_launchers.py), tests/test_launch_recovery.py (the
+panel killed at each step of a launch) and tests/test_bad_input.py. A small pytest plugin collects every test's
+outcome and the figures the tests record with `record_property` (`fault`, `records_lost`, `orphans`; `launch_kill`).
+It prints one table row per fault of the matrix, one per launch step killed, and the bad-input totals; with --write it
+also puts them into docs/reliability.md, between the markers there, with the command that produced them.
 
     .venv/bin/python bench/reliability_report.py [--write] [-- extra pytest arguments]
 
@@ -27,6 +28,7 @@ import pytest
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 FAULTS_FILE = "tests/test_faults.py"
 BAD_INPUT_FILE = "tests/test_bad_input.py"
+LAUNCH_FILE = "tests/test_launch_recovery.py"
 # The fault matrix of issue 9, in its order; tests name their row with record_property("fault", ...).
 MATRIX = (
     "one replica killed mid-run",
@@ -69,6 +71,9 @@ class Collector:
             result.outcome, result.reason = ("xfailed" if report.skipped else "failed"), report.wasxfail
         elif report.failed:
             result.outcome = "failed" if report.when == "call" else "error"
+            # Its last line says why (for a skip that CI=true turned into a failure: the skip's reason).
+            lines = report.longreprtext.strip().splitlines()
+            result.reason = lines[-1][:300] if lines else ""
         elif report.skipped and result.outcome == "passed":
             result.outcome = "skipped"
             result.reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
@@ -125,12 +130,35 @@ def render(results: dict[str, Result], command: str, wall: float) -> str:
     ]
     rejected = sum(r.outcome == "passed" for r in bad.values())
     lines.append(f"- **Bad inputs tried: {len(bad)}; rejected with a clear message, nothing submitted: {rejected}.**")
+    lines += launch_kill_table(results)
     for node, result in sorted(known.items()):
         lines.append(f"- Known product bug (strict xfail) `{node}`: {result.reason}")
     for node, result in sorted(results.items()):
         if result.outcome in ("failed", "error", "skipped"):
             lines.append(f"- {result.outcome.upper()}: `{node}` {result.reason}".rstrip())
     return "\n".join(lines) + "\n"
+
+
+def launch_kill_table(results: dict[str, Result]) -> list[str]:
+    """The panel killed at each step of a launch through the Hub emulator, and what the next panel made of it."""
+    rows = [(node, r) for node, r in results.items() if "launch_kill" in r.properties]
+    lines = [
+        "",
+        "The panel killed at each step of a launch (HF Jobs through the Hub emulator, two replicas and a trainer):",
+        "",
+        "| killed | launch step recorded | jobs on the Hub at the kill | the next panel | jobs afterwards | s | test |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for node, result in rows:
+        row = result.properties["launch_kill"]
+        outcome = row["outcome"] if result.outcome == "passed" else f"{result.outcome}: {result.reason}"
+        lines.append(
+            f"| {row['kill']} | {row['step']} | {row['jobs_at_kill']} | {outcome} | {row['jobs_after']} | "
+            f"{row['seconds']} | `{node.split('::', 1)[1]}` |"
+        )
+    resumed = sum(r.outcome == "passed" for _, r in rows)
+    lines += ["", f"- **Launch steps killed: {len(rows)}; recovered with one job per role or cleaned up: {resumed}.**"]
+    return lines
 
 
 def _figure(value: int | None) -> str:
@@ -149,7 +177,7 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
     os.chdir(PROJECT_ROOT)
-    targets = [FAULTS_FILE, *ELSEWHERE, BAD_INPUT_FILE]
+    targets = [FAULTS_FILE, *ELSEWHERE, LAUNCH_FILE, BAD_INPUT_FILE]
     collector = Collector()
     started = time.monotonic()
     code = pytest.main(["-q", "-p", "no:cacheprovider", *targets, *args.pytest_args], plugins=[collector])

@@ -1,4 +1,9 @@
-"""Shared fixtures: real servers on loopback, started once per session where they are expensive."""
+"""Shared fixtures: real servers on loopback, started once per session where they are expensive.
+
+Also the CI rule for skips: under `CI=true` (`.ci/run` sets it) a fault, browser or end-to-end test that skips fails
+instead, with the skip's reason in the failure, so a machine that cannot run them (no tmpfs, no libfaketime, no
+Chromium) turns CI red rather than green with less tested.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,49 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 os.environ.setdefault("NO_PROXY", "127.0.0.1,localhost")
 install_log_redaction()
+
+# Tests that must run, not skip, in CI: by marker (each of their modules sets it with `pytestmark`), and by path for
+# a skip at import time, before the module's `pytestmark` exists.
+CI_STRICT_MARKERS = ("fault", "browser", "e2e")
+CI_STRICT_PATHS = ("tests/test_faults.py", "tests/test_e2e_demo.py", "tests/browser/")
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:  # (path, line, "Skipped: reason")
+        return f"{longrepr[2]} ({longrepr[0]}:{longrepr[1]})"
+    return str(longrepr)
+
+
+def _fail_skip(report: pytest.TestReport | pytest.CollectReport, what: str) -> None:
+    report.outcome = "failed"
+    report.longrepr = (
+        f"CI=true: {what} may not be skipped in CI (it would pass CI untested). {_skip_reason(report)}. "
+        "Give this machine what the test needs, or run it without CI=true to skip it."
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report: pytest.TestReport = (yield).get_result()
+    if not report.skipped or hasattr(report, "wasxfail") or not in_ci():
+        return
+    marks = [name for name in CI_STRICT_MARKERS if item.get_closest_marker(name) is not None]
+    if marks:
+        _fail_skip(report, f"a {marks[0]} test")
+    elif report.nodeid.startswith(CI_STRICT_PATHS):
+        _fail_skip(report, f"a test of {report.nodeid.split('::')[0]}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    report: pytest.CollectReport = (yield).get_result()
+    if report.skipped and in_ci() and report.nodeid.startswith(CI_STRICT_PATHS):
+        _fail_skip(report, f"{report.nodeid} (skipped as a whole)")
 
 
 @pytest.fixture(scope="session")

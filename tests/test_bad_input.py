@@ -47,7 +47,7 @@ from tests.support.echo_server import EchoServer
 from tests.support.hub_emulator import HubEmulator
 from tests.support.loop_thread import LoopThread
 from tests.support.net import free_port
-from tests.support.proxy_harness import start_harness
+from tests.support.proxy_harness import start_harness, write_adapter
 
 OWNER = LOCAL_OWNER
 HF_TOKEN = "hf_badinputmatrix0123456789abcdef"  # made up: token-shaped, valid nowhere
@@ -487,15 +487,22 @@ def proxy(local_store):
         ("/v1/completions", {"model": "../../model", "prompt": [1, 2]}, "no '..' segments"),
     ],
 )
-def test_an_adapter_name_with_dot_dot_at_the_proxy(proxy, record, path, body, fix):
+def test_an_adapter_name_with_dot_dot_at_the_proxy(proxy, record, tmp_path, path, body, fix):
     harness, upstream = proxy
     handshake = len(upstream.requests)
+    assert handshake > 0, "the proxy never talked to this replica: nothing reaching it would prove nothing"
     response = harness.post(path, body)
     record(field="lora_name" if "lora_name" in body else "model", message=response.text)
     assert response.status_code == 400
     assert ("lora_name" in response.text or "model name" in response.text) and fix in response.text
     # Past the admission handshake only health checks reached the replica: no load, unload or generation.
     assert [seen.path for seen in upstream.requests[handshake:] if seen.method != "GET"] == []
+    # The control: the same call with a well-formed name does reach it, so the silence above is the refusal's.
+    good = {**body, **{key: "trl-policy-v1" for key in ("lora_name", "model") if key in body}}
+    if "lora_path" in body:
+        good["lora_path"] = str(write_adapter(tmp_path / "adapter"))
+    assert harness.post(path, good).status_code != 400
+    assert [seen.path for seen in upstream.requests[handshake:] if seen.method != "GET"] == [path]
 
 
 @pytest.fixture
@@ -539,6 +546,9 @@ def test_an_adapter_path_with_dot_dot_at_the_sidecar(sidecar, record, lora_path,
     assert "lora_path" in message and fix in message
     assert engine.requests == []  # the engine never heard of it
     assert not cache.exists() or not any(cache.rglob("*"))
+    # The control: a call the sidecar passes on does reach this engine, so the silence above is the refusal's.
+    assert requests.get(url + "/v1/models", timeout=30).status_code == 200
+    assert [(seen.method, seen.path) for seen in engine.requests] == [("GET", "/v1/models")]
 
 
 # --- another owner's zip ----------------------------------------------------------------------------------------

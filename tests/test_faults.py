@@ -15,14 +15,17 @@ step's telemetry exactly once.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -49,13 +52,12 @@ from tests.support.faulty_proxy import FaultyProxy
 from tests.support.processes import process_table, with_descendants
 from tests.support.waiting import wait_until
 
-pytestmark = pytest.mark.e2e
+# `fault`: under CI=true a skip of any of these is a failure (tests/conftest.py).
+pytestmark = [pytest.mark.e2e, pytest.mark.fault]
 ROOT = Path(__file__).resolve().parent.parent
 OWNER = "local"
-LIBFAKETIME = (
-    "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"  # what `faketime` preloads (the MT one is ~2x slower here)
-)
 HOUR = 3600.0
+TELEMETRY_STREAMS = ("metrics", "samples", "events", "proxy")
 
 
 # --- processes ------------------------------------------------------------------------------------------------------
@@ -92,10 +94,13 @@ class PanelProcess:
         self.process: subprocess.Popen | None = None
         self.kills = 0
 
-    def start(self) -> PanelProcess:
+    def start(self, interval: float = 1.0, chunks_per_pass: int | None = None) -> PanelProcess:
+        command = [sys.executable, "-m", "backend", "poll", "--interval", str(interval)]
+        if chunks_per_pass is not None:
+            command += ["--chunks-per-pass", str(chunks_per_pass)]
         with open(self.data / "panel.log", "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "backend", "poll", "--interval", "1"],
+                command,
                 cwd=ROOT,
                 env={**os.environ, "GRPO_PANEL_DATA": str(self.data)},
                 stdout=log,
@@ -340,20 +345,41 @@ def replica_faults(tmp_path_factory):
     try:
         run.launch()
         run.wait(lambda r: r.step >= 2, 300, poll=False, what="training under the panel process")
-        # The panel dies twice: once while telemetry piles up, then the moment its catch-up has ingested a chunk.
+        # The panel dies twice: once while telemetry piles up, then in the middle of its catch-up.
         panel.kill()
-        time.sleep(6)
         store = LocalStore(data / "store")
         before = cursors(run)
-        backlog = {  # the newest chunk of each stream when the panel comes back
-            stream: max((i.key for i in store.list(layout.telemetry_prefix(run.run_id, stream))), default="")
-            for stream in ("metrics", "samples", "events", "proxy")
-        }
-        panel.start()
-        wait_until(lambda: cursors(run) != before, 60, 0.02, what="the restarted panel ingesting")
+
+        def piled_up() -> dict[str, list[str]] | None:
+            """Per stream, the chunks the dead panel has not ingested; once some stream has at least two."""
+            pending = {
+                stream: [
+                    info.key
+                    for info in store.list(layout.telemetry_prefix(run.run_id, stream))
+                    if info.key > before.get(stream, "")
+                ]
+                for stream in TELEMETRY_STREAMS
+            }
+            return pending if max(len(keys) for keys in pending.values()) >= 2 else None
+
+        pending = wait_until(piled_up, 120, 0.5, what="two chunks of telemetry piling up while the panel is down")
+        # It comes back ingesting at most one chunk per stream in a pass, then waiting an hour before the next: the
+        # kill below lands mid-catch-up however long it takes to come, not only inside a timing window.
+        panel.start(interval=HOUR, chunks_per_pass=1)
+        wait_until(
+            lambda: any(keys and cursors(run).get(stream, "") >= keys[0] for stream, keys in pending.items()),
+            120,
+            0.2,
+            what="the restarted panel ingesting the backlog",
+        )
         panel.kill()
         stood = cursors(run)
-        seen["behind_at_kill"] = {stream for stream, newest in backlog.items() if stood.get(stream, "") < newest}
+        seen["ingested_at_kill"] = {
+            stream: sum(key <= stood.get(stream, "") for key in keys) for stream, keys in pending.items()
+        }
+        seen["behind_at_kill"] = {
+            stream for stream, keys in pending.items() if keys and stood.get(stream, "") < keys[-1]
+        }
         panel.start()
 
         seen["killed_at"] = run.observe(poll=False).step
@@ -382,14 +408,36 @@ def replica_faults(tmp_path_factory):
         new = run.service.replace_replica("fault-replica", "replica-1")
         samples = []  # the new replica as the proxy reports it, until it is routed to
 
-        def routed_to() -> bool:
+        def look() -> dict[str, Any] | None:
+            """The new replica as the proxy reports it now (kept in `samples`), None while it does not list it."""
             stats = run.proxy_stats()
             replica = stats and replica_stats(stats, url=new.endpoint)
             if replica:
                 samples.append((replica, set(stats["adapters"]["live"]), stats["adapters"]["replays"]))
-            return bool(replica) and replica["routed"] > 0
+            return replica
 
-        wait_until(routed_to, 90, 0.2, what="the new replica-1 routed to")
+        # Hold the new replica (SIGSTOP to its process group: the sidecar that answers for it) until the proxy has
+        # listed it and found it not answering: the samples then hold it before its admission, whatever the timing.
+        # A replica never admitted stays `new` while its health check fails (it is not ejected), and is admitted
+        # at the first check it passes once it runs again.
+        held = int((run.job_folder("replica-1") / "pgid").read_text())
+        os.killpg(held, signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: (
+                    (replica := look())
+                    and not replica["healthy"]
+                    and (replica["last_error"] or replica["state"] == "admitting")
+                ),
+                60,
+                0.2,
+                what="the proxy finding the held replica-1 not answering",
+            )
+        finally:
+            os.killpg(held, signal.SIGCONT)
+        seen["held"] = [replica for replica, _, _ in samples]
+
+        wait_until(lambda: (replica := look()) and replica["routed"] > 0, 90, 0.2, what="the new replica-1 routed to")
         seen["samples"] = samples
         admitted = next(sample for sample in samples if sample[0]["healthy"])
         seen["admitted"] = admitted
@@ -443,6 +491,10 @@ def test_a_replaced_replica_is_admitted_only_holding_every_live_adapter_then_rou
     _, seen = replica_faults
     report(record_property, "that replica restarted", orphans=len(seen["orphans"]))
     samples = seen["samples"]
+    # While it was held it was listed, not admitted and not routed to (the samples hold it before admission).
+    held = seen["held"]
+    print(f"held replica as the proxy listed it: {[(r['state'], r['last_error']) for r in held][-1:]}")
+    assert held and all(not replica["healthy"] and replica["routed"] == 0 for replica in held), held
     assert all(replica["routed"] == 0 for replica, _, _ in samples if not replica["healthy"])
     assert all(live <= set(replica["loaded_versions"]) for replica, live, _ in samples if replica["healthy"])
     replica, live, replays = seen["admitted"]
@@ -461,7 +513,12 @@ def test_a_killed_panel_resumes_polling_and_sqlite_matches_the_store(replica_fau
     counts = seen["ledger"]
     report(record_property, "panel process killed mid-run", records_lost(counts), len(seen["orphans"]))
     assert seen["panel_kills"] == 3 and seen["panel_exit"] == 0
-    assert seen["behind_at_kill"]  # the second kill came in the middle of a catch-up
+    # The second kill came in the middle of a catch-up: the panel had ingested one chunk of some stream (at most one
+    # per stream, in its single pass) and had not reached the newest chunk of another.
+    ingested = seen["ingested_at_kill"]
+    print(f"panel killed mid-catch-up: chunks ingested {ingested}, behind in {sorted(seen['behind_at_kill'])}")
+    assert sum(ingested.values()) >= 1 and max(ingested.values()) <= 1, ingested
+    assert seen["behind_at_kill"], ingested
     assert all(c["store"] > 0 for c in counts.values()), counts
     assert {kind: (c["lost"], c["duplicated"]) for kind, c in counts.items()} == dict.fromkeys(counts, (0, 0)), counts
     steps = [step for step, _ in QueryService(run.ctx, OWNER).metric_series("fault-replica", "reward", None)]
@@ -508,18 +565,75 @@ def test_losing_every_replica_fails_the_run_after_a_bounded_wait_and_leaves_noth
 # --- row 9: the trainer's disk fills up -----------------------------------------------------------------------------
 
 
+DISK_KIB = 800
+# Put on the trainer's PYTHONPATH when this machine will not mount a tmpfs for us (not root): the trainer's
+# interpreter re-executes itself in a private user and mount namespace of its own (`unshare --user --map-root-user
+# --mount`, no root needed where the kernel allows user namespaces), where a tmpfs is mounted on the trainer's working
+# folder first. Same process (exec, no fork), so the launcher's process group, pid and exit code are unchanged; its
+# children (the proxy, TRL's rollout worker) inherit the namespace. Other jobs are left alone.
+DISK_HOOK = """
+import os, sys
+
+def _small_disk():
+    argv = list(getattr(sys, "orig_argv", ()))
+    if "GRPO_TEST_SMALL_DISK" in os.environ or "-m" not in argv or argv[argv.index("-m") + 1] != "jobs.trainer":
+        return
+    mount = 'mount -t tmpfs -o size=__SIZE__k tmpfs "$0" && exec "$@"'
+    command = [__UNSHARE__, "--user", "--map-root-user", "--mount", "/bin/sh", "-c", mount, __DISK__, sys.executable]
+    os.execve(__UNSHARE__, command + argv[1:], {**os.environ, "GRPO_TEST_SMALL_DISK": __DISK__})
+
+_small_disk()
+"""
+
+
+def tmpfs_in_a_namespace(mount: Path) -> str | None:
+    """None if a private namespace can mount a tmpfs on `mount` here (nothing stays mounted), else why not."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return "no unshare command (util-linux)"
+    check = f'mount -t tmpfs -o size={DISK_KIB}k tmpfs "$0" && test "$(stat -f -c %b "$0")" -gt 0'
+    result = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--mount", "/bin/sh", "-c", check, str(mount)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return f"unshare --user --map-root-user --mount: {result.stderr.strip()}" if result.returncode else None
+
+
 @pytest.fixture
-def small_disk(tmp_path):
-    """An 800 KiB tmpfs: room for the first adapter versions (~150 KiB each), not for a checkpoint (~520 KiB)."""
+def small_disk(tmp_path, monkeypatch, record_property):
+    """An 800 KiB tmpfs as the trainer's working folder: room for the first adapter versions (~150 KiB each), not for
+    a checkpoint (~520 KiB).
+
+    Mounted in a private mount namespace the trainer alone enters (no root needed), or where this machine refuses
+    user namespaces, mounted plainly (root). Skipped only where neither is possible; under CI=true that is a failure.
+    """
     mount = tmp_path / "trainer-disk"
     mount.mkdir()
+    refused = tmpfs_in_a_namespace(mount)
+    if refused is None:
+        hook = tmp_path / "disk-hook"
+        hook.mkdir()
+        code = DISK_HOOK.replace("__UNSHARE__", repr(shutil.which("unshare"))).replace("__DISK__", repr(str(mount)))
+        (hook / "sitecustomize.py").write_text(code.replace("__SIZE__", str(DISK_KIB)))
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+        record_property("small_disk", "tmpfs in the trainer's own mount namespace")
+        yield mount
+        return
     result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=800k", "tmpfs", str(mount)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_KIB}k", "tmpfs", str(mount)], capture_output=True, text=True
     )
     if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "--lazy", str(mount)], check=True)
+        pytest.skip(
+            f"cannot give the trainer a {DISK_KIB} KiB disk here: a private mount namespace was refused ({refused}) "
+            f"and so was a plain tmpfs mount, which needs root ({result.stderr.strip()})"
+        )
+    record_property("small_disk", "tmpfs mounted by root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 def test_a_full_trainer_disk_fails_the_run_naming_the_disk_and_stops_the_replicas(
@@ -535,7 +649,9 @@ def test_a_full_trainer_disk_fails_the_run_naming_the_disk_and_stops_the_replica
         report(record_property, "disk full on the trainer's output folder", orphans=len(orphans))
         print(f"disk full: {final.status_message[:300]}")
         assert final.status == "failed"
-        assert re.match(rf"the trainer's disk is full: {small_disk} has \d+ KiB free of 800 KiB", final.status_message)
+        assert re.match(
+            rf"the trainer's disk is full: {small_disk} has \d+ KiB free of {DISK_KIB} KiB", final.status_message
+        )
         trainer = json.loads(LocalStore(tmp_path / "store").get_bytes(layout.status_key("fault-disk", "trainer")))
         assert trainer["phase"] == "failed" and sorted(trainer["replicas_stopped"]) == ["replica-0", "replica-1"]
         assert {job.role: job.stage for job in run.jobs()} == {
@@ -659,6 +775,7 @@ def test_a_failing_store_is_retried_no_corrupt_version_is_loaded_and_the_run_com
     assert seen["audits"] and all(a["ok"] and set(a["replicas"]) == {"replica-0", "replica-1"} for a in seen["audits"])
     adapters = seen["last_snapshot"]["adapters"]
     assert adapters["loads_failed"] == 0 and adapters["rolled_back"] == 0
+    assert all(c["store"] > 0 and c["sqlite"] > 0 for c in seen["ledger"].values()), seen["ledger"]
     assert {kind: c["lost"] + c["duplicated"] for kind, c in seen["ledger"].items()} == dict.fromkeys(seen["ledger"], 0)
     assert seen["orphans"] == []
 
@@ -722,6 +839,39 @@ _skew()
 """
 
 
+def find_libfaketime() -> tuple[str | None, list[str]]:
+    """The libfaketime that `faketime` preloads (not the MT one, about twice as slow here), found rather than assumed
+    for one architecture; and every place looked in, for the skip reason when there is none.
+
+    Where it is: the package's own file list (Debian's `libfaketime`), else the faketime folder under the multiarch
+    library folder of this platform (`x86_64-linux-gnu`, `aarch64-linux-gnu`, ...), else any such folder, else the
+    folders other distributions and source installs use.
+    """
+    searched: list[str] = []
+    if shutil.which("dpkg-query"):
+        for package in ("libfaketime", "faketime"):
+            searched.append(f"dpkg-query -L {package}")
+            listed = subprocess.run(["dpkg-query", "-L", package], capture_output=True, text=True, timeout=60)
+            for line in listed.stdout.splitlines():
+                if line.endswith("/faketime/libfaketime.so.1") and os.path.isfile(line):
+                    return line, searched
+    triplets = [sysconfig.get_config_var("MULTIARCH"), f"{os.uname().machine}-linux-gnu"]
+    patterns = [f"/usr/lib/{triplet}/faketime/libfaketime.so.1" for triplet in dict.fromkeys(filter(None, triplets))]
+    patterns += [
+        "/usr/lib/*/faketime/libfaketime.so.1",
+        "/usr/lib64/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+        "/usr/local/lib/faketime/libfaketime.so.1",
+        "/usr/local/lib/*/faketime/libfaketime.so.1",
+    ]
+    for pattern in patterns:
+        searched.append(pattern)
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[0], searched
+    return None, searched
+
+
 def skew_offsets(store: LocalStore, run_id: str, stream: str) -> dict[int, float]:
     """Per trainer attempt: how far ahead of the real clock its records' times were (chunk mtimes are real time)."""
     offsets: dict[int, float] = {}
@@ -733,14 +883,15 @@ def skew_offsets(store: LocalStore, run_id: str, stream: str) -> dict[int, float
 
 @pytest.fixture(scope="module")
 def clock_skew(tmp_path_factory):
-    if not Path(LIBFAKETIME).exists():
-        pytest.skip(f"libfaketime is not installed ({LIBFAKETIME}): apt-get install faketime")
+    library, searched = find_libfaketime()
+    if library is None:
+        pytest.skip(f"libfaketime is not installed (looked in: {'; '.join(searched)}): apt-get install faketime")
     data = tmp_path_factory.mktemp("clock-skew")
     hook = data / "skew-hook"
     hook.mkdir()
     config = hook / "skews.json"
     config.write_text(json.dumps(SKEWS))
-    code = SKEW_HOOK.replace("CONFIG", repr(str(config))).replace("LIBRARY", repr(LIBFAKETIME))
+    code = SKEW_HOOK.replace("CONFIG", repr(str(config))).replace("LIBRARY", repr(library))
     (hook / "sitecustomize.py").write_text(code)
     skewed_path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     spec = demo_spec(
@@ -820,6 +971,7 @@ def test_a_killed_trainer_relaunched_on_another_clock_leaves_every_step_in_sqlit
         range(1, SKEW_STEPS + 1)
     )  # every step once: none lost, none twice
     assert all(attempt == (1 if step <= checkpoint else 2) for step, attempt in rewards)
+    assert all(c["store"] > 0 for c in counts.values()), counts
     assert {kind: (c["lost"], c["duplicated"]) for kind, c in counts.items()} == dict.fromkeys(counts, (0, 0)), counts
     assert seen["orphans"] == []
 

@@ -28,6 +28,7 @@ from jobs.contract import layout
 from jobs.replica.heartbeat import counter_value
 from jobs.store import LocalStore
 from tests.support.replica import HTTP_TIMEOUT, Recomputer, ReplicaProcess, make_adapter, tiny_spec, write_spec
+from tests.support.waiting import wait_until
 
 CONTRACT_URL = os.environ.get("REPLICA_CONTRACT_URL")
 TOLERANCE = 1e-4
@@ -347,14 +348,20 @@ def test_pause_keep_holds_requests_until_resume(server, adapters, prompts):
     assert response.status_code == 200 and response.json() == {"status": "paused"}
     try:
         assert server.get("/is_paused").json() == {"is_paused": True}
+        generated = server.metric("vllm:generation_tokens_total")
         with ThreadPoolExecutor(1) as pool:
             held = pool.submit(server.complete, prompt=prompts[0], seed=1)
-            time.sleep(1.0)
+            # The request has reached the engine (so "not done" below means held, not "not arrived yet")...
+            wait_until(lambda: pending(server) >= 1 or held.done(), 30, what="the request queued in the engine")
             assert not held.done(), "a paused engine must not generate"
             with loaded(server, adapters["a"]):  # TRL loads the next version while paused
                 pass
+            # ...and a whole adapter load and unload later, it is still held and not one token was generated.
+            assert not held.done() and pending(server) >= 1, "a paused engine must not generate"
+            assert server.metric("vllm:generation_tokens_total") == generated
             assert server.post("/resume").json() == {"status": "resumed"}
             assert len(held.result(timeout=30)["choices"][0]["token_ids"]) >= 1
+        assert server.metric("vllm:generation_tokens_total") > generated  # the counter does count this request
     finally:
         server.post("/resume")
     assert server.get("/is_paused").json() == {"is_paused": False}
@@ -382,21 +389,26 @@ def test_an_accepted_request_finishes_after_its_adapter_is_unloaded(server, adap
     assert server.post("/v1/completions", {**TRL_BODY, "model": name, "prompt": prompts[1]}).status_code == 404
 
 
+def pending(server: Server) -> float:
+    """Requests the engine holds: queued or generating."""
+    return server.metric("vllm:num_requests_waiting") + server.metric("vllm:num_requests_running")
+
+
 def test_a_request_whose_client_went_away_is_dropped(server, prompts):
     """A client timeout (TRL's request_timeout) must not leave the request queued for generation."""
-
-    def pending() -> float:
-        return server.metric("vllm:num_requests_waiting") + server.metric("vllm:num_requests_running")
-
     server.post("/pause", mode="keep")
     try:
         body = {**TRL_BODY, "model": server.base, "prompt": prompts[0]}
-        with pytest.raises(requests.Timeout):
-            requests.post(server.url + "/v1/completions", json=body, timeout=1.0)
-        deadline = time.monotonic() + 10
-        while pending() > 0:
-            assert time.monotonic() < deadline, "the abandoned request is still queued"
-            time.sleep(0.05)
+        with ThreadPoolExecutor(1) as pool:
+            abandoned = pool.submit(requests.post, server.url + "/v1/completions", json=body, timeout=3.0)
+            # It was queued in the engine (so the drop below is the engine's doing, not a request that never came)...
+            wait_until(lambda: pending(server) >= 1 or abandoned.done(), 30, what="the request queued in the engine")
+            assert pending(server) >= 1, "the request never reached the engine"
+            with pytest.raises(requests.Timeout):
+                abandoned.result(timeout=30)
+        # ...and once its client went away it is dropped, though the engine is still paused.
+        wait_until(lambda: pending(server) == 0, 10, what="the abandoned request dropped")
+        assert server.get("/is_paused").json() == {"is_paused": True}
     finally:
         server.post("/resume")
 

@@ -46,12 +46,13 @@ from app.pages.launch import LaunchPage, _fingerprint
 from app.pages.monitor import SUBTABS, MonitorPage
 from app.pages.runs import RunsPage
 from app.panel import Panel, SignInRequired
+from backend import landlock
 from backend.api import PanelServices
 from backend.context import PanelContext
 from backend.db import Database
 from backend.models import Credential, Job, Run
 from backend.poller import Poller
-from backend.sandbox import SandboxError, SandboxLimits, run_rewards
+from backend.sandbox import SandboxError, SandboxLimits, _limit, run_rewards
 from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
@@ -160,7 +161,7 @@ class HubRun:
     hf_id: int
     keys_id: int
     logs: list[str]
-    replica_answers: dict[str, int]  # how a replica's exposed port answered each kind of caller
+    replica_answers: dict[str, Any]  # how a replica's exposed port answered each kind of caller, and where it is
     proxy_listens: list[tuple[str, int]]  # the trainer's proxy's listening addresses, seen while it ran
     secrets: dict[str, str]
 
@@ -196,17 +197,30 @@ def _proxy_listening(emulator: HubEmulator) -> list[tuple[str, int]]:
     return []
 
 
-def _replica_answers(ctx: PanelContext) -> dict[str, int]:
+def _replica_answers(ctx: PanelContext, emulator: HubEmulator) -> dict[str, Any]:
+    """How replica-0's endpoint (the one the panel recorded) answers each kind of caller: status, the challenge
+    header of a refusal, and the body; and the URLs the Hub exposes that job's port at."""
     with ctx.db.session() as session:
         job = session.exec(select(Job).where(Job.run_id == RUN_ID, Job.role == "replica-0")).one()
-    health = job.endpoint.rstrip("/") + "/health"
+    models = job.endpoint.rstrip("/") + "/v1/models"
     load = job.endpoint.rstrip("/") + "/v1/load_lora_adapter"
-    body = {"lora_name": "x", "lora_path": "/tmp"}
+
+    def ask(method: str, url: str, token: str | None = None, **options: Any) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        response = requests.request(method, url, headers=headers, timeout=10, **options)
+        return {
+            "status": response.status_code,
+            "challenge": response.headers.get("WWW-Authenticate"),
+            "body": response.text[:2000],
+        }
+
     return {
-        "no token": requests.get(health, timeout=10).status_code,
-        "another token": requests.get(health, headers={"Authorization": f"Bearer {BOB_TOKEN}"}, timeout=10).status_code,
-        "the token": requests.get(health, headers={"Authorization": f"Bearer {HF_TOKEN}"}, timeout=10).status_code,
-        "a load without a token": requests.post(load, json=body, timeout=10).status_code,
+        "endpoint": job.endpoint,
+        "exposed": emulator.job(job.backend_job_id).expose_urls,
+        "no token": ask("GET", models),
+        "another token": ask("GET", models, BOB_TOKEN),
+        "the token": ask("GET", models, HF_TOKEN),
+        "a load without a token": ask("POST", load, json={"lora_name": "x", "lora_path": "/tmp"}),
     }
 
 
@@ -235,7 +249,7 @@ def hub_run(tmp_path_factory, moto_server) -> HubRun:
             assert checked.ok, checked.errors
             services.runs.create(spec, store_keys.id, hf.id)
             services.runs.launch(RUN_ID, wait=True)
-            replica_answers = _replica_answers(ctx)
+            replica_answers = _replica_answers(ctx, emulator)
             poller = Poller(ctx)
             listens: list[tuple[str, int]] = []
 
@@ -274,12 +288,18 @@ def test_no_secret_value_is_left_anywhere_after_a_run(hub_run):
     scan = SecretScan(hub_run.secrets)
     # Every object in the bucket (its key and its bytes), not only the run's prefix.
     client = hub_run.moto.client()
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=hub_run.bucket):
-        for item in page.get("Contents", []):
-            scan.scan(f"s3://{hub_run.bucket}/{item['Key']} (key)", item["Key"])
-            body = client.get_object(Bucket=hub_run.bucket, Key=item["Key"])
-            scan.scan(f"s3://{hub_run.bucket}/{item['Key']}", body["Body"].read())
-            scan.scan(f"s3://{hub_run.bucket}/{item['Key']} (metadata)", json.dumps(body.get("Metadata", {})))
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=hub_run.bucket)
+    keys = [item["Key"] for page in pages for item in page.get("Contents", [])]
+    # The listing holds what the run wrote (else the loop below would scan nothing and prove nothing).
+    run = f"panel/{layout.RUNS}/{RUN_ID}/"
+    assert f"panel/{layout.spec_key(RUN_ID)}" in keys, keys[:20]
+    assert any(key.startswith(f"{run}adapters/") and key.endswith(layout.MANIFEST) for key in keys), keys[:20]
+    assert any(key.startswith(f"{run}telemetry/metrics/") for key in keys), keys[:20]
+    for key in keys:
+        scan.scan(f"s3://{hub_run.bucket}/{key} (key)", key)
+        body = client.get_object(Bucket=hub_run.bucket, Key=key)
+        scan.scan(f"s3://{hub_run.bucket}/{key}", body["Body"].read())
+        scan.scan(f"s3://{hub_run.bucket}/{key} (metadata)", json.dumps(body.get("Metadata", {})))
     # The SQLite database with its -wal and -shm files, the panel's data folder, and everything the jobs wrote:
     # their working folders, HOME and TMPDIR, and the emulator's volumes.
     database = hub_run.ctx.db.path
@@ -287,6 +307,7 @@ def test_no_secret_value_is_left_anywhere_after_a_run(hub_run):
     assert any(database.parent.glob("*.sqlite3-wal")), "the database is expected in WAL mode"
     scan.scan_tree(hub_run.root)
     # Every log: the jobs' log lines as the Hub serves them, and the panel's own log records.
+    assert len(hub_run.emulator.jobs) == 3 and all(job.lines for job in hub_run.emulator.jobs.values())
     for job in hub_run.emulator.jobs.values():
         scan.scan(f"log of job {job.id}", "\n".join(job.lines))
         scan.scan(f"job {job.id} as the Hub shows it", json.dumps(job.to_json()))
@@ -325,14 +346,25 @@ def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
 
 
 def test_replica_ports_demand_the_bearer_token_on_the_hub(hub_run):
-    assert hub_run.replica_answers == {
-        "no token": 401,
-        "another token": 401,
-        "the token": 200,
-        "a load without a token": 401,
-    }
+    """On HF Jobs the platform checks the token in front of an exposed port (the replica checks none there): the
+    product's part is to expose the replica's port privately and to reach the replica only through the Hub's URL
+    for it. The refusals below are the Hub's (the emulator's), so what is asserted of the product is that part, and
+    that a caller with the token does reach the replica."""
+    answers = hub_run.replica_answers
     replicas = [s.spec for s in hub_run.emulator.submissions if s.spec["labels"]["grpo-role"] != "trainer"]
-    assert replicas and all(not body["expose"].get("portsPublic") for body in replicas)
+    assert len(replicas) == 2
+    assert all(body["expose"]["ports"] and not body["expose"].get("portsPublic") for body in replicas)
+    assert answers["endpoint"] in answers["exposed"]  # the panel talks to the replica through the Hub's proxy
+    # With the token, the answer is the replica's own: its engine's model list, which only the product produces.
+    reached = answers["the token"]
+    assert reached["status"] == 200, reached
+    assert json.loads(reached["body"])["data"][0]["id"] == "builtin:tiny-qwen2", reached
+    # Without it (or with another account's), the Hub refuses in front of the port and nothing of the replica's
+    # comes back.
+    for caller in ("no token", "another token", "a load without a token"):
+        refused = answers[caller]
+        assert refused["status"] == 401 and refused["challenge"] == "Bearer", (caller, refused)
+        assert "tiny-qwen2" not in refused["body"] and "lora" not in refused["body"].lower(), (caller, refused)
 
 
 def test_the_proxy_in_the_trainer_job_listens_on_loopback_only(hub_run):
@@ -746,11 +778,52 @@ def test_the_time_limit_ends_the_reward_in_bounded_time_with_nothing_left_behind
     assert sandbox_processes() == []
 
 
-def test_no_network_even_past_the_audit_hook():
+def past_the_audit_hook(code: str, tmp_path: Path, confined: bool = True) -> dict[str, Any]:
+    """Run `code` as reward code would run if it got past the runner's audit hook: a Python with no audit hook,
+    started with the environment, limits, network namespace and Landlock rules the sandbox gives reward code
+    (`backend.sandbox._limit`, strict as on a shared panel); or, with `confined=False`, with none of them (the
+    control). Returns the JSON the code prints last."""
+    scratch = tmp_path / ("scratch" if confined else "unconfined")
+    scratch.mkdir()
+    limit = _limit(SandboxLimits(seconds=10), scratch, strict=True) if confined else None
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", textwrap.dedent(code)],
+            cwd=scratch,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=limit,
+        )
+    except subprocess.SubprocessError:
+        pytest.skip(
+            f"this kernel cannot confine reward code past the audit hook (Landlock ABI {landlock.abi()}): here the "
+            "hook alone stands, and a shared panel refuses code rewards"
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+CONNECT = """
+    import ctypes, json, struct
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.socket(2, 1, 0)
+    address = struct.pack("=H", 2) + struct.pack("!H", PORT) + bytes([127, 0, 0, 1]) + bytes(8)
+    print(json.dumps({"connect": libc.connect(fd, address, len(address)), "errno": ctypes.get_errno()}))
+"""
+SYSTEM = """
+    import ctypes, json
+    print(json.dumps({"system": ctypes.CDLL(None).system(b"touch MARKER")}))
+"""
+
+
+def test_no_network_even_past_the_audit_hook(tmp_path):
     """Reward code that calls libc's connect() through ctypes, beside Python's socket module, reaches nothing."""
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(4)
+        listener.setblocking(False)
         port = listener.getsockname()[1]
         source = f"""
             import ctypes, struct
@@ -760,50 +833,81 @@ def test_no_network_even_past_the_audit_hook():
                 address = struct.pack("=H", 2) + struct.pack("!H", {port}) + bytes([127, 0, 0, 1]) + bytes(8)
                 return [float(libc.connect(fd, address, len(address)))] * len(completions)
         """
+        # In the sandbox the audit hook refuses ctypes before any C function is called, and says so.
         (trial,) = run_rewards([user_reward(source)], ROWS, ["2", "2"], SandboxLimits(seconds=5))
-        listener.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            listener.accept()
-    assert trial.error is not None or trial.scores == [-1.0, -1.0]
+        assert trial.error and "may not load C libraries" in trial.error, trial
+        # Past the hook, the OS confinement refuses the connection itself (Landlock ABI 4+, or the empty network
+        # namespace a privileged panel gets).
+        if landlock.abi() < 4 and os.geteuid() != 0:
+            pytest.skip(
+                f"Landlock ABI {landlock.abi()} cannot refuse TCP, and only root gets an empty network namespace"
+            )
+        code = CONNECT.replace("PORT", str(port))
+        confined = past_the_audit_hook(code, tmp_path)
+        assert confined["connect"] == -1, confined
+        assert not _accepted(listener), "reward code connected"
+        # The control: the same code unconfined does connect, so the refusal above is the confinement's.
+        assert past_the_audit_hook(code, tmp_path, confined=False)["connect"] == 0
+        assert wait_until(lambda: _accepted(listener), 10, what="the unconfined connection")
+
+
+def _accepted(listener: socket.socket) -> bool:
+    """Whether a connection was waiting on the (non-blocking) listener; it is closed."""
+    try:
+        connection, _ = listener.accept()
+    except BlockingIOError:
+        return False
+    connection.close()
+    return True
 
 
 def test_no_commands_even_past_the_audit_hook(tmp_path):
     """The audit hook refuses os.system; libc's system() through ctypes must not run a command either."""
     marker = tmp_path / "escaped"
-    source = f"""
-        import ctypes
-        def f(completions, **kw):
-            ctypes.CDLL(None).system(b"touch {marker}")
-            return [1.0] * len(completions)
-    """
-    run_rewards([user_reward(source)], ROWS, ["2", "2"], SandboxLimits(seconds=5))
-    assert not marker.exists(), "reward code ran a shell command"
+    code = SYSTEM.replace("MARKER", str(marker))
+    source = f"import ctypes\ndef f(completions, **kw):\n    ctypes.CDLL(None).system(b'touch {marker}')\n" + (
+        "    return [1.0] * len(completions)\n"
+    )
+    (trial,) = run_rewards([user_reward(source)], ROWS, ["2", "2"], SandboxLimits(seconds=5))
+    assert trial.error and "may not load C libraries" in trial.error, trial  # the hook: no C call was made
+    confined = past_the_audit_hook(code, tmp_path)
+    assert confined["system"] != 0 and not marker.exists(), "reward code ran a shell command"
+    # The control: unconfined, the same call does run the command, so the refusal above is the confinement's.
+    assert past_the_audit_hook(code, tmp_path, confined=False)["system"] == 0 and marker.exists()
 
 
 def test_the_panels_environment_is_out_of_reach(tmp_path):
     """A panel started with its key (or a token) in its environment: reward code must not read it from /proc."""
     script = textwrap.dedent(
         """
-        import json, sys
+        import json, subprocess, sys
         from backend.sandbox import SandboxLimits, run_rewards
         from jobs.contract import RewardSpec
         source = (
             "import os\\n"
             "def f(completions, **kw):\\n"
-            "    data = open(f'/proc/{os.getppid()}/environ', 'rb').read()\\n"
+            "    try:\\n"
+            "        data = open(f'/proc/{os.getppid()}/environ', 'rb').read()\\n"
+            "    except OSError:\\n"
+            "        return [-1.0] * len(completions)\\n"
             "    return [float(b'GRPO_PANEL_KEY=' in data)] * len(completions)\\n"
         )
         reward = RewardSpec(kind="code", name="peek", source=source, entry_point="f")
         rows = [{"prompt": "x", "answer": "1"}]
         (trial,) = run_rewards([reward], rows, ["1"], SandboxLimits(seconds=5))
-        print(json.dumps({"scores": trial.scores, "error": trial.error}))
+        # The control: the same function in a plain child of this panel process finds the key.
+        control = subprocess.run(
+            [sys.executable, "-c", source + "print(f(['x'])[0])"], capture_output=True, text=True, timeout=60
+        )
+        print(json.dumps({"scores": trial.scores, "error": trial.error, "control": control.stdout.strip()}))
         """
     )
     env = {**os.environ, KEY_ENV: "panel-key-that-rewards-must-not-see", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     trial = json.loads(done.stdout.strip().splitlines()[-1])
-    assert trial["scores"] != [1.0], "reward code read the panel's environment"
+    assert trial["control"] == "1.0", "the check cannot see the key even unconfined: it would prove nothing"
+    assert trial["error"] is None and trial["scores"] == [-1.0], f"reward code read the panel's environment: {trial}"
 
 
 def test_the_vault_key_and_database_are_out_of_reach(tmp_path, monkeypatch):
@@ -812,7 +916,7 @@ def test_the_vault_key_and_database_are_out_of_reach(tmp_path, monkeypatch):
     ctx = PanelContext(Database(tmp_path / "data" / "panel.sqlite3"), tmp_path / "data")
     ctx.vault.save(ALICE, "hub", "hf_token", HF_TOKEN)
     paths = [tmp_path / "data" / "secret.key", ctx.db.path]
-    assert all(path.exists() for path in paths)
+    assert all(path.read_bytes() for path in paths)  # there, and readable to code that is not confined
     source = f"""
         def f(completions, **kw):
             readable = 0
@@ -825,4 +929,7 @@ def test_the_vault_key_and_database_are_out_of_reach(tmp_path, monkeypatch):
     """
     (trial,) = run_rewards([user_reward(source)], ROWS, ["2", "2"], SandboxLimits(seconds=5))
     ctx.db.close()
-    assert trial.scores in ([], [0.0, 0.0]), "reward code read the vault key or the database"
+    # The reward ran (scores, no error) and could open neither file.
+    assert trial.error is None and trial.scores == [0.0, 0.0], (
+        f"reward code read the vault key or the database: {trial}"
+    )

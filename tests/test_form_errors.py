@@ -1,0 +1,346 @@
+"""Every error key the product can produce lands in the note of its field on the launch form, labelled in words.
+
+The keys are not typed in here: they are what the product answers. Every field of RunSpec, walked from the model (so
+a new field fails this test until the table below says where its errors go), is given a value it refuses and then a
+secret, and whatever keys `parse_spec` names are routed; so are the keys of the spec's cross-field checks and the
+keys preflight names itself, collected from the modules that raise them. The form is the launch form with one
+built-in reward (`rewards.0`) and one reward written in Python (`rewards.1`).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import pytest
+from pydantic import BaseModel
+
+from app.launch_form import CODE_TEMPLATE, KEYS, SLOTS, form_from_spec, label, route_errors, spec_from_form
+from app.pages.launch import LaunchPage
+from app.panel import Panel
+from backend.context import PanelContext
+from backend.db import Database
+from jobs.contract import RunSpec, SpecError, parse_spec
+from jobs.demo.preset import demo_spec
+
+REPO = Path(__file__).resolve().parent.parent
+MESSAGE = "what is wrong and how to fix it"
+SECRET = "hf_abcdefghijklmnopqrstuvwxyz0123"  # token-shaped: the spec's secret check refuses it wherever it is
+INVALID = [{"not": "valid"}]  # refused by every field: no string, number, bool, literal, dict or list of strings
+REWARD = "reward"  # in the table: the note of the reward the key names (rewards.0 built-in, rewards.1 code)
+# Where the errors of each RunSpec field (and of each key preflight names on its own) must show, and their label.
+# `rewards.*.<field>` is a field of any reward; its label reads "<label> of reward <n> (<name>)".
+EXPECTED: dict[str, tuple[str, str | None]] = {
+    "spec": ("general", "Settings"),
+    "schema_version": ("general", "Spec version"),
+    "run_id": ("run", "Run id"),
+    "name": ("run", "Name"),
+    "model.id": ("model", "Model"),
+    "model.revision": ("advanced", "Revision"),
+    "model.max_model_len": ("advanced", "Max model length"),
+    "model.dtype": ("advanced", "Dtype"),
+    "dataset": ("dataset", "Dataset"),
+    "dataset.source": ("dataset", "Dataset source"),
+    "dataset.id": ("dataset", "Dataset"),
+    "dataset.split": ("dataset", "Split"),
+    "dataset.prompt_column": ("dataset", "Prompt column"),
+    "dataset.answer_column": ("dataset", "Answer column"),
+    "dataset.system_prompt": ("dataset", "System prompt"),
+    "dataset.limit": ("dataset", "Row limit"),
+    "rewards": ("rewards_code", "Rewards"),  # the list as a whole; the form has a code reward
+    "rewards.*": (REWARD, None),  # a reward's trial: its message starts with the reward's name, no label
+    "rewards.*.kind": (REWARD, "Kind"),
+    "rewards.*.name": (REWARD, "Name"),
+    "rewards.*.params": (REWARD, "Parameters"),
+    "rewards.*.source": (REWARD, "Code"),
+    "rewards.*.entry_point": (REWARD, "Function to call"),
+    "rewards.*.weight": (REWARD, "Weight"),
+    "lora.rank": ("training", "LoRA rank"),
+    "lora.alpha": ("training", "LoRA alpha"),
+    "lora.target_modules": ("training", "Target modules"),
+    "lora.dropout": ("advanced", "LoRA dropout"),
+    "grpo.num_generations": ("training", "Generations per prompt"),
+    "grpo.completions_per_step": ("training", "Completions per step"),
+    "grpo.max_completion_length": ("training", "Max completion tokens"),
+    "grpo.temperature": ("advanced", "Temperature"),
+    "grpo.top_p": ("advanced", "Top-p"),
+    "grpo.top_k": ("advanced", "Top-k"),
+    "grpo.learning_rate": ("training", "Learning rate"),
+    "grpo.adam_beta2": ("advanced", "Adam β2"),
+    "grpo.epsilon": ("advanced", "Clip ε"),
+    "grpo.max_steps": ("training", "Max steps"),
+    "grpo.max_staleness": ("training", "Max staleness"),
+    "grpo.weight_sync_steps": ("advanced", "Weight sync every"),
+    "grpo.max_inflight": ("advanced", "Max in flight"),
+    "grpo.queue_size": ("advanced", "Queue size"),
+    "grpo.token_budget": ("advanced", "Token budget"),
+    "grpo.gradient_checkpointing": ("advanced", "Gradient checkpointing"),
+    "grpo.save_steps": ("advanced", "Checkpoint every"),
+    "grpo.seed": ("advanced", "Seed"),
+    "grpo.audit_every": ("advanced", "Policy audit every"),
+    "compute.backend": ("compute", "Where the jobs run"),
+    "compute.token": ("compute", "HF token"),
+    "compute.namespace": ("compute", "Namespace"),
+    "compute.trainer_flavor": ("compute", "Trainer hardware"),
+    "compute.replica_flavor": ("compute", "Replica hardware"),
+    "compute.replicas": ("compute", "Replicas"),
+    "compute.timeout": ("compute", "Timeout"),
+    "compute.replica_image": ("advanced", "Replica image"),
+    "compute.trainer_image": ("advanced", "Trainer image"),
+    "compute.engine": ("advanced", "Inference engine"),
+    "compute.cost_cap_usd": ("advanced", "Cost cap"),
+    "storage.uri": ("storage", "Bucket location"),
+    "storage.endpoint": ("storage", "Endpoint"),
+    "storage.region": ("storage", "Region"),
+    "storage.credentials": ("storage", "Bucket keys"),
+    "parent.run_id": ("general", "Parent run id"),
+    "parent.version": ("general", "Parent version"),
+}
+# Keys preflight names itself, gathered from the code that raises them: `errors["..."]` in preflight, and the
+# "<field>: ..." messages of the errors it turns into keys. A templated one expands to the keys it stands for.
+PREFLIGHT_SOURCES = {
+    "backend/preflight.py": r'errors\[f?"([^"]+)"\]',
+    "jobs/trainer/dataset.py": r'DatasetError\(\s*f?"([a-z_][\w.{}]*): ',
+    # LaunchError and its kinds (UnknownFlavor, ...); preflight keys only the compute.* ones by their field.
+    "backend/launchers/hf_jobs.py": r'raise \w+\(\s*f?"(compute\.[\w.{}]*): ',
+    "backend/launchers/base.py": r'raise \w+\(\s*f?"(compute\.[\w.{}]*): ',
+    "backend/services/runs.py": r'RunStateError\(\s*f?"([a-z_][\w.{}]*): ',
+}
+TEMPLATES = {
+    "rewards.{index}": ["rewards.0", "rewards.1"],
+    "compute.{field}": ["compute.trainer_flavor", "compute.replica_flavor"],
+    "dataset.{field}": ["dataset.prompt_column", "dataset.answer_column"],
+}
+
+
+@pytest.fixture(scope="module")
+def form() -> dict[str, Any]:
+    """The launch form filled with the demo, one built-in reward and one written in Python."""
+    values = form_from_spec(demo_spec("form-errors", "file:///tmp/form-errors-store").model_dump())
+    values.update(
+        builtin_rewards=["digit_frac"], code_enabled=True, code_name="custom", code_entry="reward", code_weight=1.0
+    )
+    values.update(code_source=CODE_TEMPLATE, store_credential="", hf_credential="")
+    built = spec_from_form(values)
+    assert [r["kind"] for r in built.spec["rewards"]] == ["builtin", "code"]
+    assert built.reward_slots == ["rewards_builtin", "rewards_code"]
+    parse_spec(built.spec)  # valid as built: every error below comes from the one value changed
+    return values
+
+
+# --- the keys the product produces ------------------------------------------------------------------------------
+
+
+def _model_in(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The pydantic model a field holds (directly, optionally or as a list of them), and whether it is a list."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _model_in(args[0])
+    if origin is list and args:
+        model, _ = _model_in(args[0])
+        return model, model is not None
+    if origin in (typing.Union, types.UnionType):
+        for arg in args:
+            model, is_list = _model_in(arg)
+            if model is not None:
+                return model, is_list
+    return None, False
+
+
+def spec_fields(model: type[BaseModel] = RunSpec, prefix: str = "") -> list[str]:
+    """Every leaf field of the spec as a dotted path; the items of a list of sections as `*`."""
+    paths = []
+    for name, info in model.model_fields.items():
+        inner, is_list = _model_in(info.annotation)
+        path = f"{prefix}{name}"
+        if inner is None:
+            paths.append(path)
+        else:
+            paths += spec_fields(inner, f"{path}.*." if is_list else f"{path}.")
+    return paths
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A deep copy of `data` with `path` (dotted, list items by number) set to `value`."""
+    data = copy.deepcopy(data)
+    *parents, last = path.split(".")
+    node: Any = data
+    for part in parents:
+        if isinstance(node, list):
+            node = node[int(part)]
+        else:
+            if node.get(part) is None:  # an optional section the form leaves out (a branch's parent)
+                node[part] = {"run_id": "another-run", "version": 1} if part == "parent" else {}
+            node = node[part]
+    node[last] = value
+    return data
+
+
+def _errors(data: Any) -> dict[str, str]:
+    try:
+        parse_spec(data)
+    except SpecError as error:
+        return error.errors
+    raise AssertionError(f"the spec was accepted: {data}")
+
+
+def produced_keys(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    """(generic field path, key the product named) for every way the spec gets an error in."""
+    found: list[tuple[str, str]] = []
+    for field in spec_fields():
+        concrete = [field.replace("*", str(index)) for index in (0, 1)] if "*" in field else [field]
+        for path in concrete:
+            for value in (INVALID, SECRET, [SECRET], {"tags": [SECRET]}):
+                errors = _errors(_set(spec, path, value))
+                found += [(field, key) for key in errors]
+    # The cross-field checks, and a spec that is not even an object.
+    cross = [
+        ({**spec, "rewards": []}, "rewards"),
+        ({**spec, "rewards": [spec["rewards"][1], spec["rewards"][1]]}, "rewards"),
+        (_set(spec, "grpo.max_completion_length", 10_000), "grpo.max_completion_length"),
+        (_set(spec, "parent.run_id", spec["run_id"]), "parent.run_id"),
+        (_set(spec, "grpo.queue_size", 8), "grpo.queue_size"),
+        (_set(spec, "compute.backend", "hf_jobs"), "compute.namespace"),
+        (_set(spec, "storage.uri", "s3://"), "storage.uri"),
+    ]
+    for data, field in cross:
+        assert field in _errors(data), (field, _errors(data))
+        found.append((field, field))
+    assert set(_errors(["not", "a", "spec"])) == {"spec"}
+    found.append(("spec", "spec"))
+    return found
+
+
+def preflight_keys() -> list[str]:
+    keys: list[str] = []
+    for path, pattern in PREFLIGHT_SOURCES.items():
+        for key in re.findall(pattern, (REPO / path).read_text()):
+            if "{" in key:
+                assert key in TEMPLATES, f"{path} names errors {key!r}: say in TEMPLATES which keys that stands for"
+                keys += TEMPLATES[key]
+            else:
+                keys.append(key)
+    return keys
+
+
+def generic(key: str) -> str:
+    """The table entry a preflight key belongs to: `rewards.1` -> `rewards.*`."""
+    return re.sub(r"^rewards\.\d+", "rewards.*", key)
+
+
+# --- the checks ---------------------------------------------------------------------------------------------------
+
+
+def expected_slot(field: str, key: str, reward_slots: list[str]) -> str:
+    slot, _ = EXPECTED[field]
+    if slot != REWARD:
+        return slot
+    index = int(re.match(r"^rewards(?:\.|\[)(\d+)", key).group(1))
+    return reward_slots[index]
+
+
+def routed_one(key: str, built, code_enabled: bool = True) -> tuple[str, str]:
+    """(slot, text) of the one note an error on `key` shows in."""
+    routed = route_errors({key: MESSAGE}, built, code_enabled)
+    shown = [(slot, text) for slot, texts in routed.items() for text in texts]
+    assert set(routed) == set(SLOTS) and len(shown) == 1, (key, routed)
+    return shown[0]
+
+
+def check_label(field: str, key: str, text: str, rewards: list[dict[str, Any]]) -> None:
+    _, expected = EXPECTED[field]
+    if expected is None:  # a reward's own message: shown as it is
+        assert text == MESSAGE, (key, text)
+        return
+    assert text.endswith(f": {MESSAGE}"), (key, text)
+    shown = text.removesuffix(f": {MESSAGE}")
+    if field.startswith("rewards.*."):
+        index = int(re.match(r"^rewards(?:\.|\[)(\d+)", key).group(1))
+        expected = f"{expected} of reward {index + 1} ({rewards[index]['name']})"
+    assert shown == expected, (key, shown)
+    # Words, never the raw key: no dotted path, no list index, no field name with underscores.
+    assert key not in shown and not re.search(r"\w\.\w|\[\d*\]", shown), (key, shown)
+    assert not [part for part in re.split(r"[.\[\]]", key) if "_" in part and part in shown], (key, shown)
+
+
+def test_every_spec_field_has_a_row_in_the_table():
+    """A field added to RunSpec fails here until the table says which note shows its errors and how it is named."""
+    fields = set(spec_fields())
+    assert fields - set(EXPECTED) == set(), "RunSpec fields with no slot and label in EXPECTED"
+    assert {"rewards.*.source", "parent.run_id", "grpo.max_staleness", "compute.cost_cap_usd"} <= fields
+
+
+def test_every_key_the_spec_produces_lands_in_its_fields_note_with_a_human_label(form):
+    built = spec_from_form(form)
+    cases = produced_keys(built.spec)
+    keys = {key for _, key in cases}
+    # The two spellings the product uses for one field are both among them.
+    assert {"rewards.1.source", "rewards[1].source", "lora.target_modules[0]", "rewards[0].params.tags[0]"} <= keys
+    seen_slots = set()
+    for field, key in cases:
+        slot, text = routed_one(key, built)
+        assert slot == expected_slot(field, key, built.reward_slots), (field, key, slot)
+        check_label(field, key, text, built.spec["rewards"])
+        seen_slots.add(slot)
+    assert seen_slots == set(SLOTS)
+
+
+def test_every_key_preflight_names_lands_in_its_fields_note_with_a_human_label(form):
+    built = spec_from_form(form)
+    keys = preflight_keys()
+    assert {"storage.credentials", "compute.token", "compute.engine", "model.id", "rewards", "rewards.1"} <= set(keys)
+    assert {"dataset.split", "dataset.prompt_column", "compute.trainer_flavor"} <= set(keys)
+    for key in keys:
+        field = generic(key)
+        assert field in EXPECTED, f"preflight names {key!r}: add it to EXPECTED"
+        slot, text = routed_one(key, built)
+        assert slot == expected_slot(field, key, built.reward_slots), (key, slot)
+        check_label(field, key, text, built.spec["rewards"])
+
+
+def test_all_ten_notes_are_reached(form):
+    """Each of the form's notes shows some error: the table exercises every one of them."""
+    built = spec_from_form(form)
+    keys = [key for _, key in produced_keys(built.spec)] + preflight_keys()
+    reached = {routed_one(key, built)[0] for key in keys}
+    assert reached == set(SLOTS) and len(SLOTS) == 10
+
+
+def test_without_a_code_reward_reward_errors_go_to_the_builtin_note(form):
+    built = spec_from_form({**form, "code_enabled": False})
+    assert built.reward_slots == ["rewards_builtin"]
+    for key in ("rewards", "rewards.0", "rewards.0.params", "rewards[0].name"):
+        assert routed_one(key, built, code_enabled=False)[0] == "rewards_builtin", key
+
+
+def test_a_misspelt_field_is_named_in_words_in_its_sections_note(form):
+    built = spec_from_form(form)
+    errors = _errors({**built.spec, "grpo": {**built.spec["grpo"], "max_stalenes": 4}})
+    assert set(errors) == {"grpo.max_stalenes"}
+    assert routed_one("grpo.max_stalenes", built) == ("training", f"Training: max stalenes: {MESSAGE}")
+    assert label("compute.gpu", None) == "Compute: gpu"
+
+
+def test_a_secret_in_reward_code_is_shown_under_the_code_editor(tmp_path, form):
+    """The reported case, through the page's own Check: `rewards[1].source` under the editor, the general note empty."""
+    panel = Panel(PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path / "panel"), space=False)
+    page = LaunchPage(panel)
+    with gr.Blocks():
+        page.build()
+    source = f'TOKEN = "{SECRET}"\n' + CODE_TEMPLATE
+    values = {page.inputs[key]: value for key, value in {**form, "code_source": source}.items() if key in KEYS}
+    outputs = dict(zip(page._check_outputs(), page.check(values), strict=True))
+    notes = {slot: outputs[page.slots[slot]] for slot in SLOTS}
+    code_note = notes["rewards_code"]
+    assert code_note.visible and "Code of reward 2 (custom): holds what looks like" in code_note.value
+    assert "rewards[1]" not in code_note.value and SECRET not in code_note.value
+    assert [slot for slot, note in notes.items() if note.visible] == ["rewards_code"]
+    assert outputs[page.launch_button].interactive is False
+    panel.ctx.db.close()
