@@ -1,15 +1,18 @@
 """Several pollers, one data folder, one trainer writing, under a chosen interleaving: does SQLite equal the store?
 
-A scenario is what the trainer logs (steps per attempt, and the checkpoint each relaunched attempt resumes from) and
-how the pollers run (how many, how many passes each, how many chunks per pass). `run_scenario` plays it under the
-`Scheduler` of tests/support/interleaving.py with the interleaving and kills the caller chooses, lets one more poller
-catch up alone (as the panel would after everyone else died), then compares every table with what the store holds.
-The property test (tests/test_poller_interleavings.py) and bench/interleavings.py draw both from Hypothesis.
+A scenario is what the trainer logs (steps per attempt, and the checkpoint each relaunched attempt resumes from), how
+the pollers run (how many, how many passes each, how many chunks per pass), at which scheduling steps a poller dies,
+and the seed of the interleaving (who runs next at every stop, picked by a PRNG: hundreds of stops per scenario would
+overrun Hypothesis's per-example budget if each were a draw). `run_scenario` plays it under the `Scheduler` of
+tests/support/interleaving.py, lets one more poller catch up alone (as the panel would after everyone else died),
+then compares every table with what the store holds. The property test (tests/test_poller_interleavings.py) and
+bench/interleavings.py draw scenarios from Hypothesis.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import tempfile
 import time
 from collections import Counter
@@ -44,6 +47,7 @@ class Scenario:
     passes: tuple[int, ...]  # one entry per poller: its passes over the run
     chunks_per_pass: tuple[int, ...]  # one entry per poller
     kill_at: tuple[int, ...]  # scheduling steps at which the poller picked there dies
+    schedule_seed: int  # seeds the choice of who runs at each stop
 
 
 @st.composite
@@ -61,6 +65,7 @@ def scenarios(draw: st.DrawFn, max_pollers: int = 3) -> Scenario:
         passes=tuple(draw(st.lists(st.integers(1, 3), min_size=pollers, max_size=pollers))),
         chunks_per_pass=tuple(draw(st.lists(st.integers(1, 4), min_size=pollers, max_size=pollers))),
         kill_at=tuple(draw(st.lists(st.integers(0, 300), max_size=3, unique=True))),
+        schedule_seed=draw(st.integers(0, 2**32 - 1)),
     )
 
 
@@ -73,8 +78,8 @@ class Outcome:
     details: dict[str, Any]
 
 
-def run_scenario(scenario: Scenario, pick: Callable[[list[str]], str]) -> Outcome:
-    """Play `scenario`; `pick(runnable names)` chooses who runs next. Returns what SQLite lost or duplicated."""
+def run_scenario(scenario: Scenario) -> Outcome:
+    """Play `scenario`; returns what SQLite lost or duplicated against the store."""
     with tempfile.TemporaryDirectory(prefix="interleaving-") as folder:
         root = Path(folder)
         raw_store = LocalStore(root / "store")
@@ -84,10 +89,10 @@ def run_scenario(scenario: Scenario, pick: Callable[[list[str]], str]) -> Outcom
         scheduler.add(TRAINER, lambda: _train(store, scenario, root))
         for index, passes in enumerate(scenario.passes):
             scheduler.add(f"poller-{index}", _poller(root, store, passes, scenario.chunks_per_pass[index]))
-        kills = set(scenario.kill_at)
+        kills, picks = set(scenario.kill_at), random.Random(scenario.schedule_seed)
 
         def choose(runnable: list[str]) -> tuple[str, bool]:
-            name = pick(runnable)
+            name = picks.choice(runnable)
             return name, name != TRAINER and scheduler.steps in kills
 
         with scheduler:

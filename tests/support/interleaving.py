@@ -37,6 +37,10 @@ class Killed(BaseException):
     """The worker dies at this point, as its process would on SIGKILL."""
 
 
+class Aborted(BaseException):
+    """The schedule itself failed: every worker unwinds at its next point and ends."""
+
+
 @dataclass
 class Point:
     kind: str  # "sql", "commit", "store", "start"
@@ -65,6 +69,7 @@ class Scheduler:
         self._condition = threading.Condition()
         self.steps = 0
         self.kills = 0
+        self._aborted = False
 
     # --- setting up ----------------------------------------------------------------------------------------------
 
@@ -92,8 +97,10 @@ class Scheduler:
                 worker.connections.append(connection)
             worker.at = Point(kind, detail, writes)
             self._condition.notify_all()
-            self._condition.wait_for(lambda: worker.go is not None)
+            self._condition.wait_for(lambda: worker.go is not None or self._aborted)
             go, worker.go, worker.at = worker.go, None, None
+        if self._aborted:
+            raise Aborted(worker.name)
         if go == "kill":
             raise Killed(f"{worker.name} killed before {kind} {detail[:60]}")
 
@@ -123,10 +130,29 @@ class Scheduler:
     # --- in the test's thread ------------------------------------------------------------------------------------
 
     def run(self, choose: Callable[[list[str]], tuple[str, bool]]) -> None:
-        """Run every worker to its end, one step at a time; raise the first error a worker ended with."""
+        """Run every worker to its end, one step at a time; raise the first error a worker ended with.
+
+        If the schedule itself fails (`choose` raised, a worker got stuck), every worker is unwound before the error
+        goes on, so no thread is left waiting for a turn that will never come.
+        """
         for worker in self.workers.values():
             worker.thread = threading.Thread(target=self._run_worker, args=(worker,), name=worker.name, daemon=True)
             worker.thread.start()
+        try:
+            self._schedule(choose)
+        except BaseException:
+            with self._condition:
+                self._aborted = True
+                self._condition.notify_all()
+            raise
+        finally:
+            for worker in self.workers.values():
+                worker.thread.join(timeout=10)
+        for worker in self.workers.values():
+            if worker.error is not None:
+                raise worker.error
+
+    def _schedule(self, choose: Callable[[list[str]], tuple[str, bool]]) -> None:
         while True:
             with self._condition:
                 settled = self._condition.wait_for(self._all_stopped, STUCK_AFTER_S)
@@ -137,7 +163,7 @@ class Scheduler:
                 runnable = [w.name for w in self.workers.values() if not w.done and not self._blocked(w)]
                 if not runnable:
                     if all(w.done for w in self.workers.values()):
-                        break
+                        return
                     raise AssertionError("every waiting worker is blocked: the lock model is wrong")
             name, kill = choose(runnable)
             with self._condition:
@@ -145,10 +171,6 @@ class Scheduler:
                 self.kills += kill
                 self.workers[name].go = "kill" if kill else "run"
                 self._condition.notify_all()
-        for worker in self.workers.values():
-            worker.thread.join(timeout=10)
-            if worker.error is not None:
-                raise worker.error
 
     def _all_stopped(self) -> bool:
         return all(w.done or (w.at is not None and w.go is None) for w in self.workers.values())
