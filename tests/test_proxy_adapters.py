@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from jobs.contract import layout
-from jobs.store import read_manifest
+from jobs.store import ObjectStore, StoreAccessError, read_manifest
+from tests.support.fake_replica import Gate
 from tests.support.proxy_harness import RUN_ID, write_adapter
 from tests.support.waiting import wait_until
 
@@ -173,3 +174,114 @@ def test_a_republished_version_replaces_the_old_files(harness, tmp_path):
     manifest = read_manifest(harness.store, layout.adapter_prefix(RUN_ID, 1))
     config = json.loads(harness.store.get_bytes(layout.adapter_prefix(RUN_ID, 1) + "adapter_config.json"))
     assert config["seed"] == 2 and manifest.files["adapter_config.json"].size == len(json.dumps(config))
+
+
+class _RefusesWrites(ObjectStore):
+    """The proxy's view of a store that reads but refuses every write (credentials that lost write access)."""
+
+    def __init__(self, inner: ObjectStore):
+        self.inner = inner
+
+    def describe(self) -> str:
+        return "a store that refuses writes"
+
+    def _refuse(self, *_: object) -> None:
+        raise StoreAccessError("AccessDenied: writing is not allowed")
+
+    put_bytes = put_file = delete = _refuse
+
+    def get_bytes(self, key: str) -> bytes:
+        return self.inner.get_bytes(key)
+
+    def get_file(self, key: str, path) -> None:
+        self.inner.get_file(key, path)
+
+    def list(self, prefix: str = "", start_after: str | None = None, limit: int | None = None):
+        return self.inner.list(prefix, start_after, limit)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+
+def test_a_load_before_any_trainer_state_records_no_step(harness, tmp_path):
+    """A manifest's step is null until the trainer reports one, not a made-up value that readers would misparse."""
+    assert harness.load(1, write_adapter(tmp_path / "v1")).status_code == 200
+    assert read_manifest(harness.store, layout.adapter_prefix(RUN_ID, 1)).meta["step"] is None
+    assert adapters_stats(harness)["step"] is None
+
+
+def test_a_publish_the_store_refuses_is_a_500_naming_the_publish(make_harness, local_store, tmp_path):
+    """No replica may be asked to load a version that is not in the store; TRL gets a fatal error saying the publish
+    failed and where, not a replica error."""
+    harness = make_harness(proxy_store=_RefusesWrites(local_store))
+    response = harness.load(1, write_adapter(tmp_path / "v1"))
+    assert response.status_code == 500
+    assert "publishing trl-policy-v1 to a store that refuses writes failed" in response.text
+    assert "AccessDenied" in response.text
+    assert [replica.counters.load_attempts for replica in harness.replicas] == [0, 0]
+    stats = harness.get("/proxy/stats").json()
+    assert (stats["adapters"]["loads_failed"], stats["adapters"]["live"], stats["errors"]["publish"]) == (1, [], 1)
+
+
+def test_an_unload_a_replica_never_answers_fails_after_the_read_timeout(make_harness, tmp_path):
+    """Every request to a replica has a timeout: an unload that one replica accepts and never answers must fail the
+    call after about --read-timeout (TRL would otherwise hang forever), well within this test's 10 s client timeout."""
+    harness = make_harness(with_version=True, read_timeout=1.0)
+    gate = harness.replicas[1].unload_gate = Gate()
+    try:
+        response = harness.post("/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"}, timeout=10)
+    finally:
+        gate.release()
+    assert gate.arrived.is_set()
+    assert response.status_code == 502
+    assert "upstream-1: no answer from the upstream for 1s" in response.text
+    assert held(harness) == [set(), {f"{RUN_ID}-v1"}]
+    assert harness.get("/proxy/replicas").json()["replicas"][1]["failed"] == 1  # counted as a transport failure
+
+
+def test_a_pause_survives_lost_answers_up_to_the_retry_bound(make_harness):
+    """A pause whose answer is cut is sent again (pausing twice is harmless): two lost answers out of three tries must
+    not take the replica out; a third means it is unreachable, and it is ejected rather than failing the run."""
+    harness = make_harness(health_interval=30.0)  # no health check re-admits it behind the test's back
+    lossy = harness.replicas[1]
+    lossy.lose_pause_answers = 2
+    assert harness.post("/pause?mode=keep").status_code == 200
+    assert (lossy.counters.pauses, harness.state(1)) == (3, "healthy")
+    assert [harness.is_paused(0), harness.is_paused(1)] == [True, True]
+    assert harness.post("/resume").status_code == 200
+
+    lossy.lose_pause_answers = 3
+    assert harness.post("/pause?mode=keep").status_code == 200
+    assert (lossy.counters.pauses, harness.state(1)) == (6, "ejected")
+    assert "/pause could not reach it" in harness.get("/proxy/replicas").json()["replicas"][1]["last_error"]
+
+
+def test_a_refused_resume_is_retried_and_a_replica_that_stays_paused_leaves_rotation(make_harness):
+    """TRL's /resume must not fail the run because one replica refused it once, but a replica still paused after
+    the retries must not stay routable: requests sent there would wait forever."""
+    harness = make_harness(health_interval=30.0)  # no health check re-admits it behind the test's back
+    stubborn = harness.replicas[1]
+    assert harness.post("/pause?mode=keep").status_code == 200
+    stubborn.fail_resumes = 2  # the broadcast's try and the first retry; the second retry resumes it
+    assert harness.post("/resume").status_code == 200
+    assert (stubborn.fail_resumes, harness.state(1), harness.is_paused(1)) == (0, "healthy", False)
+
+    assert harness.post("/pause?mode=keep").status_code == 200
+    stubborn.fail_resumes = 3  # the broadcast's try and both retries
+    assert harness.post("/resume").status_code == 200
+    assert (stubborn.fail_resumes, harness.state(1), harness.is_paused(1)) == (0, "ejected", True)
+    assert [replica.role for replica in harness.proxy.membership.routable] == ["upstream-0"]
+    # Re-admission resumes it (the proxy is no longer paused) before it is routable again.
+    assert harness.post("/proxy/replicas/upstream-1/admit").json()["state"] == "healthy"
+    assert harness.is_paused(1) is False
+
+
+def test_a_replica_admitted_after_a_resume_is_not_paused(make_harness):
+    """The resume ends the pause for good: a replica (re-)admitted afterwards must not be paused on admission, or it
+    would hold every request routed to it until the next resume."""
+    harness = make_harness(health_interval=30.0)
+    assert harness.post("/pause?mode=keep").status_code == 200
+    assert harness.post("/resume").status_code == 200
+    assert harness.post("/proxy/replicas/upstream-1/eject").status_code == 200
+    assert harness.post("/proxy/replicas/upstream-1/admit").json()["state"] == "healthy"
+    assert harness.is_paused(1) is False

@@ -191,3 +191,79 @@ def test_a_pause_with_no_replica_back_by_the_deadline_fails_saying_so(make_harne
     response = harness.post("/pause?mode=keep", timeout=30)
     assert response.status_code == 502 and "too few replicas" in response.text
     assert time.monotonic() - started >= 2.0
+
+
+def publish_upstreams(harness, *pairs: tuple[str, str]) -> None:
+    """Write control/upstreams.json listing (role, url) pairs, as the backend does when it replaces a replica."""
+    body = {"replicas": [{"role": role, "url": url} for role, url in pairs], "updated": time.time()}
+    harness.store.put_bytes(layout.control_key(RUN_ID, "upstreams"), json.dumps(body).encode())
+
+
+def listed(harness) -> list[tuple[str, str, str]]:
+    return [(r["role"], r["url"], r["state"]) for r in harness.get("/proxy/replicas").json()["replicas"]]
+
+
+def test_a_new_role_for_a_listed_url_renames_the_replica_in_place(make_harness):
+    """The backend may relabel a replica (same machine, new role): the new role must show in /proxy/replicas and in
+    the routing header, without the replica being dropped and re-admitted."""
+    harness = make_harness(upstreams=[])
+    url = harness.replicas[0].url
+    publish_upstreams(harness, ("replica-0", url))
+    wait_until(lambda: listed(harness) == [("replica-0", url, "healthy")], what="the listed replica admitted")
+    publish_upstreams(harness, ("replica-7", url))
+    wait_until(lambda: listed(harness) == [("replica-7", url, "healthy")], what="the new role")
+    assert harness.completion(PROMPT, model="fake/base-model").headers["X-Proxy-Upstream"] == "replica-7"
+    assert harness.get("/proxy/stats").json()["replicas"][0]["admissions"] == 1
+
+
+def test_a_replica_dropped_from_the_upstream_list_has_its_idle_connections_closed(make_harness):
+    """A replica the backend removed (cancelled, being replaced) must not keep the proxy's pooled keep-alive
+    connections open: they hold a socket on both ends until the replica's server times them out."""
+    harness = make_harness(upstreams=[], health_interval=30.0)  # no health check opens a connection meanwhile
+    replica = harness.replicas[0]
+    publish_upstreams(harness, ("replica-0", replica.url))
+    wait_until(lambda: listed(harness) == [("replica-0", replica.url, "new")], what="the listed replica")
+    assert harness.post("/proxy/replicas/replica-0/admit").json()["state"] == "healthy"
+    assert replica.open_connections >= 1  # the admission's requests left a pooled keep-alive connection
+    publish_upstreams(harness)
+    wait_until(lambda: listed(harness) == [], what="the replica removed")
+    wait_until(lambda: replica.open_connections == 0, what="the pooled connection closed")
+
+
+def test_a_replica_record_has_exactly_the_documented_fields(make_harness):
+    """The panel and the docs (stats.py) read these keys from /proxy/replicas and /proxy/stats: a renamed or missing
+    one breaks them silently, so the record is pinned key by key."""
+    harness = make_harness(health_interval=30.0)  # the ejection below stays in place
+    record = harness.get("/proxy/replicas").json()["replicas"][1]
+    assert set(record) == {
+        "role",
+        "url",
+        "state",
+        "healthy",
+        "routed",
+        "inflight",
+        "failed",
+        "loaded_versions",
+        "admissions",
+        "ejections",
+        "last_error",
+        "since",
+    }
+    assert record == {
+        **record,
+        "role": "upstream-1",
+        "url": harness.replicas[1].url,
+        "state": "healthy",
+        "healthy": True,
+        "failed": 0,
+        "loaded_versions": [],
+        "admissions": 1,
+        "ejections": 0,
+        "last_error": None,
+    }
+    before = time.time()
+    harness.post("/proxy/replicas/upstream-1/eject")
+    ejected = harness.get("/proxy/stats").json()["replicas"][1]
+    assert set(ejected) == set(record)
+    assert (ejected["state"], ejected["ejections"], ejected["last_error"]) == ("ejected", 1, "ejected on request")
+    assert record["since"] <= before <= ejected["since"] <= time.time()

@@ -185,3 +185,68 @@ def test_a_replica_re_admitted_during_a_pause_is_paused_until_the_resume(make_ha
     assert [harness.replica_call(index, "GET", "/is_paused").json()["is_paused"] for index in (0, 1)] == [True, True]
     assert harness.post("/resume").status_code == 200
     assert [harness.replica_call(index, "GET", "/is_paused").json()["is_paused"] for index in (0, 1)] == [False, False]
+
+
+def restart_fresh(harness: Harness, index: int, **switches: Any) -> None:
+    """Kill replica `index` and bring it back as a restarted engine with `switches` set, to be re-admitted."""
+    harness.stop_replica(index)
+    wait_until(lambda: harness.state(index) == "ejected", what="ejection")
+    for name, value in switches.items():
+        setattr(harness.replicas[index], name, value)
+    harness.start_replica(index, fresh=True)
+
+
+def test_a_replayed_version_the_replica_cannot_see_yet_is_retried_within_one_admission(make_harness):
+    """A restarted replica whose store view lags answers "No adapter found" for a while: its replay must be retried
+    until the load deadline, like a broadcast load, so the first admission succeeds instead of failing and waiting
+    for the next health check."""
+    harness = make_harness(with_version=True)
+    restart_fresh(harness, 1, lag_loads=3)
+    wait_until(lambda: harness.state(1) == "healthy", what="re-admission")
+    assert held(harness, 1) == names(1)
+    assert harness.replicas[1].counters.load_attempts == 1 + 4  # v1's broadcast, then 3 lagging replays and 1 load
+    stats = harness.get("/proxy/stats").json()
+    assert (stats["adapters"]["replays"], stats["adapters"]["load_retries"]) == (1, 3)
+    assert "admission" not in stats["errors"]  # admitted at the first try
+
+
+def test_a_replay_that_finds_the_version_already_loaded_counts_as_loaded(make_harness):
+    """The replica loaded a replayed version but its answer was lost; an engine without the sidecar's idempotent
+    repeat then answers the retry with 400 "already been loaded". During a replay that means the replica holds it:
+    the admission succeeds, instead of failing once and leaving the replica out until the next health check."""
+    harness = make_harness(with_version=True)
+    restart_fresh(harness, 1, idempotent_loads=False, lose_load_answers=1)
+    wait_until(lambda: harness.state(1) == "healthy", what="re-admission")
+    assert held(harness, 1) == names(1)
+    counters = harness.replicas[1].counters
+    assert (counters.load_attempts, counters.loads) == (1 + 2, 1 + 1)  # the broadcast, then the lost one and the 400
+    stats = harness.get("/proxy/stats").json()
+    assert stats["adapters"]["replays"] == 1
+    assert "admission" not in stats["errors"]  # admitted at the first try
+
+
+def test_a_replica_whose_load_answers_keep_getting_lost_is_given_up_after_a_few_tries(make_harness, tmp_path):
+    """Transport failures are retried a bounded number of times (3 tries), not until the load deadline: the sync
+    goes on without that replica at once, and it is ejected (it gets the version when re-admitted)."""
+    harness = make_harness(health_interval=30.0)  # no health check re-admits it behind the test's back
+    harness.replicas[1].lose_load_answers = 10**6
+    response = harness.load(1, write_adapter(tmp_path / "v1"))
+    assert response.status_code == 200, response.text
+    stats = harness.get("/proxy/stats").json()
+    assert (stats["adapters"]["load_retries"], stats["adapters"]["live"]) == (2, [1])  # 3 tries in all
+    assert harness.state(1) == "ejected"
+    assert "load of trl-policy-v1 failed" in described(harness, "upstream-1")["last_error"]
+
+
+def test_stopping_the_proxy_during_an_admission_is_clean(make_harness):
+    """The trainer stops the proxy whenever the run ends, a replica may be re-admitting just then: the stop must
+    cancel that admission quietly, not raise and skip the rest of the shutdown (final telemetry, closing
+    connections)."""
+    harness = make_harness(with_version=True, load_deadline=30.0)  # the held replay must not time out
+    gate = restart_held_in_replay(harness, 1)
+    assert harness.state(1) == "admitting"
+    try:
+        harness.proxy_loop.run(harness.proxy.stop())  # the fixture then closes the rest (a second stop does nothing)
+    finally:
+        gate.release()
+    assert harness.state(1) != "healthy"  # cancelled, not completed

@@ -8,19 +8,26 @@ is 404 "No adapter found for <path>", an unknown adapter on unload 404, an unkno
 With a store, a load whose `lora_path` is a `store:` reference is materialised like the sidecar does (download,
 sha256-verified); a version without a manifest answers "No adapter found", so the proxy's retry is exercised for real.
 Like the sidecar (`jobs/replica/sidecar.py`), a repeated load of a name with the same `store:` reference answers 200
-without loading again (a retry whose first answer was lost); the same name with another path is vLLM's 400.
+without loading again (a retry whose first answer was lost), unless `idempotent_loads` is off; the same name with
+another path is vLLM's 400.
 
-Switches (attributes; all but `raw_response` and `load_gate` also through `POST /fake/control` with a JSON object of
-them) make it misbehave: `healthy` (False: /health answers 503), `lag_loads` (the next N load attempts answer "No
-adapter found"), `transient_loads` (the next N answer 503, as a sidecar does when the store does not answer),
-`fail_loads` / `fail_unloads` / `fail_pause` (an HTTP status to answer with), `lose_load_answers` (the next N load
-attempts are carried out, then the connection is dropped without an answer), `raw_response` (bytes returned verbatim
-by generations), `load_gate` (a `Gate`: loads that get past the repeat check wait there until the test releases them,
-and the test learns when one is waiting). `/pause` holds generations until `/resume`, so a test can keep requests in
-flight; one cut while held (its caller went away, or the replica died) is counted in `counters.cancelled`. `stop()`
-makes it die (requests in flight, held ones too, are cut) and `start()` come back on the same port, with `fresh=True`
-as a restarted engine (no adapters, not paused, empty prefix cache; `counters`, `seen` and `unrouted` keep counting).
-`unrouted` lists the requests for paths it does not serve.
+Switches (attributes; all but `raw_response`, `load_gate` and `unload_gate` also through `POST /fake/control` with a
+JSON object of them) make it misbehave: `healthy` (False: /health answers 503), `lag_loads` (the next N load attempts
+answer "No adapter found"), `transient_loads` (the next N answer 503, as a sidecar does when the store does not
+answer), `fail_loads` / `fail_unloads` / `fail_pause` (an HTTP status to answer with), `fail_resumes` (the next N
+/resume answer 500 and leave it paused), `lose_load_answers` (the next N load attempts are carried out, then the
+connection is dropped without an answer), `lose_pause_answers` (the next N /pause are carried out, then the connection
+is cut after the status line: an answer cut short, which the proxy's HTTP client does not re-send by itself),
+`idempotent_loads` (False: a repeated load of a loaded name is vLLM's 400 "already been loaded" even with the same
+`store:` reference, as vLLM without the sidecar answers), `raw_response` (bytes returned verbatim by generations),
+`load_gate` (a `Gate`: loads that get past the repeat check wait there until the test releases them, and the test
+learns when one is waiting), `unload_gate` (a `Gate` that unloads wait at: a replica that accepts an unload and does
+not answer). `/pause` holds generations until `/resume`, so a test can keep requests in flight; one cut while held (its
+caller went away, or the replica died) is counted in `counters.cancelled`. `stop()` makes it die (requests in flight,
+held ones too, are cut) and `start()` come back on the same port, with `fresh=True` as a restarted engine (no
+adapters, not paused, empty prefix cache; `counters`, `seen` and `unrouted` keep counting). `unrouted` lists the
+requests for paths it does not serve; `open_connections` counts the client connections it has served a request on
+that are still open.
 
 For the benchmark it keeps a vLLM-shaped prefix cache (16-token blocks, hashes chained from the adapter name, LRU,
 hits capped so the last prompt token is always computed, generated blocks cached too) and charges `prefill_s` per
@@ -177,8 +184,12 @@ class FakeReplica:
     fail_loads: int = 0
     fail_unloads: int = 0
     fail_pause: int = 0
+    fail_resumes: int = 0
     lose_load_answers: int = 0
+    lose_pause_answers: int = 0
+    idempotent_loads: bool = True
     load_gate: Gate | None = None
+    unload_gate: Gate | None = None
     raw_response: bytes | None = None
     # what happened
     counters: Counters = field(default_factory=Counters)
@@ -193,6 +204,15 @@ class FakeReplica:
         self._workdir = Path(tempfile.mkdtemp(prefix="fake-replica-"))
         self._next_id = 0
         self._sources: dict[str, str] = {}  # adapter name -> the lora_path it was loaded from
+        self._transports: set[asyncio.BaseTransport] = set()  # connections it served a request on
+        self._transports_lock = threading.Lock()  # read by the test's thread
+
+    @property
+    def open_connections(self) -> int:
+        """Client connections it has served a request on that are still open (read from any thread)."""
+        with self._transports_lock:
+            self._transports = {transport for transport in self._transports if not transport.is_closing()}
+            return len(self._transports)
 
     @property
     def url(self) -> str:
@@ -212,7 +232,7 @@ class FakeReplica:
         if self._resumed is None:
             self._resumed = asyncio.Event()
             self._resumed.set()
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._note_unrouted])
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._note_request])
         app.router.add_get("/health", self._health)
         app.router.add_route("*", "/ping", self._health)
         app.router.add_get("/server_info", self._server_info)
@@ -248,7 +268,10 @@ class FakeReplica:
     # -- endpoints ----------------------------------------------------------------------------------------------
 
     @web.middleware
-    async def _note_unrouted(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def _note_request(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.transport is not None:
+            with self._transports_lock:
+                self._transports.add(request.transport)
         if request.match_info.http_exception is not None:
             self.unrouted.append(f"{request.method} {request.path}")
         return await handler(request)
@@ -280,9 +303,16 @@ class FakeReplica:
             return web.json_response({"error": "pause refused (fake)"}, status=self.fail_pause)
         self.counters.pauses += 1
         self._resumed.clear()
+        if self.lose_pause_answers > 0:
+            self.lose_pause_answers -= 1
+            request.transport.write(b"HTTP/1.1 200 OK\r\n")  # some of the answer, so no client re-sends it
+            request.transport.close()
         return web.json_response({"status": "paused"})
 
     async def _resume(self, request: web.Request) -> web.Response:
+        if self.fail_resumes > 0:
+            self.fail_resumes -= 1
+            return web.json_response({"error": "resume refused (fake)"}, status=500)
         self.counters.resumes += 1
         self._resumed.set()
         return web.json_response({"status": "resumed"})
@@ -308,7 +338,8 @@ class FakeReplica:
         if not name or not path:
             return _error(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if name in self.adapters:
-            if path.startswith(layout.STORE_REF_SCHEME) and self._sources.get(name) == path:
+            repeat = path.startswith(layout.STORE_REF_SCHEME) and self._sources.get(name) == path
+            if repeat and self.idempotent_loads:
                 return _loaded(name)  # the sidecar's answer to a retry whose first answer was lost
             return _error(
                 400,
@@ -341,6 +372,8 @@ class FakeReplica:
     async def _unload(self, request: web.Request) -> web.Response:
         body = await request.json()
         name = body.get("lora_name")
+        if self.unload_gate is not None:
+            await self.unload_gate.wait()
         if self.fail_unloads:
             return _error(self.fail_unloads, "unload refused (fake)")
         if name not in self.adapters:
@@ -451,7 +484,10 @@ _SWITCHES = {
     "fail_loads",
     "fail_unloads",
     "fail_pause",
+    "fail_resumes",
     "lose_load_answers",
+    "lose_pause_answers",
+    "idempotent_loads",
     "prefill_s",
     "decode_s",
 }

@@ -79,6 +79,10 @@ class Harness:
     def state(self, index: int) -> str:
         return self.proxy.membership.replicas[self.replicas[index].url].state
 
+    def is_paused(self, index: int) -> bool:
+        """What replica `index` itself says (GET /is_paused, behind the proxy's back)."""
+        return self.replica_call(index, "GET", "/is_paused").json()["is_paused"]
+
     def close(self) -> None:
         self.session.close()
         self.proxy_loop.run(self.proxy.stop())
@@ -96,15 +100,20 @@ def start_harness(
     spec: RunSpec | None = None,
     replica_options: dict[str, Any] | None = None,
     wait: bool = True,
+    proxy_store: ObjectStore | None = None,
     **config: Any,
 ) -> Harness:
-    """Fake replicas and a proxy in front of them; with `wait`, returns once every replica is admitted."""
+    """Fake replicas and a proxy in front of them; with `wait`, returns once every replica is admitted.
+
+    The replicas read `store`; the proxy uses `proxy_store` if given (e.g. a wrapper of `store` that fails), else
+    `store`.
+    """
     replica_loop = LoopThread("replicas")
     proxy_loop = LoopThread("proxy")
     fakes = [replica_loop.run(FakeReplica(store=store, **(replica_options or {})).start()) for _ in range(replicas)]
     options = {**FAST, **config}
     options.setdefault("upstreams", [fake.url for fake in fakes])
-    proxy = Proxy(ProxyConfig(port=0, **options), spec or RunSpec(run_id=RUN_ID), store, token)
+    proxy = Proxy(ProxyConfig(port=0, **options), spec or RunSpec(run_id=RUN_ID), proxy_store or store, token)
     proxy_loop.run(proxy.start())
     harness = Harness(proxy, fakes, store, replica_loop, proxy_loop)
     if wait:
