@@ -20,7 +20,16 @@ import gradio as gr
 import pytest
 from pydantic import BaseModel
 
-from app.launch_form import CODE_TEMPLATE, KEYS, SLOTS, form_from_spec, label, route_errors, spec_from_form
+from app.launch_form import (
+    CODE_TEMPLATE,
+    KEYS,
+    SLOTS,
+    form_from_spec,
+    label,
+    route_errors,
+    slot_of,
+    spec_from_form,
+)
 from app.pages.launch import LaunchPage
 from app.panel import Panel
 from backend.context import PanelContext
@@ -94,6 +103,7 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "compute.trainer_image": ("advanced", "Trainer image"),
     "compute.engine": ("advanced", "Inference engine"),
     "compute.cost_cap_usd": ("advanced", "Cost cap"),
+    "compute.trainer_processes": ("advanced", "Trainer processes"),
     "storage.uri": ("storage", "Bucket location"),
     "storage.endpoint": ("storage", "Endpoint"),
     "storage.region": ("storage", "Region"),
@@ -326,6 +336,55 @@ def test_a_misspelt_field_is_named_in_words_in_its_sections_note(form):
     assert set(errors) == {"grpo.max_stalenes"}
     assert routed_one("grpo.max_stalenes", built) == ("training", f"Training: max stalenes: {MESSAGE}")
     assert label("compute.gpu", None) == "Compute: gpu"
+
+
+# Keys that name more than the form holds: a reward past the last one or with no name, a field nobody labelled, a
+# bare reward (route_errors shows a reward's own message as it is, so only a direct call labels `rewards.<n>`).
+NAMED = [{"kind": "builtin", "name": "digit_frac"}, {"kind": "code", "name": "custom"}]
+UNNAMED = [{"kind": "builtin", "name": "digit_frac"}, {"kind": "code", "name": ""}]
+ODD_LABELS = [  # (key, the spec's rewards, label)
+    ("rewards.1", NAMED, "Reward 2 (custom)"),
+    ("rewards[1]", [{"kind": "code"}, {"kind": "code"}], "Reward 2"),
+    ("rewards[1].source", UNNAMED, "Code of reward 2"),
+    ("rewards.0.bogus_field", NAMED, "Bogus field of reward 1 (digit_frac)"),
+    ("rewards.2.source", NAMED, "Code of reward 3"),  # one past the last reward
+    ("rewards.5.weight", NAMED, "Weight of reward 6"),
+    ("rewards.0.weight", None, "Weight of reward 1"),  # no spec to take the name from
+    ("bogus", None, "Settings: bogus"),
+    ("grpo.not_a_field.deeper", NAMED, "Training: not a field deeper"),
+]
+
+
+@pytest.mark.parametrize(("key", "rewards", "expected"), ODD_LABELS)
+def test_a_key_the_form_has_no_field_for_is_still_labelled_in_words(key, rewards, expected):
+    assert label(key, rewards) == expected
+
+
+@pytest.mark.parametrize(
+    ("key", "reward_slots", "code_enabled", "slot"),
+    [
+        ("rewards.2.source", ["rewards_builtin", "rewards_code"], True, "rewards_code"),  # one past the last slot
+        ("rewards[1]", ["rewards_builtin"], False, "rewards_builtin"),
+        ("rewards.0.weight", [], True, "rewards_code"),
+    ],
+)
+def test_a_reward_past_the_forms_last_goes_to_the_rewards_note_of_the_mode(key, reward_slots, code_enabled, slot):
+    assert slot_of(key, reward_slots, code_enabled) == slot
+
+
+def test_a_reward_past_the_forms_last_is_routed_with_its_number(form):
+    built = spec_from_form(form)
+    assert routed_one("rewards.2.source", built) == ("rewards_code", f"Code of reward 3: {MESSAGE}")
+
+
+@pytest.mark.parametrize("code_enabled", [True, False])
+def test_errors_are_routed_without_a_built_form(code_enabled):
+    errors = {"rewards[1].source": MESSAGE, "rewards.0": MESSAGE, "grpo.max_staleness": MESSAGE}
+    rewards_slot = "rewards_code" if code_enabled else "rewards_builtin"
+    assert route_errors(errors, None, code_enabled) == {slot: [] for slot in SLOTS} | {
+        rewards_slot: [f"Code of reward 2: {MESSAGE}", MESSAGE],
+        "training": [f"Max staleness: {MESSAGE}"],
+    }
 
 
 def test_a_secret_in_reward_code_is_shown_under_the_code_editor(tmp_path, form):
