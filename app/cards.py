@@ -51,6 +51,12 @@ def note(message: str, tone: str = "info") -> str:
     return f'<div class="gp-note gp-note-{tone}">{escape(message)}</div>'
 
 
+def json_block(data: Any) -> str:
+    """`data` as indented JSON in a scrollable block, every line in the page (a code editor would render only the
+    lines in view)."""
+    return f'<pre class="gp-json">{escape(json.dumps(data, indent=2, ensure_ascii=False))}</pre>'
+
+
 def eta_seconds(run: Run, step_seconds: float | None, now: float | None = None) -> float | None:
     """Time left: the recent seconds per step times the steps left, else the average pace since the start."""
     left = max(run.max_steps - run.step, 0)

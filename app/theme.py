@@ -29,6 +29,7 @@ CSS = """
 .gp-note { padding: 8px 12px; border-radius: 6px; font-size: 0.92rem; }
 .gp-note-info { background: #eff6ff; color: #1e3a8a; } .gp-note-good { background: #f0fdf4; color: #166534; }
 .gp-note-warn { background: #fffbeb; color: #92400e; } .gp-note-bad { background: #fef2f2; color: #991b1b; }
+.gp-json { max-height: 420px; overflow: auto; font-size: 0.8rem; padding: 8px 12px; margin: 0; white-space: pre; }
 .gp-run-header { padding: 4px 2px; }
 .gp-run-title { display: flex; gap: 10px; align-items: center; flex-wrap: wrap; }
 .gp-run-name { font-size: 1.2rem; font-weight: 700; }

@@ -37,14 +37,16 @@ def _deterministic_gzip(data: bytes) -> bytes:
     return data[:4] + b"\x00\x00\x00\x00" + data[8:]
 
 
-def upload_bundle(store: ObjectStore, run_id: str) -> tuple[str, str]:
-    """Upload the bundle for `run_id` if absent; returns (sha256, store key)."""
-    data = build_bundle()
-    digest = hashlib.sha256(data).hexdigest()
-    key = layout.code_key(run_id, digest)
+def bundle_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def upload_bundle(store: ObjectStore, run_id: str, data: bytes) -> str:
+    """Upload the bundle `data` for `run_id` if absent; returns its store key."""
+    key = layout.code_key(run_id, bundle_digest(data))
     if not store.exists(key):
         store.put_bytes(key, data)
-    return digest, key
+    return key
 
 
 def bootstrap_source() -> str:

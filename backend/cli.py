@@ -1,6 +1,8 @@
 """`python -m backend ...`: the panel's services from the command line, for scripts, tests and the demo.
 
 python -m backend demo            run the embedded demo end to end on this machine and report the reward
+python -m backend plan --preset math --set compute.replica_flavor=h200x2
+                                  print what a launch would submit, as JSON (a dry run: nothing is created)
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import threading
 import time
 from pathlib import Path
 
+from backend import presets
 from backend.api import PanelServices
 from backend.context import PanelContext
 from backend.poller import Poller
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunService
+from backend.services.runs import TERMINAL_STATUSES, RunService, run_row
+from jobs.contract import SpecError, parse_spec
 from jobs.secrets import install_log_redaction
 
 LOCAL_OWNER = "local"
@@ -67,11 +71,14 @@ def demo(args: argparse.Namespace) -> int:
         run_id,
         f"file://{ctx.folder / 'store'}",
         grpo={"max_steps": args.steps, "seed": args.seed},
-        compute={"replicas": args.replicas},
+        compute={"replicas": args.replicas, "trainer_processes": args.trainer_processes},
     )
     service = RunService(ctx, LOCAL_OWNER)
     service.create(spec)
-    print(f"demo run {run_id}: {args.replicas} CPU replicas, {args.steps} steps, store {spec.storage.uri}")
+    print(
+        f"demo run {run_id}: {args.replicas} CPU replicas, {args.trainer_processes} trainer process(es), "
+        f"{args.steps} steps, store {spec.storage.uri}"
+    )
     started = time.monotonic()
     service.launch(run_id, wait=True)
     status = follow(ctx, run_id, Poller(ctx))
@@ -105,6 +112,44 @@ def launch(args: argparse.Namespace) -> int:
     run = services.runs.create(result.spec, args.store_credential, args.hf_credential)
     services.runs.launch(run.id, wait=True)
     return 0 if follow(services.ctx, run.id, Poller(services.ctx)) == "finished" else 1
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Print, as JSON, every job a launch of the spec would submit and the values derived for its hardware."""
+    ctx = PanelContext()
+    if args.spec:
+        data = json.loads(Path(args.spec).read_text())
+    elif args.preset == "math":
+        data = presets.math_recipe(args.run_id, args.namespace, args.bucket)
+    else:
+        data = presets.demo(args.run_id, f"file://{ctx.folder / 'store'}")
+    for assignment in args.set:
+        _assign(data, assignment)
+    try:
+        spec = parse_spec(data)
+    except SpecError as error:
+        for field, message in error.errors.items():
+            print(f"{field}: {message}", file=sys.stderr)
+        return 2
+    run = run_row(spec, LOCAL_OWNER, "draft", args.store_credential, args.hf_credential)
+    print(json.dumps(ctx.plan(run).to_json(full=args.full), indent=2, ensure_ascii=False))
+    return 0
+
+
+def _assign(data: dict, assignment: str) -> None:
+    """Apply `section.field=value` to a spec dict (the value read as JSON where it parses, else as text)."""
+    path, separator, text = assignment.partition("=")
+    if not separator or "." not in path:
+        raise SystemExit(f"--set {assignment!r}: write section.field=value, e.g. compute.replica_flavor=h200x2")
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = text
+    *sections, field = path.split(".")
+    target = data
+    for section in sections:
+        target = target.setdefault(section, {})
+    target[field] = value
 
 
 def list_runs(args: argparse.Namespace) -> int:
@@ -210,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--steps", type=int, default=40)
     demo_parser.add_argument("--replicas", type=int, default=2)
     demo_parser.add_argument("--seed", type=int, default=42)
+    demo_parser.add_argument(
+        "--trainer-processes",
+        type=int,
+        default=1,
+        help="data-parallel training processes (accelerate launch, gloo on the CPU); 64 completions per step are "
+        "split between them",
+    )
     demo_parser.add_argument("--run-id")
     demo_parser.set_defaults(handler=demo)
     launch_parser = commands.add_parser("launch", help="validate, create and launch a run from a spec JSON file")
@@ -217,6 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     launch_parser.add_argument("--store-credential", type=int)
     launch_parser.add_argument("--hf-credential", type=int)
     launch_parser.set_defaults(handler=launch)
+    plan_parser = commands.add_parser("plan", help="print every job a launch would submit (a dry run), as JSON")
+    source = plan_parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spec", help="a spec JSON file")
+    source.add_argument("--preset", choices=("demo", "math"), help="a launch form preset")
+    plan_parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    plan_parser.add_argument("--run-id", default="plan-preview", help="for a preset")
+    plan_parser.add_argument("--namespace", default="your-username", help="for the math preset")
+    plan_parser.add_argument("--bucket", default="grpo", help="for the math preset")
+    plan_parser.add_argument("--store-credential", type=int)
+    plan_parser.add_argument("--hf-credential", type=int)
+    plan_parser.add_argument("--full", action="store_true", help="every argument in full (the bootstrap's source)")
+    plan_parser.set_defaults(handler=plan)
     commands.add_parser("runs", help="list runs").set_defaults(handler=list_runs)
     for name, handler, extra in (
         ("follow", follow_run, ()),

@@ -10,9 +10,12 @@ from backend.db import Database, data_dir
 from backend.launchers.base import JobHandle, Launcher, RunSecrets
 from backend.launchers.local import LocalLauncher
 from backend.models import Job, Run
+from backend.plan import RunPlan
 from backend.vault import Vault
 from jobs.contract import RunSpec
-from jobs.store import ObjectStore, open_store
+from jobs.store import ObjectStore, StoreCredentials, open_store
+
+UNSET = "<not entered yet>"  # stands for a credential in a plan printed before it was entered
 
 
 class PanelContext:
@@ -89,6 +92,26 @@ class PanelContext:
                 token = self.vault.hf_token(run.owner, run.hf_credential_id)
                 self._hf_launchers[key] = HfJobsLauncher(token, endpoint=self.hub_endpoint)
             return self._hf_launchers[key]
+
+    def plan(self, run: Run) -> RunPlan:
+        """Every job launching `run` submits (see backend/plan.py).
+
+        With the run's credentials the plan names exactly the secrets a launch sends. Without them (a plan printed
+        before any were entered) it names the ones a launch of this spec needs; a plan never holds a secret's value.
+        """
+        spec = self.spec(run)
+        if run.backend == "local":
+            return self.local_launcher.plan(spec, self.secrets_for(run))
+        from backend.launchers.hf_jobs import HfJobsLauncher
+
+        launcher = (
+            self.launcher_for(run) if run.hf_credential_id is not None else HfJobsLauncher(None, self.hub_endpoint)
+        )
+        secrets = self.secrets_for(run)
+        secrets.hf_token = secrets.hf_token or UNSET
+        if secrets.store is None and not spec.storage.uri.startswith("file://"):
+            secrets.store = StoreCredentials(UNSET, UNSET)
+        return launcher.plan(spec, secrets)
 
     @staticmethod
     def handle(job: Job) -> JobHandle:

@@ -35,6 +35,7 @@ class Preflight:
     preview: list[dict[str, Any]] = field(default_factory=list)
     trials: list[RewardTrial] = field(default_factory=list)
     cost_per_hour: float | None = None
+    plan: dict[str, Any] | None = None  # what Launch would submit (backend/plan.py), once every check passed
 
     @property
     def ok(self) -> bool:
@@ -78,6 +79,8 @@ def run_preflight(
     rows = _check_dataset(spec, store, result, sample_rows)
     if rows:
         _check_rewards(spec, rows, result, sandbox)
+    if not result.errors:
+        result.plan = ctx.plan(probe).to_json()
     return result
 
 

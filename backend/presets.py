@@ -24,7 +24,7 @@ def math_recipe(run_id: str, namespace: str, bucket: str) -> dict[str, Any]:
             "id": "sail/Sanity-Test-R1D-1.5B",
             "split": "train",
             "prompt_column": "prompt",
-            "answer_column": "solution",
+            "answer_column": "reward_model.ground_truth",  # where the dataset keeps its gold answer
         },
         "rewards": [{"kind": "builtin", "name": "math_boxed"}],
         "lora": {"rank": 1, "alpha": 2, "target_modules": "all-linear"},

@@ -1,6 +1,11 @@
 """Figures of the embedded demo: wall time, steps/min, reward first 5 vs last 5 steps, adapter sync p50, per seed.
 
     .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 30 40
+    .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --trainer-processes 1 2   # DDP vs one process
+
+With several `--trainer-processes` each seed runs once per count, one after the other, so the rows compare the same
+seed under the same load: the 2-process rows are the trainer under `accelerate launch` (2 ranks over gloo), each
+rank taking half of every step's completions.
 
 Each run is the real thing `python -m backend demo` does (trainer + proxy + 2 CPU replicas as processes, a local folder
 as the bucket), in a fresh data folder. The load average is printed with each run: on a shared 2-core machine it
@@ -27,13 +32,14 @@ from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.demo.preset import demo_spec
 
 
-def run_demo(steps: int, seed: int) -> dict:
+def run_demo(steps: int, seed: int, processes: int = 1) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         ctx = PanelContext(Database(root / "panel.sqlite3"), root)
-        run_id = f"bench-{steps}-{seed}"
+        run_id = f"bench-{steps}-{seed}-{processes}"
         service = RunService(ctx, "bench")
-        service.create(demo_spec(run_id, f"file://{root / 'store'}", grpo={"max_steps": steps, "seed": seed}))
+        grpo, compute = {"max_steps": steps, "seed": seed}, {"trainer_processes": processes}
+        service.create(demo_spec(run_id, f"file://{root / 'store'}", grpo=grpo, compute=compute))
         started = time.monotonic()
         service.launch(run_id, wait=True)
         poller = Poller(ctx)
@@ -51,6 +57,7 @@ def run_demo(steps: int, seed: int) -> dict:
         return {
             "steps": steps,
             "seed": seed,
+            "processes": processes,
             "status": summary.run.status,
             "wall_s": wall,
             "steps_per_min": steps / wall * 60,
@@ -68,21 +75,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, nargs="+", default=[30, 40])
+    parser.add_argument("--trainer-processes", type=int, nargs="+", default=[1])
     args = parser.parse_args()
     print(
-        "| steps | seed | status | wall | steps/min | reward first 5 → last 5 | sync p50 | step p50 | ratio range "
-        "| load avg |"
+        "| steps | seed | trainer processes | status | wall | steps/min | reward first 5 → last 5 | sync p50 "
+        "| step p50 | ratio range | load avg |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for seed in args.seeds:
-            r = run_demo(steps, seed)
-            print(
-                f"| {r['steps']} | {r['seed']} | {r['status']} | {r['wall_s']:.0f} s | {r['steps_per_min']:.1f} "
-                f"| {r['first5']:.3f} → {r['last5']:.3f} | {r['sync_p50']:.2f} s | {r['step_p50']:.2f} s "
-                f"| {r['ratio_min']:.3f}–{r['ratio_max']:.3f} | {r['load']:.1f} |",
-                flush=True,
-            )
+            for processes in args.trainer_processes:
+                r = run_demo(steps, seed, processes)
+                print(
+                    f"| {r['steps']} | {r['seed']} | {r['processes']} | {r['status']} | {r['wall_s']:.0f} s "
+                    f"| {r['steps_per_min']:.1f} "
+                    f"| {r['first5']:.3f} → {r['last5']:.3f} | {r['sync_p50']:.2f} s | {r['step_p50']:.2f} s "
+                    f"| {r['ratio_min']:.3f}–{r['ratio_max']:.3f} | {r['load']:.1f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ Executed as `python3 -c "<this file>" <sha256> <endpoint|-> <region> <bucket> <k
 image's Python and the standard library, so it works in any image. It reads the code bundle (a tar.gz of `jobs/` and
 `requirements-jobs.txt`) with a SigV4-signed GET using the bucket keys the job already holds as Job secrets — no
 presigned URL, so nothing in the job's command or environment grants access to anything — checks its sha256, unpacks
-it, installs the pinned requirements only if the image lacks one of them, and execs `python -m <module> <args>`.
+it, installs the pinned requirements only if the image lacks one of them at its pinned version (jobs/pins.py, read
+from the bundle), and execs `python -m <module> <args>`.
 """
 
 import datetime
 import hashlib
 import hmac
-import importlib.util
 import io
 import os
 import shutil
@@ -20,8 +20,6 @@ import tarfile
 import time
 import urllib.parse
 import urllib.request
-
-REQUIRED_MODULES = ("trl", "peft", "boto3", "aiohttp", "pydantic", "accelerate", "datasets", "huggingface_hub")
 
 
 def _hmac(key, text):
@@ -96,7 +94,12 @@ def main(argv):
             shutil.rmtree(staging, ignore_errors=True)
             if not os.path.isdir(root):  # not another job on this machine unpacking the same bundle first
                 raise
-    if any(importlib.util.find_spec(name) is None for name in REQUIRED_MODULES):
+    sys.path.insert(0, root)
+    from jobs.pins import unmet  # the bundle's own, standard library only
+
+    missing = unmet()
+    if missing:
+        print(f"bootstrap: installing the pinned requirements ({', '.join(sorted(missing))} differ)", flush=True)
         install(os.path.join(root, "requirements-jobs.txt"))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     os.execv(sys.executable, [sys.executable, "-m", module, *args])

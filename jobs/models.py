@@ -12,3 +12,19 @@ def resolve_model(model: ModelSpec) -> str:
 
         return str(ensure_tiny_model())
     return model.id
+
+
+def eos_token_ids(model_path: str, tokenizer_eos: int | None, revision: str | None = None) -> list[int]:
+    """Every token id that ends a generation: the tokenizer's EOS and each one the model's generation config lists.
+
+    vLLM stops at any of them (Qwen2.5's instruct models list both `<|im_end|>` and `<|endoftext|>`); a truncation
+    check that knew only the tokenizer's would score a completion that ended cleanly as cut off at the length cap.
+    """
+    from transformers import GenerationConfig
+
+    try:
+        listed = GenerationConfig.from_pretrained(model_path, revision=revision).eos_token_id
+    except OSError:  # the model has no generation_config.json
+        listed = None
+    listed = listed if isinstance(listed, list) else [listed]
+    return sorted({tokenizer_eos, *listed} - {None})

@@ -1,8 +1,11 @@
-"""Stopping local job processes cleanly: SIGTERM to the whole process group, SIGKILL after a grace period.
+"""Stopping local job processes cleanly: SIGTERM to every process of the job, SIGKILL after a grace period.
 
-Every local job runs in its own process group (its children — a spawned rollout worker, a vLLM server, a proxy —
-belong to it), so signalling the group leaves nothing behind. Used by the local launcher and by a trainer stopping
-its replicas.
+Every local job runs in its own process group, and most of what it starts — a spawned rollout worker, a proxy —
+belongs to that group. Not everything does: torchrun (a multi-process trainer under `accelerate launch`) starts each
+rank in a session of its own, and a rank's proxy and rollout worker sit in that rank's group; a replica starts its
+engine in a session of its own. Signalling the job's group alone would reach the torchrun agent but leave the ranks
+running if the agent dies first. So the job's processes are found through /proc — the group's members and all their
+descendants — and each is signalled by pid. Used by the local launcher and by a trainer stopping its replicas.
 """
 
 from __future__ import annotations
@@ -10,6 +13,29 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
+from typing import NamedTuple
+
+
+class _Process(NamedTuple):
+    parent: int
+    group: int
+    state: str  # "Z" for a zombie: it has exited, its parent has not reaped it yet
+    started: int  # clock ticks after boot: tells a reused pid apart
+
+
+def _process_table() -> dict[int, _Process]:
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it exited while we looked
+        fields = stat[stat.rindex(")") + 2 :].split()  # the command name in parentheses may hold spaces
+        table[int(entry.name)] = _Process(int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
+    return table
 
 
 def group_alive(pgid: int) -> bool:
@@ -22,22 +48,50 @@ def group_alive(pgid: int) -> bool:
     return True
 
 
-def terminate_group(pgid: int, grace: float = 10.0) -> bool:
-    """SIGTERM the group, wait up to `grace` seconds, then SIGKILL. Returns True if it had to kill.
+def job_processes(pgid: int, known: dict[int, int] | None = None) -> dict[int, int]:
+    """pid -> start time of every live process of the job whose process group is `pgid`: the group's members, the
+    `known` processes (pid -> start time) still running, and every descendant of theirs, including those in a
+    session of their own."""
+    table = _process_table()
+    members = {pid for pid, process in table.items() if process.group == pgid}
+    members |= {pid for pid, started in (known or {}).items() if pid in table and table[pid].started == started}
+    while children := {pid for pid, process in table.items() if process.parent in members} - members:
+        members |= children
+    return {pid: table[pid].started for pid in members if table[pid].state not in ("Z", "X")}
 
-    The caller that started the group leader must reap it (a zombie still counts as a member of its group).
+
+def _signal(pgid: int, processes: dict[int, int], signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass
+    for pid in processes:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def terminate_group(pgid: int, grace: float = 10.0) -> bool:
+    """SIGTERM every process of the job (see `job_processes`), wait up to `grace` seconds, then SIGKILL what is left.
+    Returns True if it had to kill.
+
+    The job's processes are looked up before the first signal, while they are still the group's descendants (a
+    process whose parent died is adopted by init and can no longer be traced to the job), and again while waiting,
+    so that what a stopping process starts is ended too. The caller that started the group leader must reap it (a
+    zombie still counts as a member of its group).
     """
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
+    processes = job_processes(pgid)
+    if not processes and not group_alive(pgid):
         return False
+    _signal(pgid, processes, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if not group_alive(pgid):
+    while True:
+        processes = job_processes(pgid, processes)
+        if not processes and not group_alive(pgid):
             return False
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.1)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
+    _signal(pgid, processes, signal.SIGKILL)
     return True

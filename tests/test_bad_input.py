@@ -341,6 +341,20 @@ def test_a_lora_rank_vllm_cannot_serve(gate, refused, rank):
     refused(gate.spec(lora={"rank": rank}), "lora.rank", "use one of 1, 8, 16, 32, 64, 128, 256, 320, 512")
 
 
+@row("settings TRL 1.16 cannot honour")
+@pytest.mark.parametrize(
+    ("grpo", "field", "fix"),
+    [
+        ({"max_staleness": 0}, "grpo.max_staleness", "use 1 (nearly on-policy) or more"),
+        ({"top_p": 0.95}, "grpo.top_p", "leave top-p at 1"),
+        ({"top_k": 50}, "grpo.top_k", "leave top-k at 0"),
+    ],
+    ids=["staleness-0", "top-p", "top-k"],
+)
+def test_settings_trl_cannot_honour(gate, refused, grpo, field, fix):
+    refused(gate.spec(grpo=grpo), field, fix)
+
+
 @row("staleness larger than the queue allows")
 def test_staleness_beyond_the_adapters_a_replica_holds(gate, refused):
     refused(gate.spec(grpo={"max_staleness": 17}), "grpo.max_staleness", "use at most 16")

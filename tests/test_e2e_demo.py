@@ -11,13 +11,14 @@ import os
 import signal
 import statistics
 import time
+from collections import Counter
 
 import pytest
 from sqlmodel import select
 
 from backend.context import PanelContext
 from backend.db import Database
-from backend.models import Job
+from backend.models import Job, MetricPoint
 from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
@@ -26,6 +27,7 @@ from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import LocalStore, download_published, list_published, read_manifest
 from jobs.telemetry import decode_jsonl
+from tests.support.processes import RunProcesses, kill_job_tree
 from tests.support.runs import follow_to_end
 from tests.support.waiting import wait_until
 
@@ -38,9 +40,11 @@ STEPS = 40
 REWARD_MARGIN = 0.3
 
 
-def start_demo(tmp_path, run_id: str, steps: int, **grpo) -> tuple[PanelContext, Poller]:
+def start_demo(tmp_path, run_id: str, steps: int, compute: dict | None = None, **grpo) -> tuple[PanelContext, Poller]:
     ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
-    spec = demo_spec(run_id, f"file://{tmp_path / 'store'}", grpo={"max_steps": steps, "seed": 0, **grpo})
+    spec = demo_spec(
+        run_id, f"file://{tmp_path / 'store'}", grpo={"max_steps": steps, "seed": 0, **grpo}, compute=compute or {}
+    )
     service = RunService(ctx, OWNER)
     service.create(spec)
     service.launch(run_id, wait=True)
@@ -188,6 +192,100 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tmp_path):
     assert sorted(steps) == [1, 2]
     wait_until(lambda: not any(group_alive(p) for p in job_pgids(ctx, "demo-resume").values()), 60, 1.0)
     ctx.db.close()
+
+
+def stored(store, run_id: str, stream: str) -> list[dict]:
+    return [
+        r
+        for info in store.list(layout.telemetry_prefix(run_id, stream))
+        for r in decode_jsonl(store.get_bytes(info.key))
+    ]
+
+
+def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys):
+    """Issue 13: the trainer under `accelerate launch` with 2 CPU ranks (gloo), through the local launcher. It trains
+    to the end and the reward rises as with one process; only rank 0 reports (each step once), publishes (each
+    version once) and audits; a checkpoint holds both ranks' parts, and a relaunch after the whole trainer job is
+    killed resumes from it; no process of the run survives it."""
+    run_id = "demo-ddp"
+    started = time.monotonic()
+    ctx, poller = start_demo(tmp_path, run_id, STEPS, compute={"trainer_processes": 2})
+    store = LocalStore(tmp_path / "store")
+    processes = RunProcesses(ctx.local_launcher.workdir / run_id)
+    service = RunService(ctx, OWNER)
+
+    def checkpoint() -> int:
+        steps = [layout.parse_checkpoint_dir(n) for n in list_published(store, layout.checkpoints_prefix(run_id))]
+        return max(filter(None, steps), default=0)
+
+    try:
+        with processes.watching():
+            wait_until(lambda: checkpoint() >= 10, 600, 0.2, what="the checkpoint of step 10")
+            trainer = job_pgids(ctx, run_id)["trainer#1"]
+            killed = kill_job_tree(trainer)  # preemption: the agent, both ranks, the proxy, the rollout worker
+            assert len(killed) >= 5, killed
+            wait_until(lambda: not set(killed) & set(processes.running()), 30, what="the trainer job gone")
+            resumed_from = checkpoint()
+            versions_at_kill = len(list_published(store, layout.adapters_prefix(run_id)))
+            service.relaunch_trainer(run_id)
+            status = follow_to_end(poller, service, run_id, 900).status
+            wall = time.monotonic() - started
+            wait_until(lambda: not processes.running(), 90, 1.0, what="every process of the run gone")
+        poller.poll_run(run_id)
+
+        assert status == "finished"
+        rewards = [value for _, value in QueryService(ctx, OWNER).metric_series(run_id, "reward", max_points=None)]
+        first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+        with capsys.disabled():
+            print(
+                f"\n2 trainer processes: {STEPS} steps in {wall:.0f}s (a kill and a resume included), reward first 5 "
+                f"{first:.3f} -> last 5 {last:.3f}"
+            )
+        assert last - first > REWARD_MARGIN
+
+        # Telemetry: rank 0 alone reports, each step once per attempt; SQLite keeps each step once.
+        metrics = [r for r in stored(store, run_id, "metrics") if "reward" in r]
+        per_attempt = Counter((r["attempt"], r["step"]) for r in metrics)
+        assert set(per_attempt.values()) == {1}, per_attempt
+        assert {step for attempt, step in per_attempt if attempt == 1} >= set(range(1, resumed_from + 1))
+        assert sorted(step for attempt, step in per_attempt if attempt == 2) == list(range(resumed_from + 1, STEPS + 1))
+        assert {r["batch/samples_per_step"] for r in metrics} == {64}  # the step's completions, split over 2 ranks
+        assert {r["batch/samples_per_row"] for r in metrics} == {32}
+        with ctx.db.session() as session:
+            points = session.exec(
+                select(MetricPoint.step, MetricPoint.attempt).where(
+                    MetricPoint.run_id == run_id, MetricPoint.name == "reward"
+                )
+            ).all()
+        assert sorted(step for step, _ in points) == list(range(1, STEPS + 1))
+        assert all(attempt == (1 if step <= resumed_from else 2) for step, attempt in points)
+        samples = [s for s in stored(store, run_id, "samples") if not s["dropped"]]
+        assert {s["step"] for s in samples} == set(range(1, STEPS + 1))
+        events = stored(store, run_id, "events")
+        (resume,) = [e for e in events if e["kind"] == "resume"]
+        assert resume["attempt"] == 2 and resume["resumed_from_step"] == resumed_from
+        assert [e["kind"] for e in events].count("finished") == 1
+
+        # Checkpoints hold both ranks' parts; adapter versions are published once each and every audit passes.
+        manifest = read_manifest(store, layout.checkpoint_prefix(run_id, resumed_from))
+        assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "rollout_state.json"} <= set(manifest.files)
+        numbers = [layout.parse_version_dir(n) for n in list_published(store, layout.adapters_prefix(run_id))]
+        assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) > STEPS
+        snapshot = QueryService(ctx, OWNER).proxy_snapshots(run_id)[-1]
+        assert snapshot["adapters"]["loads_ok"] == len(numbers) - versions_at_kill
+        assert snapshot["adapters"]["loads_failed"] == 0
+        audits = [json.loads(store.get_bytes(info.key)) for info in store.list(layout.audit_prefix(run_id))]
+        assert audits and all(a["ok"] and set(a["replicas"]) == {"replica-0", "replica-1"} for a in audits), audits
+        assert max(a["version"] for a in audits) == numbers[-1]
+
+        status = json.loads(store.get_bytes(layout.status_key(run_id, "trainer")))
+        assert (status["phase"], status["attempt"]) == ("finished", 2)
+        assert sorted(status["replicas_stopped"]) == ["replica-0", "replica-1"]
+        assert processes.running() == []
+    finally:
+        for pid in processes.running():  # only after a failed assertion: the test asserts none is left
+            os.kill(pid, signal.SIGKILL)
+        ctx.db.close()
 
 
 # --- adapter services on the finished demo's real adapters ------------------------------------------------------

@@ -17,6 +17,7 @@ from backend.launchers.base import LaunchError, RunSecrets
 from backend.launchers.hf_jobs import HfJobsLauncher, HubTokenRejected, UnknownFlavor
 from backend.launchers.local import LocalLauncher
 from backend.models import Run
+from backend.plan import JobPlan
 from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
@@ -82,6 +83,35 @@ def test_a_demo_run_goes_end_to_end_through_hf_jobs(hub_panel, emulator, moto_se
         assert body["labels"]["grpo-run"] == "hub-demo"
     replica_bodies = [s.spec for s in emulator.submissions if s.spec["labels"]["grpo-role"] != "trainer"]
     assert all(b["expose"]["ports"] == [8000] and b["flavor"] == "cpu-basic" for b in replica_bodies)
+    # What was submitted is exactly what `python -m backend plan` prints for this run (one code path builds both).
+    plan = ctx.plan(service.get("hub-demo"))
+    submitted = {s.spec["labels"]["grpo-role"]: as_planned(s.spec) for s in emulator.submissions}
+    assert submitted == {job.role: as_planned(planned_body(job)) for job in plan.jobs}
+
+
+def planned_body(job: JobPlan) -> dict:
+    """The job spec `run_job` sends for a JobPlan, as the Hub receives it (the submission label aside)."""
+    body = {
+        "dockerImage": job.image,
+        "command": job.command,
+        "environment": job.env,
+        "secrets": dict.fromkeys(job.secrets),
+        "flavor": job.flavor,
+        "timeoutSeconds": job.timeout_s,
+        "labels": {**job.labels, "name": job.name},
+    }
+    if job.ports:
+        body["expose"] = {"ports": job.ports}
+    return body
+
+
+def as_planned(body: dict) -> dict:
+    """A submitted job spec with what no plan can know taken out: secret values and the per-submission label."""
+    kept = {key: body.get(key) for key in ("dockerImage", "command", "environment", "flavor", "timeoutSeconds")}
+    kept["secrets"] = sorted(body.get("secrets") or {})
+    kept["labels"] = {k: v for k, v in (body.get("labels") or {}).items() if k != "grpo-submission"}
+    kept["ports"] = (body.get("expose") or {}).get("ports", [])
+    return kept
 
 
 def test_a_replica_that_fails_at_start_fails_the_run_before_the_trainer(hub_panel, emulator, moto_server):
@@ -130,7 +160,6 @@ def test_hub_errors_are_retried_without_duplicate_jobs(emulator, moto_server, tm
     launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
     launcher.retry = type(launcher.retry)(6, 0.05, 0.2)
     spec = hub_spec("hub-retry", "some-bucket", moto_server.url)
-    launcher._bundles["hub-retry"] = ["0" * 64, "http://127.0.0.1:9", "us-east-1", "never", "fetched"]
     emulator.inject("429", count=2, methods=["POST"])  # the submission itself (GETs are retried by huggingface_hub)
     emulator.inject("5xx-after", count=1, methods=["POST"])  # the job is created, but the answer is lost
     with caplog.at_level("WARNING", logger="backend.launchers.hf_jobs"):

@@ -51,6 +51,7 @@ def test_vllm_command_has_every_flag_trl_adapter_sync_needs():
         "--dtype": "bfloat16",
         "--max-model-len": "4096",
         "--gpu-memory-utilization": "0.85",
+        "--tensor-parallel-size": "1",  # a local spec: one GPU per replica at most
         "--enable-lora": None,
         "--max-lora-rank": "32",
         "--max-loras": "6",  # max_staleness + 2
@@ -96,3 +97,12 @@ def test_engine_choice_without_vllm():
         choose_engine("vllm")
     with pytest.raises(ValueError, match="unknown engine"):
         choose_engine("tpu")
+
+
+@pytest.mark.parametrize(("flavor", "parallel"), [("h200", "1"), ("h200x2", "2"), ("a100x8", "8"), ("cpu-basic", "1")])
+def test_a_multi_gpu_replica_flavor_spreads_the_model_over_every_gpu(flavor, parallel):
+    """TRL needs one engine (data_parallel_size 1) behind a replica URL: several GPUs mean tensor parallelism."""
+    spec = hub_spec()
+    compute = spec.compute.model_copy(update={"backend": "hf_jobs", "namespace": "me", "replica_flavor": flavor})
+    command = vllm_command(spec.model_copy(update={"compute": compute}), spec.model.id, 8101, {})
+    assert flags(command.argv)["--tensor-parallel-size"] == parallel

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -62,8 +63,6 @@ def test_every_grpo_field_reaches_the_trl_config(tmp_path):
                 "completions_per_step": 256,
                 "max_completion_length": 100,
                 "temperature": 0.7,
-                "top_p": 0.9,
-                "top_k": 20,
                 "learning_rate": 1e-4,
                 "adam_beta2": 0.99,
                 "epsilon": 0.3,
@@ -82,7 +81,7 @@ def test_every_grpo_field_reaches_the_trl_config(tmp_path):
     )
     config = grpo_config(spec, str(tmp_path), "http://127.0.0.1:9999", cuda=False)
     assert (config.num_generations, config.max_completion_length, config.temperature) == (4, 100, 0.7)
-    assert (config.top_p, config.top_k, config.learning_rate, config.adam_beta2) == (0.9, 20, 1e-4, 0.99)
+    assert (config.top_p, config.top_k, config.learning_rate, config.adam_beta2) == (1.0, 0, 1e-4, 0.99)
     assert (config.epsilon, config.max_steps, config.max_staleness, config.weight_sync_steps) == (0.3, 7, 2, 3)
     assert (config.max_inflight_tasks, config.queue_maxsize, config.token_budget) == (96, 300, 0)
     assert (config.gradient_checkpointing, config.save_steps, config.seed) == (False, 5, 9)
@@ -122,6 +121,32 @@ def test_store_dataset_with_renamed_columns(store):
     assert len(dataset) == 3
     assert dataset[2]["answer"] == "4" and dataset[2]["difficulty"] == 2
     assert dataset[2]["prompt"] == [{"role": "user", "content": "What is 2+2?"}]
+
+
+def test_rewards_see_every_column_as_trl_does_and_the_answer_through_a_dotted_path(store):
+    """Issue 13: the math preset's dataset keeps its gold answer in `reward_model.ground_truth`; rewards get it as
+    `answer`, and every column under its own name, structs and lists included."""
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {i}+{i}?"}],
+            "reward_model": {"ground_truth": str(2 * i), "style": "rule"},
+            "tags": ["add", f"n{i}"],
+            "level": i,
+        }
+        for i in range(3)
+    ]
+    store.put_bytes("datasets/math.jsonl", "".join(json.dumps(r) + "\n" for r in rows).encode())
+    spec = DatasetSpec(source="store", id="datasets/math.jsonl", answer_column="reward_model.ground_truth")
+    dataset = build_prompts(spec, load_rows(spec, store))
+    assert dataset[2]["answer"] == "4" and dataset[2]["prompt"] == rows[2]["prompt"]
+    assert dataset[2]["reward_model"] == {"ground_truth": "4", "style": "rule"}
+    assert (dataset[2]["tags"], dataset[2]["level"]) == (["add", "n2"], 2)
+    wrong = DatasetSpec(source="store", id="datasets/math.jsonl", answer_column="reward_model.solution")
+    with pytest.raises(DatasetError, match=r"answer_column: 'reward_model' has no field 'solution'; .* ground_truth"):
+        check_columns(load_rows(wrong, store), wrong)
+    too_deep = DatasetSpec(source="store", id="datasets/math.jsonl", answer_column="level.value")
+    with pytest.raises(DatasetError, match=r"'level' has no field 'value'; its fields are none: it is not a struct"):
+        check_columns(load_rows(too_deep, store), too_deep)
 
 
 def test_dataset_errors_name_the_field_and_the_columns(store):
@@ -201,3 +226,82 @@ def test_demo_preset_is_valid_and_overridable(tmp_path):
     spec = demo_spec("demo-x", f"file://{tmp_path}", grpo={"max_steps": 5})
     assert spec.model.id == "builtin:tiny-qwen2" and spec.rewards[0].name == "digit_frac"
     assert spec.grpo.max_steps == 5 and spec.grpo.learning_rate == 2e-2
+
+
+# --- several training processes (issue 13) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("processes", [1, 2, 4])
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu", "gpu"])
+def test_each_step_trains_completions_per_step_in_total_whatever_the_processes(processes, cuda):
+    """Parity with TRL's fixed-count planner: a micro-batch is `per_device_train_batch_size × num_processes` samples,
+    one row per rank, and a step is `gradient_accumulation_steps` micro-batches. So the per-device batch the trainer
+    derives must be each process's share, or every step would train `processes` times the completions asked for."""
+    from trl.experimental.async_grpo.async_grpo_trainer import FixedCountBatcher
+
+    from jobs.contract import derived
+
+    spec = parse_spec({"run_id": "ddp", "grpo": {"num_generations": 8, "completions_per_step": 64}})
+    per_device, accumulation = derived.batch_shape(spec.grpo, processes, cuda)
+    samples = [  # 16 groups of 8 completions, each group its own prompt
+        {"input_ids": torch.tensor([100 + g, 200 + g, i]), "completion_mask": torch.tensor([0, 1, 1]), "group_id": g}
+        for g in range(16)
+        for i in range(8)
+    ]
+    micro_batches = iter(FixedCountBatcher(samples, processes, per_device * processes))
+    step = [next(micro_batches) for _ in range(accumulation)]
+    rows = [row for micro_batch in step for row in micro_batch]
+    assert all(len(micro_batch) == processes for micro_batch in step)  # one row per rank
+    assert all(row.samples for row in rows)  # no rank idles (it would desynchronise the collectives)
+    assert sum(len(row.samples) for row in rows) == 64
+    assert {s["group_id"] for row in rows for s in row.samples} == set(range(8))  # the step's 8 whole groups
+
+
+def test_the_trainer_config_gives_each_of_two_cpu_processes_half_a_step(tmp_path):
+    from jobs.demo.preset import demo_spec
+
+    spec = demo_spec("ddp", f"file://{tmp_path}", compute={"trainer_processes": 2})
+    config = grpo_config(spec, str(tmp_path), "http://127.0.0.1:9999", cuda=False)
+    assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (32, 1)
+
+
+def test_the_main_process_is_rank_0_of_torchrun_or_the_only_one():
+    from jobs.trainer import ranks
+
+    assert (ranks.rank({}), ranks.world_size({}), ranks.is_main_process({})) == (0, 1, True)
+    first = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    second = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}
+    assert (ranks.rank(first), ranks.world_size(first), ranks.is_main_process(first)) == (0, 2, True)
+    assert (ranks.rank(second), ranks.world_size(second), ranks.is_main_process(second)) == (1, 2, False)
+
+
+def test_one_process_decides_alone_and_makes_its_own_working_folder(tmp_path, monkeypatch):
+    from jobs.trainer import ranks
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert ranks.from_main(lambda: "decided") == "decided"
+    ranks.wait_for_all()  # nothing to wait for
+    assert ranks.shared_workdir(str(tmp_path), "run-a") == str(tmp_path)
+    made = ranks.shared_workdir(None, "run-a")
+    assert os.path.isdir(made) and os.path.basename(made).startswith("trainer-run-a-")
+    os.rmdir(made)
+
+
+def test_truncation_is_judged_with_every_eos_the_generation_config_lists(tmp_path):
+    """Issue 13: Qwen2.5-style models end generations on two ids; a completion ending on the second one is not cut
+    off, and `math_boxed` must score it."""
+    from jobs.models import eos_token_ids
+    from jobs.trainer.rewards import MathBoxed
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    qwen_style = eos_token_ids(str(tmp_path), 151643)
+    assert qwen_style == [151643, 151645]
+    reward = MathBoxed(qwen_style)
+    ended_on_im_end = reward(["\\boxed{4}"], completion_ids=[[5, 151645]], answer=["4"])
+    cut_off = reward(["\\boxed{4}"], completion_ids=[[5, 6]], answer=["4"])
+    assert (ended_on_im_end, cut_off) == ([1.0], [0.0])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert eos_token_ids(str(tmp_path), 151643) == [7, 151643]
+    (tmp_path / "generation_config.json").unlink()
+    assert eos_token_ids(str(tmp_path), 151643) == [151643]

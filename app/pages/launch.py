@@ -145,7 +145,10 @@ class LaunchPage:
             i["dataset_split"] = gr.Textbox(initial["dataset_split"], label="Split", scale=1)
             i["prompt_column"] = gr.Textbox(initial["prompt_column"], label="Prompt column", scale=1)
             i["answer_column"] = gr.Textbox(
-                initial["answer_column"], label="Answer column", scale=1, info="passed to rewards as `answer`"
+                initial["answer_column"],
+                label="Answer column",
+                scale=1,
+                info="passed to rewards as `answer`; a.b reaches into a struct column",
             )
             i["dataset_limit"] = gr.Number(
                 initial["dataset_limit"], label="Row limit (0 = all)", precision=0, minimum=0, scale=1
@@ -374,6 +377,14 @@ class LaunchPage:
             with gr.Row():
                 self.check_button = gr.Button("Check settings", elem_id="check", variant="secondary")
                 self.launch_button = gr.Button("Launch", elem_id="launch", variant="primary", interactive=False)
+            with gr.Accordion(
+                "What Launch will submit", open=False, visible=False, elem_id="launch-plan"
+            ) as self.plan_group:
+                gr.Markdown(
+                    "Every job, its command, image, flavor, secret names (never values) and the values derived for "
+                    "the hardware — the same as `python -m backend plan` prints."
+                )
+                self.plan = gr.HTML("", padding=False)
         self.checked = gr.State("")  # the spec JSON of the last passing check
         self.rows = gr.State([])  # the dataset rows of the last preview
         assert set(self.inputs) == set(KEYS), set(KEYS) ^ set(self.inputs)
@@ -439,7 +450,7 @@ class LaunchPage:
             component.input(
                 self.mark_changed,
                 [self.checked],
-                [self.launch_button, self.status],
+                [self.launch_button, self.status, self.plan_group],
                 show_progress="hidden",
                 trigger_mode="always_last",
             )
@@ -467,6 +478,8 @@ class LaunchPage:
             self.advanced,
             self.checked,
             self.rows,
+            self.plan_group,
+            self.plan,
         ]
 
     def load_outputs(self) -> list:
@@ -542,10 +555,11 @@ class LaunchPage:
     @staticmethod
     def mark_changed(checked: str) -> list:
         if not checked:
-            return [gr.Button(interactive=False), gr.update()]
+            return [gr.Button(interactive=False), gr.update(), gr.update()]
         return [
             gr.Button(interactive=False),
             cards.note("Settings changed since the last check: press Check settings again.", "warn"),
+            gr.Accordion(visible=False),  # the plan shown was that of the settings checked
         ]
 
     def _prices(self, values: dict[str, Any], services: PanelServices | None) -> tuple[dict[str, float] | None, str]:
@@ -636,6 +650,8 @@ class LaunchPage:
             gr.Accordion(open=True) if open_advanced else gr.update(),
             _fingerprint(form) if result.ok else "",
             rows,
+            gr.Accordion(visible=result.plan is not None),
+            cards.json_block(result.plan) if result.plan is not None else "",
         ]
 
     def _cost_total(self, form: dict[str, Any], result) -> str:

@@ -20,7 +20,8 @@ from typing import Literal
 
 import requests
 
-from jobs.contract import RunSpec, layout
+from backend.plan import JobPlan, RunPlan, derived_values
+from jobs.contract import RunSpec, derived, layout
 from jobs.contract.control import JOBS, UPSTREAMS, JobRef, JobsRecord, Upstream, UpstreamsRecord
 from jobs.runtime import ENV_HF_TOKEN, ENV_REPLICA_TOKEN, ENV_UPSTREAM_TOKEN, spec_uri
 from jobs.store import ObjectStore, StoreCredentials
@@ -81,7 +82,7 @@ class LaunchError(RuntimeError):
         self.role, self.log_tail = role, log_tail
 
 
-def job_module_args(spec: RunSpec, role: str, port: int = REPLICA_PORT, host: str = "0.0.0.0") -> list[str]:
+def job_module_args(spec: RunSpec, role: str, port: int | str = REPLICA_PORT, host: str = "0.0.0.0") -> list[str]:
     """What a job runs, as `python -m <these>`: the same on every backend (each adds how Python is invoked)."""
     uri = spec_uri(spec.storage, spec.run_id)
     store_args: list[str] = []
@@ -90,7 +91,7 @@ def job_module_args(spec: RunSpec, role: str, port: int = REPLICA_PORT, host: st
     if spec.storage.region:
         store_args += ["--store-region", spec.storage.region]
     if role == "trainer":
-        return ["jobs.trainer", "--spec", uri, *store_args]
+        return [*trainer_launcher(derived.trainer_processes(spec.compute)), "jobs.trainer", "--spec", uri, *store_args]
     index = role.removeprefix("replica-")
     return [
         "jobs.replica",
@@ -108,6 +109,35 @@ def job_module_args(spec: RunSpec, role: str, port: int = REPLICA_PORT, host: st
     ]
 
 
+def trainer_launcher(processes: int) -> list[str]:
+    """How the trainer module is started, as `python -m <these> jobs.trainer ...`: directly for one process, through
+    `accelerate launch` (torchrun, DDP) for several, on GPUs and on the CPU alike.
+
+    `--multi_gpu` even on the CPU: `--cpu --num_processes N` silently starts one process (accelerate's simple
+    launcher starts several CPU processes only under mpirun); through torchrun the process group is gloo without a
+    GPU. Mixed precision is the trainer's own setting (bf16 autocast on GPU), not the launcher's.
+    """
+    if processes == 1:
+        return []
+    return [
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_ip",
+        "127.0.0.1",
+        "--main_process_port",
+        "0",
+        "-m",
+    ]
+
+
 class Launcher(ABC):
     backend: str
     health_deadline: float = 900.0  # seconds for a replica to answer /health after it starts
@@ -116,8 +146,17 @@ class Launcher(ABC):
     # --- what each backend implements ---------------------------------------------------------------------------
 
     @abstractmethod
+    def plan_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobPlan:
+        """Exactly what `start_job` submits for `role` (see backend/plan.py)."""
+
+    @abstractmethod
+    def trainer_cuda(self, spec: RunSpec) -> bool:
+        """Whether the trainer job will train on GPUs (which decides its batch shape and precision)."""
+
+    @abstractmethod
     def start_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobHandle:
-        """Start one job and return at once (the replica's endpoint may only be known later, see `endpoint`)."""
+        """Start one job, as `plan_job` describes it, and return at once (a replica's endpoint may only be known
+        later, see `endpoint`)."""
 
     @abstractmethod
     def state(self, job: JobHandle) -> JobState: ...
@@ -133,6 +172,17 @@ class Launcher(ABC):
     def find_jobs(self, spec: RunSpec) -> list[JobHandle]:
         """The run's jobs that have not ended, found on the backend itself (not in the panel's database), so that a
         launch interrupted between starting a job and recording it can find that job."""
+
+    def plan(self, spec: RunSpec, secrets: RunSecrets) -> RunPlan:
+        """Every job a launch of `spec` submits, and the values derived for its hardware."""
+        roles = [f"replica-{index}" for index in range(spec.compute.replicas)] + ["trainer"]
+        return RunPlan(
+            run_id=spec.run_id,
+            backend=spec.compute.backend,
+            namespace=spec.compute.namespace,
+            jobs=[self.plan_job(spec, role, secrets) for role in roles],
+            derived=derived_values(spec, self.trainer_cuda(spec)),
+        )
 
     def prepare(self, spec: RunSpec, secrets: RunSecrets, store: ObjectStore) -> None:
         """Whatever must exist before any job of the run starts (HF Jobs: the code bundle). Idempotent."""

@@ -24,7 +24,7 @@ from typing import TypeVar
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
-from backend.bundle import bootstrap_source, upload_bundle
+from backend.bundle import bootstrap_source, build_bundle, bundle_digest, upload_bundle
 from backend.launchers.base import (
     REPLICA_PORT,
     TERMINAL,
@@ -36,7 +36,8 @@ from backend.launchers.base import (
     job_env,
     job_module_args,
 )
-from jobs.contract import RunSpec
+from backend.plan import JobPlan
+from jobs.contract import RunSpec, derived, layout, parse_storage_uri, timeout_seconds
 from jobs.retry import RetryPolicy
 from jobs.store import ObjectStore, S3Store
 
@@ -82,12 +83,12 @@ class HfJobsLauncher(Launcher):
     health_deadline = 900.0  # a cold vLLM image pull and model load take minutes
     poll_interval = 5.0
 
-    def __init__(self, token: str, endpoint: str | None = None, retry: RetryPolicy = RetryPolicy(6, 1.0, 30.0)):
+    def __init__(self, token: str | None, endpoint: str | None = None, retry: RetryPolicy = RetryPolicy(6, 1.0, 30.0)):
         self.api = HfApi(token=token, endpoint=endpoint)
         self.retry = retry
         self._hardware: dict[str, float] | None = None
         self._namespaces: dict[str, str] = {}  # job id -> namespace
-        self._bundles: dict[str, list[str]] = {}  # run id -> the bootstrap's bundle arguments
+        self._bundle_bytes: bytes | None = None  # this checkout's code bundle, built once
 
     # --- calling the Hub -----------------------------------------------------------------------------------------
 
@@ -147,23 +148,44 @@ class HfJobsLauncher(Launcher):
             raise LaunchError("storage.uri: HF Jobs cannot reach a local folder; use an hf:// or s3:// bucket")
         if not run_secrets.hf_token:
             raise LaunchError("an HF token is required to run HF Jobs; add one in the credentials form")
-        digest, key = upload_bundle(store, spec.run_id)
-        location = store.location
-        self._bundles[spec.run_id] = [
+        upload_bundle(store, spec.run_id, self._bundle())
+
+    def trainer_cuda(self, spec: RunSpec) -> bool:
+        return derived.trainer_gpus(spec.compute) > 0
+
+    def plan_job(self, spec: RunSpec, role: str, run_secrets: RunSecrets) -> JobPlan:
+        # The bootstrap reads the bundle with the bucket keys the job holds anyway; its arguments are not secret.
+        location = parse_storage_uri(spec.storage.uri, endpoint=spec.storage.endpoint, region=spec.storage.region)
+        digest = bundle_digest(self._bundle())
+        bundle = [
             digest,
             location.endpoint or "-",
             location.region or "us-east-1",
             location.bucket,
-            store.object_key(key),
+            location.object_key(layout.code_key(spec.run_id, digest)),
         ]
+        replica = role != "trainer"
+        return JobPlan(
+            role=role,
+            command=["python3", "-c", bootstrap_source(), *bundle, *job_module_args(spec, role)],
+            env=dict(_JOB_ENV),
+            secrets=sorted(job_env(role, run_secrets, on_hf_jobs=True)),
+            ports=[REPLICA_PORT] if replica else [],
+            image=spec.compute.replica_image if replica else spec.compute.trainer_image,
+            flavor=spec.compute.replica_flavor if replica else spec.compute.trainer_flavor,
+            timeout_s=timeout_seconds(spec.compute.timeout),
+            labels={LABEL_RUN: spec.run_id, LABEL_ROLE: role},
+            name=f"grpo-{spec.run_id}-{role}",  # run ids and roles hold only [a-z0-9-], as job names must
+        )
+
+    def _bundle(self) -> bytes:
+        if self._bundle_bytes is None:
+            self._bundle_bytes = build_bundle()
+        return self._bundle_bytes
 
     def start_job(self, spec: RunSpec, role: str, run_secrets: RunSecrets) -> JobHandle:
-        # The bootstrap reads the bundle with the bucket keys the job holds anyway; its arguments are not secret.
-        command = ["python3", "-c", bootstrap_source(), *self._bundles[spec.run_id], *job_module_args(spec, role)]
-        job_secrets = job_env(role, run_secrets, on_hf_jobs=True)
+        plan = self.plan_job(spec, role, run_secrets)
         submission = token_hex(8)
-        labels = {LABEL_RUN: spec.run_id, LABEL_ROLE: role, LABEL_SUBMISSION: submission}
-        replica = role != "trainer"
         namespace = spec.compute.namespace
 
         def submit():
@@ -171,14 +193,15 @@ class HfJobsLauncher(Launcher):
             if existing is not None:  # an earlier try was accepted but its answer was lost
                 return existing
             return self.api.run_job(
-                image=spec.compute.trainer_image if role == "trainer" else spec.compute.replica_image,
-                command=command,
-                env=dict(_JOB_ENV),
-                secrets=job_secrets,
-                flavor=spec.compute.replica_flavor if replica else spec.compute.trainer_flavor,
-                timeout=spec.compute.timeout,
-                labels=labels,
-                expose=[REPLICA_PORT] if replica else None,
+                image=plan.image,
+                command=plan.command,
+                env=plan.env,
+                secrets=job_env(role, run_secrets, on_hf_jobs=True),
+                flavor=plan.flavor,
+                timeout=plan.timeout_s,
+                labels={**plan.labels, LABEL_SUBMISSION: submission},  # one per submission: see _find
+                expose=plan.ports or None,
+                name=plan.name,
                 namespace=namespace,
             )
 

@@ -3,8 +3,10 @@
 Each job gets a folder under the launcher's work directory holding its command, endpoint, log, its process group id
 (written by the job's own group leader, so a panel killed right after starting it still leaves it findable) and — once
 it ends — its exit code, so a restarted panel can find the job and tell how it ended. Replicas listen on free ports on
-127.0.0.1 and demand a per-run bearer token. Cancelling sends SIGTERM to the whole group (the job and every child it
-started), then SIGKILL after a grace period.
+127.0.0.1 and demand a per-run bearer token. Cancelling sends SIGTERM to every process of the job — its group and
+every descendant, also those in a session of their own, like the ranks torchrun starts for a multi-process trainer
+(jobs/processes.py) — then SIGKILL after a grace period. It is the last resort: a run is stopped through its stop
+request first (RunService.stop), which lets the trainer save a checkpoint and stop its replicas.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from secrets import token_hex
 
 from backend.db import PROJECT_ROOT
 from backend.launchers.base import TERMINAL, JobHandle, JobState, Launcher, RunSecrets, job_env, job_module_args
+from backend.plan import PORT, JobPlan
 from jobs.contract import RunSpec, timeout_seconds
 from jobs.contract.control import JobRef, JobsRecord
 from jobs.processes import group_alive, terminate_group
@@ -78,34 +81,51 @@ class LocalLauncher(Launcher):
     def _pgid(self, job: JobHandle) -> int:
         return int((self._folder(job) / "pgid").read_text())
 
-    def start_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobHandle:
-        port = free_port() if role != "trainer" else None
-        command = [sys.executable, "-m", *job_module_args(spec, role, port=port or 0, host="127.0.0.1")]
+    def trainer_cuda(self, spec: RunSpec) -> bool:
+        import torch  # the trainer runs on this machine: on its GPU if it has one
+
+        return torch.cuda.is_available()
+
+    def plan_job(self, spec: RunSpec, role: str, secrets: RunSecrets, port: int | None = None) -> JobPlan:
+        """The job's command with `port` (a free port when it starts; `PORT` in a plan shown beforehand): where a
+        replica listens, or the trainer's proxy."""
+        listen = str(port) if port is not None else PORT
+        command = [sys.executable, "-m", *job_module_args(spec, role, port=listen, host="127.0.0.1")]
         if role == "trainer":
-            command += ["--proxy-port", str(free_port())]
+            command += ["--proxy-port", listen]
+        return JobPlan(
+            role=role,
+            command=command,
+            env={"PYTHONUNBUFFERED": "1", "PYTHONPATH": _python_path()},
+            secrets=sorted(job_env(role, secrets, on_hf_jobs=False)),
+            timeout_s=timeout_seconds(spec.compute.timeout),
+        )
+
+    def start_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobHandle:
+        port = free_port()
+        plan = self.plan_job(spec, role, secrets, port)
         env = {name: os.environ[name] for name in _INHERITED_ENV if name in os.environ}
         env.update(job_env(role, secrets, on_hf_jobs=False))
-        env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        env.update(plan.env)
         job = JobHandle(
             run_id=spec.run_id,
             role=role,
             job_id=f"{role}-{token_hex(4)}",
             backend=self.backend,
-            endpoint=f"http://127.0.0.1:{port}" if port else None,
+            endpoint=f"http://127.0.0.1:{port}" if role != "trainer" else None,
         )
         folder = self._folder(job)
         folder.mkdir(parents=True)
-        (folder / "command").write_text(shlex.join(command))  # the command only: secrets are in the environment
+        (folder / "command").write_text(shlex.join(plan.command))  # the command only: secrets are in the environment
         if job.endpoint:
             (folder / "endpoint").write_text(job.endpoint)
-        (folder / "timeout").write_text(str(timeout_seconds(spec.compute.timeout)))
+        (folder / "timeout").write_text(str(plan.timeout_s))
         with open(folder / "log", "ab") as log_file:
             # `sh` stays the group leader and records the exit code, so a restarted panel still knows how it ended.
             # It survives the group's SIGTERM (a no-op trap; the job itself still gets the signal) to record how the
             # job ended: a replica the trainer stops cleanly is "completed", not "killed".
             process = subprocess.Popen(
-                ["/bin/sh", "-c", _EXIT_RECORDER, "sh", *command],
+                ["/bin/sh", "-c", _EXIT_RECORDER, "sh", *plan.command],
                 cwd=PROJECT_ROOT,
                 env={**env, "JOB_FOLDER": str(folder)},
                 stdout=log_file,
@@ -181,6 +201,11 @@ class LocalLauncher(Launcher):
         return JobsRecord(
             backend="local", jobs=[JobRef(role=job.role, job_id=job.job_id, pgid=self._pgid(job)) for job in jobs]
         )
+
+
+def _python_path() -> str:
+    """This checkout first (jobs import `jobs`), then whatever the panel's environment had."""
+    return os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def _read_float(path: Path) -> float | None:

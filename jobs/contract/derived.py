@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 
-from jobs.contract.spec import VLLM_LORA_RANKS, GrpoSpec, RunSpec
+from jobs.contract.flavors import flavor
+from jobs.contract.spec import VLLM_LORA_RANKS, ComputeSpec, GrpoSpec, RunSpec
 
 TRL_ADAPTER_PREFIX = "trl-policy-v"
 _TRL_NAME = re.compile(r"^trl-policy-v([1-9][0-9]{0,8})$")
@@ -39,15 +40,46 @@ def queue_size(grpo: GrpoSpec) -> int:
     return max(grpo.max_staleness, 1) * _QUEUE_PER_STALENESS
 
 
-def batch_shape(grpo: GrpoSpec) -> tuple[int, int]:
-    """(per_device_train_batch_size, gradient_accumulation_steps) giving `completions_per_step` on one process.
+def trainer_gpus(compute: ComputeSpec) -> int:
+    """GPUs the trainer job has: its flavor's on HF Jobs; none locally (the embedded default runs on the CPU)."""
+    return flavor(compute.trainer_flavor).gpus if compute.backend == "hf_jobs" else 0
 
-    Micro-batches hold whole groups where possible and at most 64 completions, which keeps a CPU step's memory flat.
+
+def trainer_processes(compute: ComputeSpec) -> int:
+    """Training processes (data-parallel ranks): the spec's `trainer_processes`, else one per GPU of the trainer."""
+    return compute.trainer_processes or max(1, trainer_gpus(compute))
+
+
+def replica_tensor_parallel(compute: ComputeSpec) -> int:
+    """GPUs one replica's vLLM spreads the model over: every GPU of its flavor (vLLM's --tensor-parallel-size).
+
+    TRL requires the server it talks to to report data_parallel_size == 1, so a multi-GPU replica is one model split
+    over its GPUs, never several engines behind one URL.
     """
-    per_device = grpo.completions_per_step
+    return max(1, flavor(compute.replica_flavor).gpus) if compute.backend == "hf_jobs" else 1
+
+
+def batch_shape(grpo: GrpoSpec, processes: int = 1, cuda: bool = False) -> tuple[int, int]:
+    """(per_device_train_batch_size, gradient_accumulation_steps) giving `completions_per_step` over `processes`.
+
+    On GPU the recipe's shape: one completion per micro-batch. TRL normalises each micro-batch's loss by its own
+    token count, so a micro-batch of one weights every completion's token mean equally, as the recipe measured. On the
+    CPU (the demo) micro-batches hold whole groups of at most 64 completions: one forward per group is what keeps a
+    CPU step fast, and the demo's completions all have the same length.
+    """
+    per_process = grpo.completions_per_step // processes
+    per_device = 1 if cuda else per_process
     while per_device > 64 and per_device % 2 == 0:
         per_device //= 2
-    return per_device, grpo.completions_per_step // per_device
+    return per_device, per_process // per_device
+
+
+def trainer_precision(cuda: bool) -> tuple[str, bool]:
+    """(weights dtype, bf16 autocast): float32 weights always, as TRL 1.16 trains by default; bf16 autocast on GPU.
+
+    Loading the trainer's base weights in bf16 (the replicas' serving dtype) would change ratio, kl and clipping.
+    """
+    return "float32", cuda
 
 
 def max_model_len(spec: RunSpec) -> int:

@@ -17,12 +17,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jobs.contract.flavors import FLAVORS
 from jobs.contract.storage_uri import parse_storage_uri
 from jobs.secrets import find_secret
 
 SCHEMA_VERSION = 1
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MAX_REPLICAS = 16
+# Why top-p and top-k stay off: the replicas' log-probs would be those of the truncated, renormalised distribution.
+_NO_TRUNCATION = (
+    "which TRL 1.16 does not model: the replicas' log-probs would come from the truncated distribution and the "
+    "importance ratio would be wrong"
+)
 # vLLM holds max_staleness + 2 adapters at once; beyond this they crowd out the KV cache for no gain.
 MAX_STALENESS = 16
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{1,46}[a-z0-9]$")
@@ -87,7 +93,7 @@ class DatasetSpec(_Section):
     id: str = "sail/Sanity-Test-R1D-1.5B"
     split: str = "train"
     prompt_column: str = "prompt"
-    answer_column: str | None = "solution"
+    answer_column: str | None = "reward_model.ground_truth"  # a dotted path reaches into a struct column
     system_prompt: str | None = None
     limit: Annotated[int, Field(ge=1)] | None = None
 
@@ -225,11 +231,30 @@ class GrpoSpec(_Section):
             raise ValueError(f"{value} is too large; use a seed from 0 to {MAX_SEED} (NumPy's range)")
         return value
 
+    @field_validator("top_p")
+    @classmethod
+    def _top_p(cls, value: float) -> float:
+        if value < 1.0:
+            raise ValueError(f"{value} truncates sampling, {_NO_TRUNCATION}; leave top-p at 1")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value > 0:
+            raise ValueError(f"{value} truncates sampling, {_NO_TRUNCATION}; leave top-k at 0 (off)")
+        return value
+
     @field_validator("max_staleness")
     @classmethod
     def _staleness(cls, value: int) -> int:
         if value < 0:
-            raise ValueError("cannot be negative; use 0 (strictly on-policy) or more")
+            raise ValueError("cannot be negative; use 1 or more")
+        if value == 0:
+            raise ValueError(
+                "0 cannot work with TRL 1.16: it unloads the previous adapter version before new requests move to "
+                "the next, so requests still in flight fail; use 1 (nearly on-policy) or more"
+            )
         if value > MAX_STALENESS:
             raise ValueError(
                 f"{value} is too large: replicas must hold max_staleness + 2 adapters; use at most {MAX_STALENESS}"
@@ -264,6 +289,8 @@ class ComputeSpec(_Section):
     trainer_image: str = "vllm/vllm-openai:v0.27.1"
     engine: Literal["auto", "vllm", "cpu"] = "auto"  # auto: vLLM where CUDA is present, else the CPU engine
     cost_cap_usd: Annotated[float, Field(gt=0)] | None = None
+    # Data-parallel training processes. None: one per GPU of the trainer flavor on HF Jobs, one locally.
+    trainer_processes: Annotated[int, Field(ge=1, le=8)] | None = None
 
     @field_validator("replicas")
     @classmethod
@@ -287,8 +314,21 @@ class ComputeSpec(_Section):
 
     @model_validator(mode="after")
     def _hub(self) -> ComputeSpec:
-        if self.backend == "hf_jobs" and not self.namespace:
+        if self.backend != "hf_jobs":
+            return self
+        if not self.namespace:
             raise ValueError("namespace: required for HF Jobs: your username or an organisation you can bill")
+        for field in ("trainer_flavor", "replica_flavor"):
+            if getattr(self, field) not in FLAVORS:
+                raise ValueError(
+                    f"{field}: {getattr(self, field)!r} is not an HF Jobs flavor; choose one of {', '.join(FLAVORS)}"
+                )
+        gpus = FLAVORS[self.trainer_flavor].gpus
+        if self.trainer_processes and gpus and self.trainer_processes > gpus:
+            raise ValueError(
+                f"trainer_processes: {self.trainer_flavor} has {gpus} GPU(s); use at most {gpus} (one process per "
+                "GPU), or leave it empty"
+            )
         return self
 
 
@@ -361,6 +401,14 @@ class RunSpec(_Section):
             )
         if self.parent is not None and self.parent.run_id == self.run_id:
             raise ValueError("parent.run_id: must name another run; a branch gets its own run id")
+        from jobs.contract.derived import trainer_processes  # derived values build on this module
+
+        processes = trainer_processes(self.compute)
+        if self.grpo.completions_per_step % processes:
+            raise ValueError(
+                f"grpo.completions_per_step: {self.grpo.completions_per_step} must be a multiple of the "
+                f"{processes} training processes, so every process trains the same number of completions"
+            )
         return self
 
     def to_json(self) -> str:

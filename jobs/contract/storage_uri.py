@@ -30,6 +30,10 @@ class StorageLocation:
     endpoint: str | None = None
     region: str | None = None
 
+    def object_key(self, key: str) -> str:
+        """The key in the bucket of the store key `key`: the location's prefix, then `key`."""
+        return f"{self.prefix}/{key}" if self.prefix else key
+
     def describe(self) -> str:
         """Where this is, for error messages: names the bucket and endpoint, never a key."""
         if self.kind == "file":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.contract import RunSpec
-from jobs.contract.derived import vllm_max_lora_rank, vllm_max_loras
+from jobs.contract.derived import replica_tensor_parallel, vllm_max_lora_rank, vllm_max_loras
 from jobs.runtime import ENV_REPLICA_TOKEN, ENV_UPSTREAM_TOKEN
 
 # The public recipe's value: what the KV cache may take of the GPU, leaving room for LoRA slots and activations.
@@ -77,6 +77,9 @@ def vllm_command(spec: RunSpec, model_path: str, port: int, environ: Mapping[str
         *_serving_flags(spec, port),
         "--gpu-memory-utilization",
         str(GPU_MEMORY_UTILIZATION),
+        # One model over every GPU of the replica's flavor (TRL needs data_parallel_size 1 behind one URL).
+        "--tensor-parallel-size",
+        str(replica_tensor_parallel(spec.compute)),
         "--enable-lora",
         # Host RAM is cheap next to GPU slots: room for a branch's adapters or the proxy's replay of live versions.
         "--max-cpu-loras",

@@ -227,10 +227,6 @@ class S3Store(ObjectStore):
                 return
             cursor = contents[-1]["Key"]
 
-    def object_key(self, key: str) -> str:
-        """The key of `key` inside the bucket (the store's prefix included), for clients that sign requests."""
-        return self._key(key)
-
     def delete(self, key: str) -> None:
         full = self._key(key)
         self._call(lambda: self.client.delete_object(Bucket=self.bucket, Key=full), "delete", key)

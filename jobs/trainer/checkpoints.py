@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from jobs.contract import ParentSpec, layout
 from jobs.store import ObjectStore, download_published, list_published, publish_through_outage
+from jobs.trainer import ranks
 
 log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint-{step}"  # TRL / transformers' own naming inside output_dir
@@ -38,6 +39,18 @@ def highest_version(store: ObjectStore, run_id: str) -> int:
     """The highest adapter version published for `run_id` (0 if none)."""
     versions = [layout.parse_version_dir(name) for name in list_published(store, layout.adapters_prefix(run_id))]
     return max((v for v in versions if v is not None), default=0)
+
+
+class CheckpointComplete(TrainerCallback):
+    """Holds every rank at each save until all of them wrote their part of the checkpoint.
+
+    Under DDP the main process writes the model, optimizer and trainer state, and each rank its own RNG state
+    (`rng_state_<rank>.pth`); transformers does not wait between writing and `on_save`, so without this the main
+    process could upload a checkpoint another rank is still writing into. Runs on every rank, before the uploader.
+    """
+
+    def on_save(self, _args, _state, _control, **_kwargs):
+        ranks.wait_for_all()
 
 
 class CheckpointUploader(TrainerCallback):
@@ -87,14 +100,20 @@ class ContinueVersions(TrainerCallback):
                 trainer.rollout_worker.update_model_version(highest)
 
 
-def load_parent_adapter(store: ObjectStore, parent: ParentSpec, model, workdir: str | Path) -> None:
-    """Start a branch from a parent run's adapter version: copy its LoRA weights into `model` (a PeftModel)."""
+def download_parent_adapter(store: ObjectStore, parent: ParentSpec, workdir: str | Path) -> Path:
+    """Fetch the parent run's adapter version a branch starts from (once per job: by its main process)."""
+    folder = Path(workdir) / f"parent-{parent.run_id}-v{parent.version}"
+    download_published(store, layout.adapter_prefix(parent.run_id, parent.version), folder)
+    return folder
+
+
+def load_parent_adapter(folder: str | Path, parent: ParentSpec, model) -> None:
+    """Start a branch from a parent run's adapter version (downloaded to `folder`): copy its LoRA weights into
+    `model` (a PeftModel). Every rank loads them, so every replica of the model starts from the same weights."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    folder = Path(workdir) / f"parent-{parent.run_id}-v{parent.version}"
-    download_published(store, layout.adapter_prefix(parent.run_id, parent.version), folder)
-    weights = load_file(str(folder / "adapter_model.safetensors"))
+    weights = load_file(str(Path(folder) / "adapter_model.safetensors"))
     result = set_peft_model_state_dict(model, weights)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:

@@ -23,29 +23,21 @@ def lora_config(spec: RunSpec):
     )
 
 
-def training_dtype(spec: RunSpec, cuda: bool) -> str:
-    """float32 on CPU (bf16 matmuls are slow there and TRL refuses bf16 without a GPU); the spec's dtype on GPU."""
-    if not cuda:
-        return "float32"
-    return "bfloat16" if spec.model.dtype == "auto" else spec.model.dtype
-
-
 def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | None = None):
     """The AsyncGRPOConfig for `spec`, training into `output_dir` against the proxy at `server_url`."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     grpo = spec.grpo
-    per_device, accumulation = derived.batch_shape(grpo)
-    dtype = training_dtype(spec, cuda)
+    per_device, accumulation = derived.batch_shape(grpo, derived.trainer_processes(spec.compute), cuda)
+    dtype, bf16 = derived.trainer_precision(cuda)
     return AsyncGRPOConfig(
         output_dir=output_dir,
         # Model
         dtype=dtype,
         model_init_kwargs={"revision": spec.model.revision} if spec.model.revision else None,
         use_cpu=not cuda,
-        bf16=cuda and dtype == "bfloat16",
-        fp16=cuda and dtype == "float16",
+        bf16=bf16,
         gradient_checkpointing=grpo.gradient_checkpointing,
         # Generation
         num_generations=grpo.num_generations,

@@ -12,6 +12,7 @@ from transformers import TrainerCallback
 from jobs.contract import layout
 from jobs.contract.control import STOP, StopRequest
 from jobs.store import ObjectStore, StoreError
+from jobs.trainer import ranks
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,10 @@ class GracefulStop(TrainerCallback):
 
     Asked means a stop request in the store (`control/stop.json`, written by the panel) or a first SIGTERM (a job
     being cancelled). A second SIGTERM is not caught: the default handler ends the process at once.
+
+    With several training processes the main one decides, after every step, and every rank follows: ranks that
+    looked for themselves could stop at different steps, and the ones still training would wait forever in the next
+    collective. Only the main process catches SIGTERM; the others have nothing of their own to save.
     """
 
     def __init__(self, store: ObjectStore, run_id: str, telemetry=None, check_every: float = 5.0):
@@ -52,7 +57,9 @@ class GracefulStop(TrainerCallback):
         return True
 
     def on_step_end(self, _args, state, control, **_kwargs):
-        if self.requested():
+        reason = ranks.from_main(lambda: (self.reason or "stop requested") if self.requested() else None)
+        if reason:
+            self.reason = reason
             log.info("stopping after step %d: %s", state.global_step, self.reason)
             if self.telemetry is not None:
                 self.telemetry.event("stop", f"stopping after step {state.global_step}: {self.reason}")

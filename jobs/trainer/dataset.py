@@ -81,13 +81,35 @@ def _load_store_file(spec: DatasetSpec, store: ObjectStore | None):
 
 
 def check_columns(rows, spec: DatasetSpec) -> None:
-    """Raise DatasetError naming a missing prompt or answer column and the columns that do exist."""
+    """Raise DatasetError naming a missing prompt or answer column and the columns (or fields) that do exist.
+
+    The answer column may be a dotted path into a struct column (`reward_model.ground_truth`), as many public RL
+    datasets keep their gold answer.
+    """
     columns = list(rows.column_names)
     for field, column in (("prompt_column", spec.prompt_column), ("answer_column", spec.answer_column)):
-        if column is not None and column not in columns:
+        if column is None:
+            continue
+        top, *inner = column.split(".")
+        if top not in columns:
             raise DatasetError(
-                f"dataset.{field}: column {column!r} is not in the dataset; its columns are {', '.join(columns)}"
+                f"dataset.{field}: column {top!r} is not in the dataset; its columns are {', '.join(columns)}"
             )
+        value = rows[0][top]
+        for depth, key in enumerate(inner):
+            if not isinstance(value, dict) or key not in value:
+                path = ".".join([top, *inner[:depth]])
+                fields = ", ".join(value) if isinstance(value, dict) else "none: it is not a struct"
+                raise DatasetError(f"dataset.{field}: {path!r} has no field {key!r}; its fields are {fields}")
+            value = value[key]
+
+
+def column_value(row: dict[str, Any], path: str) -> Any:
+    """The value at a column name or a dotted path into struct columns."""
+    value = row
+    for key in path.split("."):
+        value = value[key]
+    return value
 
 
 def to_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, str]]:
@@ -113,19 +135,15 @@ def prompt_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
 
 
 def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: int | None = None):
-    """The dataset TRL trains on: `prompt` (messages) and `answer`, plus the other plain columns for user rewards.
+    """The dataset TRL trains on: `prompt` (messages) and `answer` (the gold answer as text), plus every column of the
+    dataset under its own name — structs and lists included — as TRL hands them to reward functions.
 
     With a tokenizer and `max_prompt_tokens`, prompts that would leave no room for a full completion are dropped.
     """
     import datasets
 
     check_columns(rows, spec)
-    plain = [
-        name
-        for name, feature in rows.features.items()
-        if name not in (spec.prompt_column, spec.answer_column, "prompt", ANSWER)
-        and isinstance(feature, datasets.Value)
-    ]
+    own = [name for name in rows.column_names if name not in ("prompt", ANSWER)]
     records, dropped = [], 0
     for row in rows:
         messages = to_messages(row[spec.prompt_column], spec.system_prompt)
@@ -133,8 +151,9 @@ def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: in
         if limited and len(prompt_token_ids(tokenizer, messages)) > max_prompt_tokens:
             dropped += 1
             continue
-        record = {"prompt": messages, ANSWER: "" if spec.answer_column is None else str(row[spec.answer_column])}
-        record.update({name: row[name] for name in plain})
+        answer = "" if spec.answer_column is None else str(column_value(row, spec.answer_column))
+        record = {"prompt": messages, ANSWER: answer}
+        record.update({name: row[name] for name in own})
         records.append(record)
     if dropped:
         log.warning(

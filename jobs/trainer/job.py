@@ -5,6 +5,12 @@
 Order of events: start the proxy and wait for replicas; build dataset, rewards and trainer; resume from the newest
 stored checkpoint (or start a branch from its parent's adapter); train; publish and audit the final version; and, on
 every way out (success, error, SIGTERM), stop the proxy and the replicas and say why in `status/trainer.json`.
+
+Under `accelerate launch` (several data-parallel processes, see jobs/trainer/ranks.py) every rank builds the same
+trainer and trains, but only the main process does what reaches outside the training loop: the proxy and the replica
+watchdog, telemetry and status, checkpoint uploads, audits, step hints, the final publish and stopping the replicas.
+What the ranks must agree on — the working folder, the checkpoint to resume from, when to stop — the main process
+decides and shares.
 """
 
 from __future__ import annotations
@@ -14,32 +20,40 @@ import errno
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from jobs.contract import layout
-from jobs.models import resolve_model
+from jobs import pins
+from jobs.contract import derived, layout
+from jobs.models import eos_token_ids, resolve_model
 from jobs.runtime import ENV_UPSTREAM_TOKEN, RunContext, open_run, read_json, setup_logging, spec_uri
 from jobs.store import StoreError
-from jobs.trainer import cpu_compat
+from jobs.trainer import cpu_compat, ranks
 from jobs.trainer.audit import AuditCallback, PolicyAudit, tolerance_for
 from jobs.trainer.checkpoints import (
+    CheckpointComplete,
     CheckpointUploader,
     ContinueVersions,
     download_checkpoint,
+    download_parent_adapter,
     latest_checkpoint,
     load_parent_adapter,
     publish_final,
 )
-from jobs.trainer.config import grpo_config, lora_config, training_dtype
+from jobs.trainer.config import grpo_config, lora_config
 from jobs.trainer.control import GracefulStop, StepHint
 from jobs.trainer.dataset import build_prompts, load_rows
 from jobs.trainer.proxy_process import ProxyProcess, ReplicasLost, ReplicaWatchdog
 from jobs.trainer.replicas import stop_replicas
 from jobs.trainer.rewards import build_rewards
-from jobs.trainer.telemetry import RecordingQueue, RewardErrorForwarder, TelemetryCallback, TrainerTelemetry
+from jobs.trainer.telemetry import (
+    RecordingQueue,
+    RewardErrorForwarder,
+    SilentTelemetry,
+    TelemetryCallback,
+    TrainerTelemetry,
+)
 
 log = logging.getLogger("jobs.trainer")
 # A failed write with less free space than this (or 5% of the disk) left is reported as a full disk.
@@ -54,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--output-dir",
         default=os.environ.get("GRPO_TRAINER_WORKDIR") or None,
-        help="local working folder (default: $GRPO_TRAINER_WORKDIR, else a temporary one)",
+        help="local working folder, the same for every rank (default: $GRPO_TRAINER_WORKDIR, else a temporary one)",
     )
     parser.add_argument("--proxy-port", type=int, default=8000)
     parser.add_argument("--replica-wait", type=float, default=900.0, help="seconds to wait for healthy replicas")
@@ -77,29 +91,35 @@ def previous_attempt(ctx: RunContext) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    setup_logging("trainer")
+    main_process = ranks.is_main_process()
+    setup_logging("trainer" if main_process else f"trainer-rank{ranks.rank()}")
     cuda = torch.cuda.is_available()
     if args.torch_threads or not cuda:
         torch.set_num_threads(args.torch_threads or 1)  # on CPU the replicas need the other cores
+    ranks.join_process_group(cuda)
     ctx = open_run(args.spec, args.store_endpoint, args.store_region)
     spec, store = ctx.spec, ctx.store
-    attempt = previous_attempt(ctx) + 1
-    telemetry = TrainerTelemetry(store, spec.run_id, attempt, spec.grpo.max_steps)
+    if main_process:
+        attempt = previous_attempt(ctx) + 1
+        telemetry = TrainerTelemetry(store, spec.run_id, attempt, spec.grpo.max_steps)
+    else:
+        attempt, telemetry = 0, SilentTelemetry()  # the main process reports for every rank
     telemetry.status("starting")
     proxy = ProxyProcess(spec_uri(spec.storage, spec.run_id), args.proxy_port, args.store_endpoint, args.store_region)
     watchdog: ReplicaWatchdog | None = None
     stop = GracefulStop(store, spec.run_id, telemetry)
-    stop.install_signal_handler()
+    if main_process:
+        stop.install_signal_handler()
     outcome, exit_code = "failed", 1
-    workdir = Path(args.output_dir or tempfile.mkdtemp(prefix=f"trainer-{spec.run_id}-"))
+    workdir: Path | None = None
     errors = None
     try:
+        pins.require("trl")  # TRL's experimental async trainer changes between releases: our code fits 1.16.0 only
+        workdir = Path(ranks.shared_workdir(args.output_dir, spec.run_id))
         if not cuda:
             cpu_compat.apply_cpu_patches()
-        proxy.start()
-        telemetry.status("waiting_replicas")
-        proxy.wait_healthy(args.replica_wait, on_wait=lambda waited: telemetry.status(force=False, waited_s=waited))
-        watchdog = ReplicaWatchdog(proxy, args.replica_loss_timeout).start()
+        if main_process:
+            watchdog = start_proxy(proxy, args, telemetry)
 
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
@@ -109,66 +129,59 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt = spec.model.max_model_len - spec.grpo.max_completion_length
         dataset = build_prompts(spec.dataset, load_rows(spec.dataset, store), tokenizer, max_prompt)
         error_log = workdir / "reward_errors.jsonl"
-        errors = RewardErrorForwarder(error_log, telemetry).start()
-        rewards = build_rewards(spec.rewards, [tokenizer.eos_token_id], error_log)
+        if main_process:
+            errors = RewardErrorForwarder(error_log, telemetry).start()
+        eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
+        rewards = build_rewards(spec.rewards, eos, error_log)
 
-        resume_step = latest_checkpoint(store, spec.run_id)
-        resume_path = None
+        resume_step, resume_path = ranks.from_main(lambda: fetch_resume_checkpoint(store, spec.run_id, workdir))
         if resume_step is not None:
-            resume_path = str(download_checkpoint(store, spec.run_id, resume_step, workdir))
             telemetry.event(
                 "resume",
                 f"attempt {attempt} resumes from the checkpoint of step {resume_step}",
                 resumed_from_step=resume_step,
             )
         continue_versions = ContinueVersions(store, spec.run_id)
+        callbacks = [CheckpointComplete(), stop]
+        if main_process:
+            callbacks += [
+                TelemetryCallback(telemetry),
+                CheckpointUploader(store, spec.run_id, attempt, telemetry),
+                continue_versions,
+                StepHint(proxy.post_step),
+            ]
         trainer = AsyncGRPOTrainer(
             model=model_path,
             reward_funcs=rewards,
             args=grpo_config(spec, str(workdir / "output"), proxy.url, cuda),
             train_dataset=dataset,
             processing_class=tokenizer,
-            callbacks=[
-                TelemetryCallback(telemetry),
-                CheckpointUploader(store, spec.run_id, attempt, telemetry),
-                continue_versions,
-                StepHint(proxy.post_step),
-                stop,
-            ],
+            callbacks=callbacks,
             peft_config=lora_config(spec),
         )
         continue_versions.trainer = trainer
         if spec.parent is not None and resume_path is None:
-            load_parent_adapter(store, spec.parent, trainer.model, workdir)
-        trainer.rollout_queue = RecordingQueue(trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness)
-        _drain_queues_on_stop(trainer.rollout_worker)
-        audit = PolicyAudit(
-            trainer,
-            tokenizer,
-            store,
-            spec.run_id,
-            proxy.replicas,
-            os.environ.get(ENV_UPSTREAM_TOKEN),
-            spec.grpo.temperature,
-            tolerance_for(training_dtype(spec, cuda)),
-            telemetry,
-        )
-        trainer.add_callback(AuditCallback(audit, spec.grpo.audit_every))
+            parent = ranks.from_main(lambda: download_parent_adapter(store, spec.parent, workdir))
+            load_parent_adapter(parent, spec.parent, trainer.model)
+        audit = watch_trainer(trainer, tokenizer, ctx, proxy, telemetry, cuda) if main_process else None
 
         telemetry.status("training", resumed_from_step=resume_step)
         trainer.train(resume_from_checkpoint=resume_path)
 
         telemetry.status("saving")
         if trainer.state.global_step % spec.grpo.weight_sync_steps:
-            trainer._sync_weight()  # publish the final weights as a version, so replicas and audit see them
-        audit.run(int(trainer.model_version), trainer.state.global_step)
-        publish_final(
-            store,
-            spec.run_id,
-            trainer.model,
-            workdir,
-            {"step": trainer.state.global_step, "version": int(trainer.model_version), "attempt": attempt},
-        )
+            # Publish the final weights as a version, so replicas and audit see them. Every rank: saving the adapter
+            # is a collective.
+            trainer._sync_weight()
+        if main_process:
+            audit.run(int(trainer.model_version), trainer.state.global_step)
+            publish_final(
+                store,
+                spec.run_id,
+                trainer.model,
+                workdir,
+                {"step": trainer.state.global_step, "version": int(trainer.model_version), "attempt": attempt},
+            )
         outcome, exit_code = ("stopped", 0) if stop.reason else ("finished", 0)
         telemetry.event(
             outcome,
@@ -184,11 +197,55 @@ def main(argv: list[str] | None = None) -> int:
             watchdog.stop()
         if errors is not None:
             errors.close()
-        proxy.stop()
-        stopped = stop_replicas(store, spec.run_id, reason=f"the trainer {outcome}")
-        telemetry.status(outcome, replicas_stopped=stopped)
+        if main_process:
+            proxy.stop()
+            stopped = stop_replicas(store, spec.run_id, reason=f"the trainer {outcome}")
+            telemetry.status(outcome, replicas_stopped=stopped)
         telemetry.close()
     return exit_code
+
+
+def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: TrainerTelemetry) -> ReplicaWatchdog:
+    """Start the proxy, wait until replicas answer through it, and watch that they keep answering (main process)."""
+    proxy.start()
+    telemetry.status("waiting_replicas")
+    proxy.wait_healthy(args.replica_wait, on_wait=lambda waited: telemetry.status(force=False, waited_s=waited))
+    return ReplicaWatchdog(proxy, args.replica_loss_timeout).start()
+
+
+def watch_trainer(trainer, tokenizer, ctx: RunContext, proxy: ProxyProcess, telemetry, cuda: bool) -> PolicyAudit:
+    """What the main process adds to TRL's trainer: sample recording, a prompt rollout-worker stop, policy audits."""
+    spec = ctx.spec
+    trainer.rollout_queue = RecordingQueue(trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness)
+    _drain_queues_on_stop(trainer.rollout_worker)
+    audit = PolicyAudit(
+        trainer,
+        tokenizer,
+        ctx.store,
+        spec.run_id,
+        proxy.replicas,
+        os.environ.get(ENV_UPSTREAM_TOKEN),
+        spec.grpo.temperature,
+        tolerance_for(audit_dtype(spec, cuda)),
+        telemetry,
+    )
+    trainer.add_callback(AuditCallback(audit, spec.grpo.audit_every))  # after TRL's sync callback: see AuditCallback
+    return audit
+
+
+def fetch_resume_checkpoint(store, run_id: str, workdir: Path) -> tuple[int | None, str | None]:
+    """(step, local folder) of the newest stored checkpoint, downloaded into `workdir`; (None, None) without one."""
+    step = latest_checkpoint(store, run_id)
+    if step is None:
+        return None, None
+    return step, str(download_checkpoint(store, run_id, step, workdir))
+
+
+def audit_dtype(spec, cuda: bool) -> str:
+    """The coarser precision of the audit's two sides: the trainer's forward (bf16 autocast on GPU) and the replica's
+    serving dtype."""
+    _, autocast = derived.trainer_precision(cuda)
+    return "bfloat16" if autocast else spec.model.dtype
 
 
 def describe_failure(error: BaseException, workdir: Path | None = None) -> str:

@@ -97,6 +97,31 @@ class TrainerTelemetry:
             writer.close()
 
 
+class SilentTelemetry:
+    """The telemetry of every training process but the main one: it records nothing.
+
+    The main process reports for the whole job (TRL reduces every metric there, and only its rollout queue exists), so
+    another rank writing would duplicate each record and race the main process for `status/trainer.json`.
+    """
+
+    attempt, step, last_error = 0, 0, None
+
+    def event(self, kind: str, message: str, level: str = "info", **fields: Any) -> None:
+        pass
+
+    def status(self, phase: str | None = None, force: bool = True, **details: Any) -> None:
+        pass
+
+    def fail(self, message: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class TelemetryCallback(TrainerCallback):
     """Forwards every log line to the metrics stream and keeps the status file's step current."""
 

@@ -38,6 +38,12 @@ def demo_run(browser: Browser, panel: RunningPanel) -> str:
     expect(page.locator("#launch-status")).to_contain_text("All checks passed", timeout=90_000)
     expect(launch).to_be_enabled()
     expect(rows(page, "dataset-preview").nth(1)).to_contain_text("Write some numbers")
+    plan = page.locator("#launch-plan")  # what Launch will submit: shown collapsed once the check passed
+    expect(plan).to_be_visible()
+    plan.get_by_text("What Launch will submit").click()
+    expect(plan).to_contain_text('"role": "trainer"')
+    expect(plan).to_contain_text(f'"run_id": "{run_id}"')
+    expect(plan).to_contain_text('"per_device_train_batch_size"')
     screenshot(page, "launch-checked")
     launch.click()
     expect(page.locator("#run-header")).to_contain_text(run_id)

@@ -1,0 +1,115 @@
+"""What a launch submits, built in one place: `python -m backend plan` prints it, and the launchers submit it.
+
+A `RunPlan` holds one `JobPlan` per job (role, image, flavor, full command, the environment we set, the names of the
+secrets it gets — never their values —, exposed ports, timeout, labels) and the derived values that decide how the
+hardware is used: trainer processes and batch shape, replica tensor parallelism, LoRA slots, dtype per side.
+`HfJobsLauncher` submits each JobPlan as it is (tests compare what the Hub emulator received with the plan);
+`LocalLauncher` runs the same commands as local processes, putting a free port where a plan says `PORT`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobs.contract import RunSpec, derived
+from jobs.contract.flavors import flavor
+from jobs.replica.engine_command import GPU_MEMORY_UTILIZATION
+
+PORT = "PORT"  # stands for a port chosen when the job starts (local jobs listen on free ports)
+_SHOWN_CHARS = 160  # a plan shown to people abbreviates longer arguments (the bootstrap's source)
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    role: str
+    command: list[str]
+    env: dict[str, str]  # what we set; local jobs also inherit a few of the panel's variables (LocalLauncher)
+    secrets: list[str]  # names only: values travel as HF Job secrets or process environment, never in a plan
+    ports: list[int] = field(default_factory=list)
+    image: str | None = None  # HF Jobs only: locally the job runs with this checkout's interpreter
+    flavor: str | None = None
+    timeout_s: int | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    name: str | None = None  # HF Jobs only: how the job is listed on the Hub (huggingface_hub stores it as a label)
+
+    def to_json(self, full: bool = False) -> dict[str, Any]:
+        command = self.command if full else [_shown(arg) for arg in self.command]
+        return {
+            "role": self.role,
+            "name": self.name,
+            "image": self.image,
+            "flavor": self.flavor,
+            "command": command,
+            "env": self.env,
+            "secrets": self.secrets,
+            "ports": self.ports,
+            "timeout_s": self.timeout_s,
+            "labels": self.labels,
+        }
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    run_id: str
+    backend: str
+    namespace: str | None
+    jobs: list[JobPlan]
+    derived: dict[str, Any]
+
+    def job(self, role: str) -> JobPlan:
+        return next(job for job in self.jobs if job.role == role)
+
+    def to_json(self, full: bool = False) -> dict[str, Any]:
+        return {
+            "run_id": self.run_id,
+            "backend": self.backend,
+            "namespace": self.namespace,
+            "jobs": [job.to_json(full) for job in self.jobs],
+            "derived": self.derived,
+        }
+
+
+def derived_values(spec: RunSpec, trainer_cuda: bool) -> dict[str, Any]:
+    """How the run uses its hardware, as the jobs will compute it (jobs/contract/derived.py)."""
+    compute, grpo = spec.compute, spec.grpo
+    processes = derived.trainer_processes(compute)
+    per_device, accumulation = derived.batch_shape(grpo, processes, trainer_cuda)
+    weights, autocast = derived.trainer_precision(trainer_cuda)
+    hub = compute.backend == "hf_jobs"
+    return {
+        "trainer": {
+            "gpus": derived.trainer_gpus(compute),
+            "gpu_memory_gb": flavor(compute.trainer_flavor).gpu_memory_gb if hub else 0.0,
+            "processes": processes,
+            "per_device_train_batch_size": per_device,
+            "gradient_accumulation_steps": accumulation,
+            "completions_per_step": grpo.completions_per_step,
+            "weights_dtype": weights,
+            "bf16_autocast": autocast,
+        },
+        "replicas": {
+            "count": compute.replicas,
+            "gpus_each": flavor(compute.replica_flavor).gpus if hub else 0,
+            "gpu_memory_gb": flavor(compute.replica_flavor).gpu_memory_gb if hub else 0.0,
+            "engine": compute.engine,
+            "tensor_parallel_size": derived.replica_tensor_parallel(compute),
+            "dtype": spec.model.dtype,
+            "max_model_len": spec.model.max_model_len,
+            "max_lora_rank": derived.vllm_max_lora_rank(spec.lora.rank),
+            "max_loras": derived.vllm_max_loras(grpo.max_staleness),
+            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+        },
+        "rollouts": {
+            "queue_size": derived.queue_size(grpo),
+            "max_staleness": grpo.max_staleness,
+            "max_inflight": grpo.max_inflight,
+        },
+    }
+
+
+def _shown(arg: str) -> str:
+    if len(arg) <= _SHOWN_CHARS:
+        return arg
+    first = arg.strip().splitlines()[0][:60]
+    return f"<{len(arg)} characters: {first} …>"

@@ -1,0 +1,107 @@
+"""`python -m backend plan`: what a launch would submit, for GPU flavors and for this machine, before anything exists.
+
+That the launchers submit exactly these plans is proven through the Hub emulator in tests/test_launchers.py; here the
+plan's content: the trainer under `accelerate launch` on a multi-GPU flavor, the recipe's batch shape on GPU, a
+replica's tensor parallelism from its flavor, secret names without values, and errors that name their field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from backend.context import PanelContext
+from backend.db import Database
+from backend.preflight import run_preflight
+from jobs.demo.preset import demo_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plan_command(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GRPO_PANEL_DATA": str(tmp_path / "data")}
+    command = [sys.executable, "-m", "backend", "plan", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_math_recipe_on_two_gpu_flavors_uses_every_gpu(tmp_path):
+    done = plan_command(tmp_path, "--preset", "math", "--set", "compute.replica_flavor=h200x2", "--set", "grpo.seed=7")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert [job["role"] for job in plan["jobs"]] == ["replica-0", "replica-1", "replica-2", "trainer"]
+    trainer = plan["jobs"][-1]
+    assert (trainer["flavor"], trainer["image"]) == ("h200x2", "vllm/vllm-openai:v0.27.1")
+    module = trainer["command"].index("accelerate.commands.launch")
+    assert trainer["command"][module + 1 : module + 4] == ["--multi_gpu", "--num_processes", "2"]
+    assert trainer["command"][trainer["command"].index("-m", module) + 1] == "jobs.trainer"
+    assert trainer["ports"] == [] and trainer["timeout_s"] == 4 * 3600
+    assert trainer["name"] == "grpo-plan-preview-trainer"
+    assert set(trainer["secrets"]) >= {"HF_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    replica = plan["jobs"][0]
+    assert replica["ports"] == [8000] and replica["flavor"] == "h200x2"
+    assert "accelerate.commands.launch" not in replica["command"]
+    # The bootstrap's source is abbreviated unless --full; nothing in the plan is a secret's value.
+    assert any(arg.startswith("<") and "characters" in arg for arg in trainer["command"])
+    assert "<not entered yet>" not in done.stdout
+
+    derived = plan["derived"]
+    assert derived["trainer"] == {
+        "gpus": 2,
+        "gpu_memory_gb": 141,
+        "processes": 2,
+        "per_device_train_batch_size": 1,  # the recipe's micro-batch on GPU
+        "gradient_accumulation_steps": 64,  # 128 completions per step / (1 x 2 processes)
+        "completions_per_step": 128,
+        "weights_dtype": "float32",
+        "bf16_autocast": True,
+    }
+    assert derived["replicas"]["tensor_parallel_size"] == 2 and derived["replicas"]["gpus_each"] == 2
+    assert (derived["replicas"]["dtype"], derived["replicas"]["max_lora_rank"]) == ("bfloat16", 1)  # vLLM takes 1
+
+
+def test_full_prints_the_bootstrap_whole(tmp_path):
+    done = plan_command(tmp_path, "--preset", "math", "--full")
+    assert done.returncode == 0, done.stderr
+    trainer = json.loads(done.stdout)["jobs"][-1]
+    source = trainer["command"][2]
+    assert trainer["command"][:2] == ["python3", "-c"] and "def main(argv)" in source
+
+
+def test_a_plan_the_spec_refuses_names_the_field_and_submits_nothing(tmp_path):
+    done = plan_command(tmp_path, "--preset", "math", "--set", "compute.trainer_processes=3")
+    assert done.returncode == 2 and done.stdout == ""
+    assert "compute.trainer_processes" in done.stderr and "h200x2" in done.stderr
+    unknown = plan_command(tmp_path, "--preset", "math", "--set", "compute.replica_flavor=h100x9")
+    assert unknown.returncode == 2 and "compute.replica_flavor" in unknown.stderr
+    assert "is not an HF Jobs flavor" in unknown.stderr
+
+
+def test_the_demo_plans_local_processes_with_the_cpu_batch_shape(tmp_path):
+    done = plan_command(tmp_path, "--preset", "demo", "--set", "compute.trainer_processes=2")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    trainer = plan["jobs"][-1]
+    assert trainer["command"][:4] == [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
+    assert trainer["command"][-2:] == ["--proxy-port", "PORT"]  # chosen when the job starts
+    assert trainer["image"] is None and trainer["flavor"] is None
+    cpu = plan["derived"]["trainer"]
+    assert (cpu["processes"], cpu["per_device_train_batch_size"], cpu["gradient_accumulation_steps"]) == (2, 32, 1)
+    assert (cpu["weights_dtype"], cpu["bf16_autocast"]) == ("float32", False)
+    one = json.loads(plan_command(tmp_path, "--preset", "demo").stdout)["jobs"][-1]["command"]
+    assert one[:3] == [sys.executable, "-m", "jobs.trainer"]
+
+
+def test_a_passing_check_carries_the_plan_launch_would_submit(tmp_path):
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    spec = demo_spec("plan-check", f"file://{tmp_path / 'store'}", compute={"trainer_processes": 2})
+    result = run_preflight(ctx, "local", spec)
+    assert result.ok, result.errors
+    roles = [job["role"] for job in result.plan["jobs"]]
+    assert roles == ["replica-0", "replica-1", "trainer"]
+    assert result.plan["derived"]["trainer"]["processes"] == 2
+    failing = run_preflight(ctx, "local", {**json.loads(spec.to_json()), "dataset": {"source": "hub", "id": ""}})
+    assert not failing.ok and failing.plan is None
+    ctx.db.close()
