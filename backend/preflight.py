@@ -2,14 +2,17 @@
 
 Checks, in order: the spec itself; the bucket (a probe object written, read back and deleted with the given keys);
 the compute (token, namespace, flavors known to the Hub, the $/hour estimate); the model (present on the Hub or on
-disk); the dataset (a few rows load, the prompt and answer columns exist); the rewards (run on those rows in the
-sandbox). The result maps dotted field names to messages, which the launch form shows next to each field.
+disk, with a chat template TRL can read replies in); the dataset (a few rows load, the prompt and answer columns
+exist); the rewards (run on those rows in the sandbox). The result maps dotted field names to messages, which the
+launch form shows next to each field; once every check passes it also holds the plan of what Launch would submit
+(the same as `python -m backend plan` prints).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +22,15 @@ from backend.models import Run
 from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_rewards
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting
+from jobs.chat_templates import ChatTemplateError, chat_template_in, response_template
 from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, parse_spec
 from jobs.store import StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
 
 log = logging.getLogger(__name__)
 SAMPLE_ROWS = 4
+# Where a tokenizer keeps its chat template (jobs/chat_templates.py reads them as transformers does).
+TOKENIZER_FILES = {"tokenizer_config.json", "chat_template.jinja"}
 
 
 @dataclass
@@ -134,6 +140,8 @@ def _check_compute(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight
 
 
 def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) -> None:
+    """The model exists where it is said to be, and TRL can read replies in its chat template
+    (jobs/chat_templates.py)."""
     model = spec.model.id
     if model == DEMO_MODEL_ID:
         return
@@ -142,13 +150,20 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
             result.errors["model.id"] = f"{model} holds no config.json; point at a folder saved with save_pretrained"
         elif spec.compute.backend == "hf_jobs":
             result.errors["model.id"] = "HF Jobs cannot see this machine's folders; use a Hub model id"
+        else:
+            _check_chat_template(chat_template_in(model), model, result)
         return
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     token = ctx.vault.hf_token(run.owner, run.hf_credential_id) if run.hf_credential_id is not None else None
+    api = HfApi(token=token, endpoint=ctx.hub_endpoint)
     try:
-        HfApi(token=token, endpoint=ctx.hub_endpoint).model_info(model, revision=spec.model.revision, timeout=10)
+        info = api.model_info(model, revision=spec.model.revision, timeout=10)
+        with tempfile.TemporaryDirectory() as folder:
+            for name in TOKENIZER_FILES & {sibling.rfilename for sibling in info.siblings or []}:
+                api.hf_hub_download(model, name, revision=spec.model.revision, local_dir=folder)
+            template = chat_template_in(folder)
     except GatedRepoError:
         result.errors["model.id"] = f"{model} is gated; accept its terms on the Hub and use a token that has access"
     except RepositoryNotFoundError:
@@ -157,6 +172,15 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
         result.errors["model.id"] = f"the Hub refused {model}: {str(error)[:200]}"
     except Exception as error:  # offline: say so, the jobs may still reach the Hub
         result.warnings.append(f"could not check {model} on the Hub ({type(error).__name__})")
+    else:
+        _check_chat_template(template, model, result)
+
+
+def _check_chat_template(template: str | dict | None, model: str, result: Preflight) -> None:
+    try:
+        response_template(template, model)
+    except ChatTemplateError as error:
+        result.errors["model.id"] = str(error).removeprefix("model.id: ")
 
 
 def _check_dataset(spec: RunSpec, store, result: Preflight, sample_rows: int) -> list[dict[str, Any]]:

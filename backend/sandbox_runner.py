@@ -45,8 +45,9 @@ def main(root, request_path, result_path):
     with open(request_path) as handle:
         request = json.load(handle)
     from jobs.contract import RewardSpec
-    from jobs.trainer.rewards import build_rewards
+    from jobs.trainer.rewards import build_rewards, import_builtin_dependencies
 
+    import_builtin_dependencies()  # our own built-ins' libraries load C code (ctypes) that user code may not
     sys.addaudithook(_guard)
     completions = [[{"role": "assistant", "content": text}] for text in request["completions"]]
     columns = request["columns"]

@@ -217,6 +217,34 @@ def test_a_model_the_hub_does_not_have(gate, refused, monkeypatch):
         hub.close()
 
 
+TOKENIZERS = Path(__file__).parent / "fixtures" / "tokenizers"  # real models' chat templates and special tokens
+
+
+def model_files(tokenizer: str) -> dict[str, bytes]:
+    return {"config.json": b'{"model_type": "qwen2"}', "tokenizer_config.json": (TOKENIZERS / tokenizer).read_bytes()}
+
+
+@row("chat template TRL cannot read")
+def test_a_model_folder_whose_chat_template_trl_cannot_read(gate, refused, tmp_path):
+    folder = tmp_path / "gemma"
+    folder.mkdir()
+    for name, data in model_files("gemma-2-2b-it.json").items():
+        (folder / name).write_bytes(data)
+    refused(gate.spec(model={"id": str(folder)}), "model.id", "cannot read replies in")
+
+
+@row("chat template TRL cannot read")
+def test_a_hub_model_whose_chat_template_trl_cannot_read(gate, refused, hub):
+    """Read from the Hub with the user's token, before anything is billed; the recipe's model passes the same check
+    (TRL needs the ChatML response template for it, which the trainer supplies)."""
+    gate.emulator.repos["google/gemma-2-2b-it"] = model_files("gemma-2-2b-it.json")
+    gate.emulator.repos["Qwen/Qwen2.5-Math-1.5B"] = model_files("qwen2.5-math-1.5b.json")
+    gemma = gate.spec(model={"id": "google/gemma-2-2b-it"})
+    refused(gemma, "model.id", "cannot read replies in", hf_credential_id=hub["hf"])
+    recipe = gate.check(gate.spec(model={"id": "Qwen/Qwen2.5-Math-1.5B"}), hf_credential_id=hub["hf"])
+    assert "model.id" not in recipe.errors and not any("Qwen" in warning for warning in recipe.warnings), recipe
+
+
 # --- dataset ----------------------------------------------------------------------------------------------------
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pickle
+import threading
 
 import pytest
 
@@ -20,6 +22,7 @@ from jobs.trainer.rewards import (
     build_rewards,
     last_boxed,
     normalize_answer,
+    symbolically_equal,
 )
 
 EOS = 2
@@ -121,7 +124,7 @@ def test_user_code_runs_is_weighted_and_pickles():
     (reward,) = build_rewards([spec])
     reward = pickle.loads(pickle.dumps(reward))
     assert reward.__name__ == "contains"
-    assert reward(completions=[assistant("x 7"), assistant("x")], answer=["7", "7"]) == [2.0, 0.0]
+    assert asyncio.run(reward(completions=[assistant("x 7"), assistant("x")], answer=["7", "7"])) == [2.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -153,7 +156,7 @@ def test_bad_returns_are_reported_with_name_and_row_without_killing(tmp_path, re
     log = tmp_path / "errors.jsonl"
     source = f"def score(completions, **kw):\n    return {returns}\n"
     (reward,) = build_rewards([RewardSpec(kind="code", name="bad", source=source, entry_point="score")], error_log=log)
-    assert reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"]) == [None, None]
+    assert asyncio.run(reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"])) == [None, None]
     record = json.loads(log.read_text().splitlines()[-1])
     assert record["reward"] == "bad" and fragment in record["error"]
     assert "completion" in record["row"] and "answer" in record["row"]
@@ -165,9 +168,9 @@ def test_a_reward_that_always_fails_stops_the_run_after_a_while(tmp_path):
 
     reward = CheckedReward(broken, "broken", error_log=str(tmp_path / "e.jsonl"))
     for _ in range(MAX_CONSECUTIVE_FAILED_CALLS - 1):
-        assert reward(completions=[assistant("a")]) == [None]
+        assert asyncio.run(reward(completions=[assistant("a")])) == [None]
     with pytest.raises(RewardError, match="broken failed on"):
-        reward(completions=[assistant("a")])
+        asyncio.run(reward(completions=[assistant("a")]))
 
 
 def test_returning_none_on_purpose_is_not_a_failure(tmp_path):
@@ -176,5 +179,37 @@ def test_returning_none_on_purpose_is_not_a_failure(tmp_path):
 
     reward = CheckedReward(unsure, "unsure", error_log=str(tmp_path / "e.jsonl"))
     for _ in range(MAX_CONSECUTIVE_FAILED_CALLS + 5):
-        assert reward(completions=[assistant("a")]) == [None]
+        assert asyncio.run(reward(completions=[assistant("a")])) == [None]
     assert not (tmp_path / "e.jsonl").exists()
+
+
+def test_a_reward_past_its_deadline_scores_nothing_and_is_reported_by_name(tmp_path):
+    """Issue 13: every call has a deadline; TRL awaits the reward (its own helper says so), so a reward that hangs
+    costs one group's scores, not the run."""
+    from trl.trainer.utils import is_async_callable
+
+    release = threading.Event()
+
+    def hangs(completions, **kw):
+        release.wait(30)
+        return [1.0] * len(completions)
+
+    reward = CheckedReward(hangs, "slow_judge", error_log=str(tmp_path / "e.jsonl"), deadline=0.2)
+    assert is_async_callable(reward)
+    try:
+        assert asyncio.run(reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"])) == [None, None]
+    finally:
+        release.set()
+    record = json.loads((tmp_path / "e.jsonl").read_text().splitlines()[-1])
+    assert record["reward"] == "slow_judge"
+    assert record["error"] == "TimeoutError: did not answer within 0.2 s; its scores were left out"
+    quick = CheckedReward(lambda completions, **kw: [0.5] * len(completions), "quick", deadline=0.2)
+    assert asyncio.run(quick(completions=[assistant("a")])) == [0.5]
+
+
+def test_math_boxed_falls_back_to_math_verify_when_the_strings_differ():
+    reward = MathBoxed(eos_token_ids=[EOS])
+    completions = [assistant(r"so \boxed{\frac{1}{2}}"), assistant(r"\boxed{2\sqrt{2}}"), assistant(r"\boxed{3}")]
+    gold = ["0.5", r"\sqrt{8}", "4"]
+    assert reward(completions=completions, completion_ids=[[1, EOS]] * 3, answer=gold) == [1.0, 1.0, 0.0]
+    assert symbolically_equal("x+1", "1+x") and not symbolically_equal("hello", "5")

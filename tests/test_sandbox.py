@@ -33,6 +33,12 @@ def test_builtin_and_user_rewards_score_every_row():
     assert mine.scores == [1.0, 0.0]
 
 
+def test_math_boxed_checks_answers_symbolically_in_the_sandbox():
+    """Its math_verify fallback loads sympy's C code, which the sandbox forbids to user code: loaded beforehand."""
+    (boxed,) = run_rewards([RewardSpec(name="math_boxed")], ROWS, [r"\boxed{\frac{4}{2}}", r"\boxed{2^2}"])
+    assert (boxed.scores, boxed.error) == ([1.0, 1.0], None)
+
+
 @pytest.mark.parametrize(
     ("body", "fragment", "row"),
     [

@@ -4,15 +4,18 @@ TRL calls each reward once per group with keyword arguments (`prompts`, `complet
 dataset column) and sums the returned lists *unweighted*. It runs them in a spawned child process, so every reward
 here is a picklable callable instance; user code travels as source text and is compiled in the child on first call.
 
-A reward that raises, returns the wrong length or returns something that is not a number does not kill the run: the
-rows it could not score get `None` (TRL leaves them out of the group's advantage), and the failure — reward name,
-row, error — is appended to an error log the trainer forwards to the panel. A reward that keeps failing on every
-row for a while does stop the run, with its last error, because training on nothing is worse than stopping.
+A reward that raises, returns the wrong length, returns something that is not a number or does not answer within
+its deadline does not kill the run: the rows it could not score get `None` (TRL leaves them out of the group's
+advantage), and the failure — reward name, row, error — is appended to an error log the trainer forwards to the
+panel. A reward that keeps failing on every row for a while does stop the run, with its last error, because training
+on nothing is worse than stopping.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
 import os
 import re
@@ -27,6 +30,10 @@ Messages = list[dict[str, Any]]
 RewardFn = Callable[..., list[float | None]]
 # Consecutive calls in which a reward scored no row at all before the run is stopped.
 MAX_CONSECUTIVE_FAILED_CALLS = 25
+# Seconds one call (one group of completions) may take. A call past it scores nothing and is reported; it cannot be
+# interrupted (it runs in a thread), so one that never returns keeps its thread, and a reward that keeps timing out
+# stops the run like any reward that keeps failing.
+REWARD_DEADLINE_S = 60.0
 
 
 def completion_text(completion: Messages | str) -> str:
@@ -91,8 +98,31 @@ def normalize_answer(answer: str) -> str:
     return text
 
 
+def import_builtin_dependencies() -> None:
+    """Import what the built-in rewards use, before the reward sandbox forbids loading C libraries (sympy, under
+    math_verify, does with ctypes)."""
+    import math_verify  # noqa: F401
+
+
+def symbolically_equal(answer: str, gold: str) -> bool:
+    """Whether math_verify finds two LaTeX answers equal (`\\frac{1}{2}` and `0.5`, `2\\sqrt{2}` and `\\sqrt{8}`).
+
+    math_verify's own timeouts use SIGALRM, which only works on the main thread, and TRL calls rewards off it: they
+    are off here, and `CheckedReward`'s deadline bounds the whole call instead.
+    """
+    from math_verify import parse, verify
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns on every call that its timeouts are off
+    try:
+        expected, found = parse(f"${gold}$", parsing_timeout=None), parse(f"${answer}$", parsing_timeout=None)
+        return bool(expected and found and verify(expected, found, timeout_seconds=None))
+    except Exception:  # an answer sympy cannot read is simply not equal
+        return False
+
+
 class MathBoxed:
-    """1.0 when the last `\\boxed{}` equals the gold answer after normalisation, else 0.0.
+    """1.0 when the last `\\boxed{}` equals the gold answer, else 0.0: equal after normalisation, or, where the
+    normalised strings differ, equal for math_verify, as the recipe's reward decides.
 
     A truncated completion (no EOS, i.e. it hit the length cap) scores 0 whatever it contains, as in the recipe:
     otherwise the policy learns to ramble until the cap and box a guess.
@@ -116,7 +146,8 @@ class MathBoxed:
                 scores.append(0.0)
                 continue
             gold_text = last_boxed(str(gold)) or str(gold)
-            scores.append(1.0 if normalize_answer(boxed) == normalize_answer(gold_text) else 0.0)
+            equal = normalize_answer(boxed) == normalize_answer(gold_text) or symbolically_equal(boxed, gold_text)
+            scores.append(1.0 if equal else 0.0)
         return scores
 
 
@@ -276,8 +307,16 @@ class CheckedReward:
     `error_log` is a JSONL file the trainer process tails (this object runs in TRL's child process).
     """
 
-    def __init__(self, fn: RewardFn, name: str, weight: float = 1.0, error_log: str | None = None):
+    def __init__(
+        self,
+        fn: RewardFn,
+        name: str,
+        weight: float = 1.0,
+        error_log: str | None = None,
+        deadline: float = REWARD_DEADLINE_S,
+    ):
         self.fn, self.__name__, self.weight, self.error_log = fn, name, float(weight), error_log
+        self.deadline = deadline
         self._failed_calls = 0
 
     def score(self, completions, **kwargs) -> list[float | None]:
@@ -285,21 +324,30 @@ class CheckedReward:
         scores = self._validate(self.fn(completions=completions, **kwargs), len(completions))
         return [None if score is None else score * self.weight for score in scores]
 
-    def __call__(self, completions, **kwargs) -> list[float | None]:
-        """What TRL calls: like `score`, but a failure is reported and scores nothing instead of raising."""
+    async def __call__(self, completions, **kwargs) -> list[float | None]:
+        """What TRL awaits: `score` in a worker thread, within `deadline` seconds; a failure or a call past the
+        deadline is reported and scores nothing instead of raising. (Async so that TRL awaits it: a plain callable
+        it would run in a thread with no deadline at all.)"""
         try:
-            scores = self.score(completions, **kwargs)
+            scores = await asyncio.wait_for(asyncio.to_thread(self.score, completions, **kwargs), self.deadline)
             self._failed_calls = 0
             return scores
+        except TimeoutError:
+            error = TimeoutError(f"did not answer within {self.deadline:g} s; its scores were left out")
+            return self._failed(error, completions, kwargs)
         except Exception as error:
-            self._failed_calls += 1
-            self._report(error, _row_preview(completions, kwargs, getattr(error, "index", 0)))
-            if self._failed_calls >= MAX_CONSECUTIVE_FAILED_CALLS:
-                raise RewardError(
-                    f"reward {self.__name__} failed on {self._failed_calls} consecutive groups, last with "
-                    f"{type(error).__name__}: {error}; fix the reward and relaunch"
-                ) from None
-            return [None] * len(completions)
+            return self._failed(error, completions, kwargs)
+
+    def _failed(self, error: Exception, completions, kwargs: dict[str, Any]) -> list[float | None]:
+        """Report a failed call; stop the run once the reward has failed too many calls in a row."""
+        self._failed_calls += 1
+        self._report(error, _row_preview(completions, kwargs, getattr(error, "index", 0)))
+        if self._failed_calls >= MAX_CONSECUTIVE_FAILED_CALLS:
+            raise RewardError(
+                f"reward {self.__name__} failed on {self._failed_calls} consecutive groups, last with "
+                f"{type(error).__name__}: {error}; fix the reward and relaunch"
+            ) from None
+        return [None] * len(completions)
 
     @staticmethod
     def _validate(raw: Any, expected: int) -> list[float | None]:

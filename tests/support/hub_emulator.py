@@ -34,6 +34,9 @@ Endpoints. Every known route demands `Authorization: Bearer <token>` (else 401 w
     POST /api/jobs/{ns}/{id}/cancel           SIGTERM to the job's process group, SIGKILL after `kill_grace`
     GET  /api/jobs/{ns}/{id}/logs[?tail=N]    server-sent events `data: {"timestamp", "data"}`; the stream stays open
                                               while the job runs and closes once it is finished and fully replayed
+    GET  /api/models/{repo}[/revision/{rev}]  model info (sha, siblings) of a repo in `repos`; else 404 RepoNotFound
+    HEAD|GET /{repo}/resolve/{rev}/{path}     a file of `repos` (ETag, X-Repo-Commit); else 404 Repo/EntryNotFound
+    POST /api/repos/create, .../preupload, .../commit   creating a model repo and uploading small files inline
 Anything else is 404 without an auth check (that includes the client's telemetry GET /api/agent-harnesses).
 
 What a job process gets:
@@ -469,7 +472,7 @@ class HubEmulator:
         self.default_timeout = default_timeout
         self.keepalive = keepalive
         self._jobs: dict[str, EmulatedJob] = {}
-        self.repos: dict[str, dict[str, bytes]] = {}  # model repos created through the API: repo id -> files
+        self.repos: dict[str, dict[str, bytes]] = {}  # model repos (created through the API, or by a test): id -> files
         self._submissions: list[Submission] = []
         self._faults: deque[_Fault] = deque()
         self._holds: list[Hold] = []
@@ -683,6 +686,18 @@ class HubEmulator:
         oid = token_hex(20)
         return 200, {"commitUrl": f"{self.url}/{repo_id}/commit/{oid}", "commitOid": oid}
 
+    def repo_commit(self, repo_id: str) -> str:
+        return hashlib.sha1(repo_id.encode()).hexdigest()
+
+    def model_info(self, repo_id: str) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            files = self.repos.get(repo_id)
+        if files is None:
+            return 404, {"error": "Repository not found"}
+        siblings = [{"rfilename": path} for path in sorted(files)]
+        commit = self.repo_commit(repo_id)
+        return 200, {"id": repo_id, "modelId": repo_id, "sha": commit, "private": False, "siblings": siblings}
+
     def whoami(self) -> dict[str, Any]:
         return {
             "type": "user",
@@ -710,6 +725,10 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("POST", re.compile(r"/api/validate-yaml"), "validate_yaml"),
     ("POST", re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/preupload/(?P<rev>[^/]+)"), "preupload"),
     ("POST", re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)/commit/(?P<rev>[^/]+)"), "commit"),
+    # Reading model repos, enough for `model_info` and `hf_hub_download` (preflight reads tokenizer files).
+    ("GET", re.compile(r"/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?"), "model_info"),
+    ("HEAD", re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)"), "resolve"),
+    ("GET", re.compile(r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)"), "resolve"),
 ]
 
 
@@ -760,6 +779,13 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
                 return
             name, match = route
             query = parse_qsl(url.query, keep_blank_values=True)
+            if name == "resolve":
+                self._send_file(match["repo"], match["file"])
+                return
+            if name == "model_info":
+                status, payload = emulator.model_info(match["repo"])
+                send_json(self, status, payload, {"X-Error-Code": "RepoNotFound"} if status == 404 else None)
+                return
             if name == "logs":
                 job = emulator.find_job(match["ns"], match["id"])
                 if fault is not None:
@@ -786,7 +812,23 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
             except OSError:  # the client went away while the answer was held
                 self.close_connection = True
 
-        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
+        do_GET = do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = _dispatch
+
+        def _send_file(self, repo_id: str, path: str) -> None:
+            """A file of a model repo as the Hub's resolve endpoint serves it: HEAD (metadata headers) or GET."""
+            files = emulator.repos.get(repo_id)
+            if files is None or path not in files:
+                code = "RepoNotFound" if files is None else "EntryNotFound"
+                send_json(self, 404, {"error": f"{code}: {repo_id}/{path}"}, {"X-Error-Code": code})
+                return
+            data = files[path]
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+            self.send_header("X-Repo-Commit", emulator.repo_commit(repo_id))
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(data)
 
         def _authorized(self) -> bool:
             header = self.headers.get("Authorization")
@@ -821,6 +863,7 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
                 return 200, {"errors": [], "warnings": []}
             if name in ("repo_create", "preupload", "commit"):
                 return emulator.repo_call(name, match, body)
+
             if name == "list":
                 if match["ns"] != emulator.namespace:
                     return 403, {"error": f"You don't have access to the jobs of {match['ns']}"}
