@@ -23,7 +23,8 @@ from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_reward
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting
 from jobs.chat_templates import ChatTemplateError, chat_template_in, response_template
-from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, parse_spec
+from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, derived, parse_spec
+from jobs.contract.flavors import flavor
 from jobs.store import StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
 
@@ -174,6 +175,20 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
         result.warnings.append(f"could not check {model} on the Hub ({type(error).__name__})")
     else:
         _check_chat_template(template, model, result)
+        if info.safetensors is not None and spec.compute.backend == "hf_jobs":
+            _check_trainer_memory(info.safetensors.total, spec, result)
+
+
+def _check_trainer_memory(parameters: int, spec: RunSpec, result: Preflight) -> None:
+    """Every trainer process holds the whole model in float32 (DDP): refuse a flavor whose GPUs cannot."""
+    gpu = flavor(spec.compute.trainer_flavor)
+    if gpu.gpus and not derived.trainer_fits(parameters, gpu.gpu_memory_gb):
+        result.errors["compute.trainer_flavor"] = (
+            f"{spec.model.id} has {parameters / 1e9:.1f} B parameters: the trainer keeps a float32 copy on every GPU "
+            f"({derived.trainer_weights_gb(parameters):.0f} GB), more than {derived.TRAINER_WEIGHT_SHARE:.0%} of the "
+            f"{gpu.gpu_memory_gb:g} GB each GPU of {gpu.name} has; choose a flavor with more memory per GPU (sharding "
+            "the model over GPUs is not supported yet)"
+        )
 
 
 def _check_chat_template(template: str | dict | None, model: str, result: Preflight) -> None:

@@ -245,6 +245,19 @@ def test_a_hub_model_whose_chat_template_trl_cannot_read(gate, refused, hub):
     assert "model.id" not in recipe.errors and not any("Qwen" in warning for warning in recipe.warnings), recipe
 
 
+@row("model too large for the trainer flavor")
+def test_a_model_the_trainer_flavors_gpus_cannot_hold(gate, refused, hub, moto_server):
+    """An 8 B model in float32 needs 32 GB on every GPU: an A10G (24 GB) cannot, an H200 can."""
+    gate.emulator.repos["acme/eight-b"] = model_files("qwen2.5-math-1.5b.json")
+    gate.emulator.repo_parameters["acme/eight-b"] = 8_030_000_000
+    data = {**hub_spec(gate, moto_server.url, trainer_flavor="a10g-small"), "model": {"id": "acme/eight-b"}}
+    credentials = {"store_credential_id": hub["keys"], "hf_credential_id": hub["hf"]}
+    message = refused(data, "compute.trainer_flavor", "choose a flavor with more memory per GPU", **credentials)
+    assert "8.0 B parameters" in message and "32 GB" in message and "24 GB each GPU of a10g-small" in message
+    roomy = gate.check({**data, "compute": {**data["compute"], "trainer_flavor": "h200"}}, **credentials)
+    assert "compute.trainer_flavor" not in roomy.errors, roomy.errors
+
+
 # --- dataset ----------------------------------------------------------------------------------------------------
 
 

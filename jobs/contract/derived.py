@@ -82,6 +82,22 @@ def trainer_precision(cuda: bool) -> tuple[str, bool]:
     return "float32", cuda
 
 
+# Of one GPU's memory, the share the trainer's copy of the model may take; the rest holds a micro-batch's activations,
+# the LoRA optimizer state and CUDA's own allocations.
+TRAINER_WEIGHT_SHARE = 0.6
+
+
+def trainer_weights_gb(parameters: int) -> float:
+    """GB one trainer process holds for the model: float32 weights (`trainer_precision`), a whole copy on every GPU
+    under DDP."""
+    return parameters * 4 / 1e9
+
+
+def trainer_fits(parameters: int, gpu_memory_gb: float) -> bool:
+    """Whether a model of `parameters` trains on GPUs of `gpu_memory_gb` with a whole copy on each (DDP)."""
+    return trainer_weights_gb(parameters) <= TRAINER_WEIGHT_SHARE * gpu_memory_gb
+
+
 def max_model_len(spec: RunSpec) -> int:
     return spec.model.max_model_len
 

@@ -473,6 +473,7 @@ class HubEmulator:
         self.keepalive = keepalive
         self._jobs: dict[str, EmulatedJob] = {}
         self.repos: dict[str, dict[str, bytes]] = {}  # model repos (created through the API, or by a test): id -> files
+        self.repo_parameters: dict[str, int] = {}  # a model's parameter count, as model info's `safetensors` says
         self._submissions: list[Submission] = []
         self._faults: deque[_Fault] = deque()
         self._holds: list[Hold] = []
@@ -696,7 +697,11 @@ class HubEmulator:
             return 404, {"error": "Repository not found"}
         siblings = [{"rfilename": path} for path in sorted(files)]
         commit = self.repo_commit(repo_id)
-        return 200, {"id": repo_id, "modelId": repo_id, "sha": commit, "private": False, "siblings": siblings}
+        info = {"id": repo_id, "modelId": repo_id, "sha": commit, "private": False, "siblings": siblings}
+        if repo_id in self.repo_parameters:
+            total = self.repo_parameters[repo_id]
+            info["safetensors"] = {"parameters": {"BF16": total}, "total": total}
+        return 200, info
 
     def whoami(self) -> dict[str, Any]:
         return {
