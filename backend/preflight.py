@@ -18,6 +18,7 @@ from typing import Any
 
 from backend.context import PanelContext
 from backend.launchers.base import LaunchError
+from backend.launchers.hf_jobs import bound_hub_calls
 from backend.models import Run
 from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_rewards
 from backend.services.costs import estimate_per_hour
@@ -157,6 +158,7 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
+    bound_hub_calls()  # the model's files are read through huggingface_hub's shared client
     token = ctx.vault.hf_token(run.owner, run.hf_credential_id) if run.hf_credential_id is not None else None
     api = HfApi(token=token, endpoint=ctx.hub_endpoint)
     try:

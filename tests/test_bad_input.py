@@ -421,6 +421,15 @@ def test_a_malformed_timeout(gate, refused, timeout, fix):
     refused(gate.spec(compute={"timeout": timeout}), "compute.timeout", fix)
 
 
+@row("timeout malformed")
+@pytest.mark.parametrize("timeout", ["2.5", "90", "5m"])
+def test_a_timeout_too_short_for_hf_jobs(gate, refused, hub, moto_server, timeout):
+    """Unit-less numbers are seconds, as on HF Jobs: "2.5" would end the jobs before any of them started."""
+    data = hub_spec(gate, moto_server.url, timeout=timeout)
+    credentials = {"store_credential_id": hub["keys"], "hf_credential_id": hub["hf"]}
+    refused(data, "compute.timeout", "use at least '10m'", **credentials)
+
+
 @pytest.fixture
 def hub(gate, tmp_path, moto_server):
     """The gate with an HF token and bucket keys saved, a moto bucket, and the Hub Jobs emulator as the Hub."""

@@ -9,12 +9,21 @@ import signal
 import time
 from pathlib import Path
 
+import httpx2
 import pytest
+from huggingface_hub.errors import HfHubHTTPError
 
 from backend.context import PanelContext
 from backend.db import Database
 from backend.launchers.base import LaunchError, RunSecrets
-from backend.launchers.hf_jobs import HfJobsLauncher, HubTokenRejected, UnknownFlavor
+from backend.launchers.hf_jobs import (
+    HUB_TIMEOUT,
+    HfJobsLauncher,
+    HubTokenRejected,
+    UnknownFlavor,
+    _retry_after,
+    bound_hub_calls,
+)
 from backend.launchers.local import LocalLauncher
 from backend.models import Run
 from backend.plan import JobPlan
@@ -170,6 +179,40 @@ def test_hub_errors_are_retried_without_duplicate_jobs(emulator, moto_server, tm
     assert len(retries) == 3, retries  # two 429s and the lost answer, each reported before its retry
     launcher.cancel(job)
     wait_until(lambda: launcher.state(job).stage in ("canceled", "error"), 30)
+
+
+def test_a_submission_whose_answer_never_comes_times_out_and_is_found_not_resubmitted(emulator, moto_server):
+    """Issue 14: huggingface_hub's client has no timeout of its own, and its timeouts are httpx2 errors, not OSError.
+    The Hub creates the job and never answers: the call times out, is retried, and the retry finds the job by its
+    submission label instead of starting a second one."""
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    launcher.retry = type(launcher.retry)(4, 0.05, 0.2)
+    held = emulator.hold("create", after=True)  # created, its answer held back
+    bound_hub_calls(1.0)
+    try:
+        job = launcher.start_job(hub_spec("hub-stuck", "some-bucket", moto_server.url), "replica-0", RunSecrets(TOKEN))
+    finally:
+        bound_hub_calls(HUB_TIMEOUT)
+        held.release()
+    assert held.arrived.is_set()
+    created = [s for s in emulator.submissions if s.job_id is not None]
+    assert [s.job_id for s in created] == [job.job_id]
+    launcher.cancel(job)
+    wait_until(lambda: launcher.state(job).stage in ("canceled", "error"), 30)
+
+
+@pytest.mark.parametrize(
+    ("headers", "wait"),
+    [
+        ({"RateLimit": '"api";r=0;t=7', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'}, 7.0),
+        ({"RateLimit": '"api";r=3;t=7', "Retry-After": "2"}, 2.0),  # the window is not spent: Retry-After
+        ({"Retry-After": "1.5"}, 1.5),
+        ({}, None),
+    ],
+)
+def test_a_rate_limit_is_waited_out_as_the_hub_says(headers, wait):
+    answer = httpx2.Response(429, headers=headers, request=httpx2.Request("POST", "https://huggingface.co/api/jobs/x"))
+    assert _retry_after(HfHubHTTPError("429 Too Many Requests", response=answer)) == wait
 
 
 def test_prices_and_the_cost_estimate(emulator):

@@ -9,8 +9,12 @@
 - Replicas expose port 8000; their URLs come from the job's `expose_urls`. The platform checks the bearer (the HF
   token) in front of every exposed port, so the proxy sends the HF token upstream.
 - Submissions are idempotent: each carries a unique label, and a submission whose answer was lost (5xx, timeout) is
-  looked up by that label before it is retried, so a flaky Hub never starts a job twice. 5xx and 429 are retried with
-  backoff (honouring Retry-After); 401 is reported as a rejected token.
+  looked up by that label before it is retried, so a flaky Hub never starts a job twice. 5xx, 429 and transport
+  errors (huggingface_hub's client raises httpx2's, which are not `OSError`) are retried with backoff, a 429 after
+  the time its `RateLimit` (or `Retry-After`) header gives; 401 is reported as a rejected token.
+- Every Hub call is bounded: huggingface_hub's own client has no timeout at all, so a stuck request would hang a
+  launch forever; `bound_hub_calls` gives the process's client one (`HUB_TIMEOUT`), and a call that times out is
+  retried like any transport error.
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ from collections.abc import Callable
 from secrets import token_hex
 from typing import TypeVar
 
-from huggingface_hub import HfApi
+import httpx2
+from huggingface_hub import HfApi, set_client_factory
 from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub.utils import parse_ratelimit_headers
+from huggingface_hub.utils._http import default_client_factory
 
 from backend.bundle import bootstrap_source, build_bundle, bundle_digest, upload_bundle
 from backend.launchers.base import (
@@ -70,12 +77,43 @@ def _status(error: BaseException) -> int | None:
 
 
 def _retry_after(error: BaseException) -> float | None:
+    """Seconds the Hub asks us to wait: its `RateLimit` header (`"api";r=0;t=55`) once the window is spent, else a
+    `Retry-After`."""
     response = getattr(error, "response", None)
-    value = getattr(response, "headers", {}).get("Retry-After") if response is not None else None
+    headers = getattr(response, "headers", None) or {}
+    limit = parse_ratelimit_headers(headers)
+    if limit is not None and limit.remaining == 0:
+        return float(limit.reset_in_seconds)
     try:
-        return float(value) if value is not None else None
+        return float(headers["Retry-After"]) if "Retry-After" in headers else None
     except ValueError:
         return None
+
+
+# Seconds to connect, and between two reads or writes, of any Hub call (log reads stream, so no total bound).
+HUB_TIMEOUT = 30.0
+
+
+def bound_hub_calls(timeout: float = HUB_TIMEOUT) -> None:
+    """Give huggingface_hub's shared client (this process's every Hub call) a timeout; it has none by default.
+
+    Built from the library's own default client, so its request hooks (headers, offline mode) stay; set again only
+    when the timeout changes.
+    """
+    global _bounded
+    if _bounded == timeout:
+        return
+
+    def bounded_client() -> httpx2.Client:
+        client = default_client_factory()
+        client.timeout = httpx2.Timeout(timeout)
+        return client
+
+    set_client_factory(bounded_client)
+    _bounded = timeout
+
+
+_bounded: float | None = None
 
 
 class HfJobsLauncher(Launcher):
@@ -84,6 +122,7 @@ class HfJobsLauncher(Launcher):
     poll_interval = 5.0
 
     def __init__(self, token: str | None, endpoint: str | None = None, retry: RetryPolicy = RetryPolicy(6, 1.0, 30.0)):
+        bound_hub_calls()
         self.api = HfApi(token=token, endpoint=endpoint)
         self.retry = retry
         self._hardware: dict[str, float] | None = None
@@ -106,7 +145,7 @@ class HfJobsLauncher(Launcher):
                 if status not in (429, 500, 502, 503, 504) or attempt == self.retry.attempts:
                     raise LaunchError(f"the Hub refused to {what} (HTTP {status}): {str(error)[:300]}") from None
                 delay = _retry_after(error) or self.retry.delay(attempt)
-            except OSError as error:  # connection reset, timeout
+            except (OSError, httpx2.TransportError) as error:  # connection refused or reset, a call timed out
                 if attempt == self.retry.attempts:
                     raise LaunchError(f"could not reach the Hub to {what}: {error}") from None
                 delay = self.retry.delay(attempt)

@@ -29,6 +29,8 @@ _NO_TRUNCATION = (
     "which TRL 1.16 does not model: the replicas' log-probs would come from the truncated distribution and the "
     "importance ratio would be wrong"
 )
+# The shortest job timeout that makes sense on HF Jobs (a timeout written "2.5" would be 2 seconds).
+MIN_HUB_TIMEOUT_S = 600
 # vLLM holds max_staleness + 2 adapters at once; beyond this they crowd out the KV cache for no gain.
 MAX_STALENESS = 16
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{1,46}[a-z0-9]$")
@@ -323,6 +325,11 @@ class ComputeSpec(_Section):
                 raise ValueError(
                     f"{field}: {getattr(self, field)!r} is not an HF Jobs flavor; choose one of {', '.join(FLAVORS)}"
                 )
+        if timeout_seconds(self.timeout) < MIN_HUB_TIMEOUT_S:
+            raise ValueError(
+                f"timeout: {self.timeout!r} is too short for HF Jobs: scheduling, pulling the image and loading the "
+                "model take minutes before training starts; use at least '10m' (e.g. '4h')"
+            )
         gpus = FLAVORS[self.trainer_flavor].gpus
         if self.trainer_processes and gpus and self.trainer_processes > gpus:
             raise ValueError(
