@@ -3,9 +3,10 @@
 Executed as `python3 -c "<this file>" <sha256> <endpoint|-> <region> <bucket> <key> <module> <args...>` with only the
 image's Python and the standard library, so it works in any image. It reads the code bundle (a tar.gz of `jobs/` and
 `requirements-jobs.txt`) with a SigV4-signed GET using the bucket keys the job already holds as Job secrets — no
-presigned URL, so nothing in the job's command or environment grants access to anything — checks its sha256, unpacks
-it, installs the pinned requirements only if the image lacks one of them at its pinned version (jobs/pins.py, read
-from the bundle), and execs `python -m <module> <args>`.
+presigned URL, so nothing in the job's command or environment grants access to anything; a redirect to another host
+(a gateway's CDN) is followed without those credentials —, checks its sha256, unpacks it, installs the pinned
+requirements only if the image lacks one of them at its pinned version (jobs/pins.py, read from the bundle), and
+execs `python -m <module> <args>`.
 """
 
 import datetime
@@ -52,13 +53,34 @@ def signed_get(endpoint, region, bucket, key, environ):
         f"Signature={signature}"
     )
     del headers["host"]
-    return urllib.request.Request(url, headers=headers)
+    return urllib.request.Request(url, headers={**headers, "user-agent": USER_AGENT})
+
+
+# Gateways such as HF's bucket gateway proxy requests of the S3 clients they know and redirect others to a CDN.
+USER_AGENT = "grpo-panel-bootstrap/1.0 (SigV4 like botocore)"
+
+
+class CredentialFreeRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow a redirect to another host without our signature: the bucket gateway's 302 points to a presigned CDN
+    URL, which refuses a second auth mechanism, and no other host may ever see the bucket's credentials. (urllib
+    would re-send every header but the body's.)"""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+            for name in list(new.headers):
+                if name.lower() == "authorization" or name.lower().startswith("x-amz-"):
+                    del new.headers[name]
+        return new
+
+
+_opener = urllib.request.build_opener(CredentialFreeRedirects)
 
 
 def fetch(request_factory, attempts=5):
     for attempt in range(attempts):
         try:
-            with urllib.request.urlopen(request_factory(), timeout=120) as response:
+            with _opener.open(request_factory(), timeout=120) as response:
                 return response.read()
         except OSError as error:
             if attempt == attempts - 1:
