@@ -82,3 +82,11 @@ def chat_template_in(folder: str | Path) -> str | dict | None:
     if isinstance(template, list):  # named variants, as transformers turns them into a dict
         return {item["name"]: item["template"] for item in template}
     return template
+
+
+def fit_tokenizer(tokenizer, model_id: str) -> None:
+    """Give `tokenizer` the response template TRL's rollout worker needs for it, if TRL has none of its own; raise
+    ChatTemplateError (before any replica is waited for) when its replies cannot be read at all."""
+    template = response_template(tokenizer.chat_template, model_id)
+    if template is not None:
+        tokenizer.response_template = template

@@ -65,3 +65,20 @@ def test_the_template_is_read_from_a_saved_tokenizer_as_transformers_reads_it(tm
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": variants}))
     assert chat_template_in(tmp_path) == {"default": "a", "rag": "b"}
     assert chat_template_in(tmp_path / "nothing-here") is None
+
+
+def test_the_trainers_tokenizer_carries_the_response_template_into_trls_child():
+    """TRL pickles the tokenizer into its spawned rollout worker, which skips its own lookup when one is set."""
+    import pickle
+
+    from jobs.chat_templates import fit_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    fit_tokenizer(tokenizer, "builtin:tiny-qwen2")
+    assert getattr(tokenizer, "response_template", None) is None  # recognised by TRL: left to it
+    tokenizer.chat_template = template("qwen2.5-math-1.5b")
+    fit_tokenizer(tokenizer, "Qwen/Qwen2.5-Math-1.5B")
+    assert pickle.loads(pickle.dumps(tokenizer)).response_template == CHATML_RESPONSE_TEMPLATE
+    tokenizer.chat_template = template("gemma-2-2b-it")
+    with pytest.raises(ChatTemplateError, match="google/gemma-2-2b-it"):
+        fit_tokenizer(tokenizer, "google/gemma-2-2b-it")

@@ -72,6 +72,22 @@ def test_list_orders_filters_and_pages_past_1000_keys(store):
     assert all(info.size == 2 for info in store.list("runs/run-1/telemetry/metrics/", limit=5))
 
 
+def test_s3_listing_pages_by_continuation_token(s3_store):
+    """Issue 14: after the first page, ListObjectsV2's documented continuation token, not StartAfter (which a
+    gateway in front of S3 need not honour beyond the first request)."""
+    keys = [layout.telemetry_key("run-2", "metrics", seq) for seq in range(2010)]
+    for key in keys:
+        s3_store.put_bytes(key, b"{}")
+    requests: list[dict] = []
+    s3_store.client.meta.events.register(
+        "provide-client-params.s3.ListObjectsV2", lambda params, **_: requests.append(dict(params))
+    )
+    after = [info.key for info in s3_store.list(layout.telemetry_prefix("run-2", "metrics"), start_after=keys[2])]
+    assert after == keys[3:]
+    assert ["StartAfter" in r for r in requests] == [True, False, False]
+    assert ["ContinuationToken" in r for r in requests] == [False, True, True]
+
+
 def test_list_dirs(store):
     for name in ("p/a/1", "p/a/2", "p/b/1", "p/file"):
         store.put_bytes(name, b".")

@@ -208,12 +208,11 @@ class S3Store(ObjectStore):
 
     def list(self, prefix: str = "", start_after: str | None = None, limit: int | None = None) -> Iterator[ObjectInfo]:
         check_prefix(prefix)
-        cursor = self.root + start_after if start_after is not None else None
         count = 0
+        kwargs = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": 1000}
+        if start_after is not None:
+            kwargs["StartAfter"] = self.root + start_after
         while True:
-            kwargs = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": 1000}
-            if cursor is not None:
-                kwargs["StartAfter"] = cursor
             page = self._call(lambda kwargs=kwargs: self.client.list_objects_v2(**kwargs), "list")
             contents = page.get("Contents") or []  # pages without Contents exist
             for item in contents:
@@ -223,9 +222,12 @@ class S3Store(ObjectStore):
                 count += 1
                 if limit is not None and count >= limit:
                     return
-            if not page.get("IsTruncated") or not contents:
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
                 return
-            cursor = contents[-1]["Key"]
+            # The next page by its continuation token, ListObjectsV2's documented paging (gateways that front S3, like
+            # HF's, need not support StartAfter beyond the first request).
+            kwargs = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": 1000}
+            kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     def delete(self, key: str) -> None:
         full = self._key(key)
