@@ -139,7 +139,7 @@ class Event(SQLModel, table=True):
     owner: str = Field(index=True)
     time: float
     level: str = "info"  # info, warning, error
-    kind: str  # e.g. ratio_drift, replica_lag, stalled, job_error, cost_cap
+    kind: str  # e.g. kl_drift, replica_lag, stalled, job_error, cost_cap
     message: str
     active: bool = True  # an alert still in force
 

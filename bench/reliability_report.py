@@ -29,7 +29,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 FAULTS_FILE = "tests/test_faults.py"
 BAD_INPUT_FILE = "tests/test_bad_input.py"
 LAUNCH_FILE = "tests/test_launch_recovery.py"
-# The fault matrix of issue 9, in its order; tests name their row with record_property("fault", ...).
+# The fault matrix of issue 9 (and the stale replica of issue 13), in its order; tests name their row with
+# record_property("fault", ...).
 MATRIX = (
     "one replica killed mid-run",
     "that replica restarted",
@@ -41,6 +42,7 @@ MATRIX = (
     "the Hub API answering 5xx or 429",
     "disk full on the trainer's output folder",
     "clock skew between jobs",
+    "a replica serving v(N-1) under vN's name",
 )
 # Rows tested outside tests/test_faults.py (they record no figures; what they assert is in docs/reliability.md).
 ELSEWHERE = {
@@ -122,9 +124,14 @@ def render(results: dict[str, Result], command: str, wall: float) -> str:
         )
     survived = sum(row["survived"] for row in rows)
     injected = sum(bool(row["tests"]) for row in rows)
+    ejections = [r.properties["stale_to_ejection_s"] for r in results.values() if "stale_to_ejection_s" in r.properties]
     lines += [
         "",
         f"- **Faults injected: {injected} of {len(MATRIX)}; survived: {survived}.**",
+        *[
+            f"- **A stale replica ejected {seconds:g} s after the version it served stale was published.**"
+            for seconds in ejections
+        ],
         f"- **Records lost or duplicated (SQLite against the store): {lost}** (must be 0).",
         f"- **Orphaned processes: {orphans}** (must be 0; every process a run's jobs ever had, from /proc).",
     ]

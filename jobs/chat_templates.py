@@ -86,7 +86,7 @@ def chat_template_in(folder: str | Path) -> str | dict | None:
 
 def fit_tokenizer(tokenizer, model_id: str) -> None:
     """Give `tokenizer` the response template TRL's rollout worker needs for it, if TRL has none of its own; raise
-    ChatTemplateError (before any replica is waited for) when its replies cannot be read at all."""
+    ChatTemplateError when its replies cannot be read at all (preflight refuses such a model before launch)."""
     template = response_template(tokenizer.chat_template, model_id)
     if template is not None:
         tokenizer.response_template = template

@@ -46,7 +46,7 @@ from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.contract import RunSpec, derived, layout, parse_storage_uri
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
-from jobs.store import LocalStore, ObjectStore, S3Store, download_published, list_published
+from jobs.store import LocalStore, ObjectStore, S3Store, download_published, list_published, read_manifest
 from jobs.telemetry import decode_jsonl
 from tests.support.faulty_proxy import FaultyProxy
 from tests.support.processes import process_table, with_descendants
@@ -980,3 +980,92 @@ def test_the_panel_shows_the_newest_proxy_snapshot_whatever_the_trainer_clocks(c
     run, seen = clock_skew
     report(record_property, "clock skew between jobs", orphans=len(seen["orphans"]))
     assert QueryService(run.ctx, OWNER).proxy_snapshots(run.run_id)[-1] == seen["last_snapshot"]
+
+
+# --- row 11: a replica keeps serving the version before under the new version's name -------------------------------
+
+STALE_REPLICA = "replica-1"
+STALE_MAX_STEPS = 40  # more than the run gets to: it stops after the stale replica's third failed audit in a row
+# Put on the replicas' PYTHONPATH: replica-1 alone turns on the CPU engine's fault switch (its engine inherits the
+# replica's environment), so its engine loads the adapter it was asked for before under each new version's name.
+STALE_HOOK = """
+import os, sys
+
+def _stale():
+    argv = list(getattr(sys, "orig_argv", ()))
+    if "-m" in argv and argv[argv.index("-m") + 1] == "jobs.replica" and "--index" in argv:
+        if "replica-" + argv[argv.index("--index") + 1] == __ROLE__:
+            os.environ["GRPO_FAULT_SERVE_PREVIOUS_ADAPTER"] = "1"
+
+_stale()
+"""
+
+
+def test_a_replica_serving_the_previous_version_is_ejected_at_its_first_audit_and_stops_the_run_if_it_persists(
+    tmp_path, record_property
+):
+    from jobs.trainer.audit import FAILURES_TO_STOP
+
+    hook = tmp_path / "stale-hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(STALE_HOOK.replace("__ROLE__", repr(STALE_REPLICA)))
+    spec = demo_spec(
+        "fault-stale", f"file://{tmp_path / 'store'}", grpo={"max_steps": STALE_MAX_STEPS, "audit_every": 1, "seed": 0}
+    )
+    run = FaultRun(tmp_path, spec)
+    store = LocalStore(tmp_path / "store")
+    try:
+        with pytest.MonkeyPatch.context() as patch:  # only the jobs started here get the hook
+            patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+            run.launch()
+        final = run.finish()
+        orphans = run.processes.running()
+        report(record_property, "a replica serving v(N-1) under vN's name", orphans=len(orphans))
+        audits = {
+            a["version"]: a
+            for a in (json.loads(store.get_bytes(i.key)) for i in store.list(layout.audit_prefix(run.run_id)))
+        }
+        verdicts = {v: {role: r["verdict"] for role, r in a["replicas"].items()} for v, a in sorted(audits.items())}
+        print(f"stale replica: verdicts per version {verdicts}")
+        # v1 is served honestly (the fault starts at the second load) and equals the base model (LoRA B starts at 0):
+        # nothing tells them apart, and the record says so rather than passing or failing it.
+        assert verdicts[1] == {"replica-0": "inconclusive", STALE_REPLICA: "inconclusive"}
+        # v2 is the first version it serves stale: caught by that very audit, and ejected through the proxy.
+        first = audits[2]["replicas"][STALE_REPLICA]
+        assert first["verdict"] == "stale" and "serves v1 under v2's name" in first["why"], first
+        assert first["distance"]["previous"] <= audits[2]["tolerance"] < first["distance"]["current"]
+        assert "ejected_at" in first, first
+        published = read_manifest(store, layout.adapter_prefix(run.run_id, 2)).created
+        to_ejection = first["ejected_at"] - published
+        record_property("stale_to_ejection_s", round(to_ejection, 2))
+        print(f"stale replica: v2 published -> {STALE_REPLICA} ejected in {to_ejection:.1f}s")
+        assert 0 < to_ejection < 120
+        # Every healthy replica passed every audit; the stale one failed each audit it took part in (it sat out those
+        # that came while it was still being re-loaded).
+        failed = [v for v, by_role in verdicts.items() if by_role.get(STALE_REPLICA) == "stale"]
+        assert all(by_role["replica-0"] in ("match", "inconclusive") for by_role in verdicts.values()), verdicts
+        assert all(by_role["replica-0"] == "match" for v, by_role in verdicts.items() if v > 1), verdicts
+        assert all(by_role.get(STALE_REPLICA, "stale") == "stale" for v, by_role in verdicts.items() if v > 1)
+        assert all("ejected_at" in audits[v]["replicas"][STALE_REPLICA] for v in failed)
+        # The run went on training between the ejections (the proxy re-admitted it after a clean re-load each time);
+        # the audit that gave up asked for the stop, which every rank takes at the next step end (one more version).
+        giving_up = failed[FAILURES_TO_STOP - 1]
+        assert len(failed) in (FAILURES_TO_STOP, FAILURES_TO_STOP + 1) and max(audits) <= giving_up + 1, verdicts
+        assert audits[giving_up]["step"] >= audits[failed[0]]["step"] + FAILURES_TO_STOP - 1
+        last = last_proxy_snapshot(store, run.run_id)
+        assert replica_stats(last, STALE_REPLICA)["ejections"] == len(failed)
+        assert replica_stats(last, "replica-0")["ejections"] == 0
+        # ... then stopped with a checkpoint and failed, saying which replica and why.
+        assert final.status == "failed"
+        assert f"{STALE_REPLICA} failed the policy audit {FAILURES_TO_STOP} times in a row" in final.status_message
+        assert f"serves v{giving_up - 1} under v{giving_up}'s name" in final.status_message
+        steps = [layout.parse_checkpoint_dir(n) for n in list_published(store, layout.checkpoints_prefix(run.run_id))]
+        assert max(filter(None, steps), default=0) >= audits[giving_up]["step"] + 1
+        events = stream_records(store, run.run_id, "events")
+        ejections = [e for e in events if e["kind"] == "replica_ejected"]
+        assert [e["version"] for e in ejections] == failed and all(e["role"] == STALE_REPLICA for e in ejections)
+        trainer = json.loads(store.get_bytes(layout.status_key(run.run_id, "trainer")))
+        assert trainer["phase"] == "failed" and sorted(trainer["replicas_stopped"]) == ["replica-0", "replica-1"]
+        assert orphans == []
+    finally:
+        run.close()

@@ -285,3 +285,29 @@ def test_a_replica_admitted_after_a_resume_is_not_paused(make_harness):
     assert harness.post("/proxy/replicas/upstream-1/eject").status_code == 200
     assert harness.post("/proxy/replicas/upstream-1/admit").json()["state"] == "healthy"
     assert harness.is_paused(1) is False
+
+
+def test_a_replica_ejected_on_request_is_re_admitted_only_after_a_clean_re_load(make_harness, tmp_path):
+    """The trainer's policy audit ejects a replica that serves the wrong policy under a live version's name: what it
+    holds cannot be trusted, so its admission unloads every adapter and loads every live version afresh."""
+    harness = make_harness(health_interval=30.0)
+    assert harness.load(1, write_adapter(tmp_path / "a")).status_code == 200
+    suspect, other = harness.replicas[1].counters, harness.replicas[0].counters
+    before = (suspect.loads, suspect.unloads, other.loads, other.unloads)
+    reason = "failed the policy audit of v1: serves v0 under v1's name"
+    assert harness.post("/proxy/replicas/upstream-1/eject", {"reason": reason}).status_code == 200
+    ejected = harness.get("/proxy/replicas").json()["replicas"][1]
+    assert ejected["state"] == "ejected" and ejected["last_error"] == f"ejected on request: {reason}"
+    assert harness.post("/proxy/replicas/upstream-1/admit").json()["state"] == "healthy"
+    assert (suspect.loads, suspect.unloads) == (before[0] + 1, before[1] + 1)  # v1 unloaded, then loaded afresh
+    assert (other.loads, other.unloads) == before[2:]
+    assert held(harness) == [{f"{RUN_ID}-v1"}] * 2
+    # The re-load is owed once: a later ejection by a failed health check re-admits with what the replica holds.
+    membership = harness.proxy.membership
+
+    async def health_check_fails() -> None:
+        membership.eject(membership.find("upstream-1"), "health check answered 503")
+
+    harness.proxy_loop.run(health_check_fails())
+    assert harness.post("/proxy/replicas/upstream-1/admit").json()["state"] == "healthy"
+    assert (suspect.loads, suspect.unloads) == (before[0] + 1, before[1] + 1)

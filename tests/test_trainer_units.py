@@ -11,6 +11,7 @@ import torch
 from jobs.contract import DatasetSpec, layout, parse_spec
 from jobs.telemetry import ChunkWriter, decode_jsonl, next_sequence
 from jobs.trainer import cpu_compat
+from jobs.trainer.audit import FAILING, MARGIN, VersionWeights, judge, lora_weights
 from jobs.trainer.config import grpo_config, lora_config
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows, to_messages
 
@@ -305,3 +306,82 @@ def test_truncation_is_judged_with_every_eos_the_generation_config_lists(tmp_pat
     assert eos_token_ids(str(tmp_path), 151643) == [7, 151643]
     (tmp_path / "generation_config.json").unlink()
     assert eos_token_ids(str(tmp_path), 151643) == [151643]
+
+
+# --- the policy audit's verdict and the weights of the version before ------------------------------------------------
+
+FP32 = 1e-3  # the audit's float32 tolerance (jobs/trainer/audit.py TOLERANCE)
+
+
+def test_a_replica_serving_the_published_version_matches():
+    verdict, why = judge(5, {"current": 1e-6, "previous": 0.3, "base": 0.6}, {"previous": 0.3, "base": 0.6}, FP32)
+    assert verdict == "match" and why.startswith("serves v5 ")
+
+
+def test_a_replica_serving_the_version_before_or_the_base_or_neither_fails_naming_what_it_serves():
+    separation = {"previous": 0.3, "base": 0.6}
+    verdict, why = judge(5, {"current": 0.3, "previous": 1e-6, "base": 0.6}, separation, FP32)
+    assert verdict == "stale" and "serves v4 under v5's name" in why
+    verdict, why = judge(5, {"current": 0.6, "previous": 0.3, "base": 1e-6}, separation, FP32)
+    assert verdict == "base" and "serves the base model under v5's name" in why
+    verdict, why = judge(5, {"current": 0.2, "previous": 0.4, "base": 0.5}, separation, FP32)
+    assert verdict == "mismatch" and verdict in FAILING
+
+
+def test_a_version_the_probe_cannot_tell_from_the_one_before_is_inconclusive_not_a_match():
+    """At bf16 (tolerance 0.1) one sync may move the policy less than the noise: a replica serving v(N-1) is then
+    within the tolerance of vN (the old absolute check passed it). The record says the audit cannot tell."""
+    bf16 = 0.1
+    verdict, why = judge(5, {"current": 0.05, "previous": 0.03, "base": 0.9}, {"previous": 0.05, "base": 0.9}, bf16)
+    assert verdict == "inconclusive" and "cannot be told from v4" in why
+    # Told apart once the versions are (MARGIN + 1) tolerances apart: the same noise is then a clear match.
+    apart = (MARGIN + 1) * bf16
+    verdict, _ = judge(5, {"current": 0.05, "previous": apart, "base": 0.9}, {"previous": apart, "base": 0.9}, bf16)
+    assert verdict == "match"
+    # The first version equals the base model (LoRA's B starts at zero); after a resume v(N-1) is not in memory.
+    verdict, why = judge(1, {"current": 1e-6, "base": 1e-6}, {"base": 0.0}, FP32)
+    assert verdict == "inconclusive" and "the base model" in why
+    assert judge(7, {"current": 1e-6, "base": 0.5}, {"base": 0.5}, FP32)[0] == "match"
+
+
+def tiny_peft_model():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    return get_peft_model(LlamaForCausalLM(config), lora)
+
+
+def test_the_weights_of_the_version_before_are_scored_then_the_trainers_own_restored_bit_for_bit():
+    model = tiny_peft_model().eval()
+    ids = torch.tensor([[1, 5, 9, 13]])
+    versions = VersionWeights()
+    versions.note(model, 1)
+    with torch.no_grad():
+        logits_v1 = model(input_ids=ids).logits
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.add_(0.5 * torch.randn_like(parameter))  # an optimizer step, in place
+        logits_v2 = model(input_ids=ids).logits
+    versions.note(model, 2)
+    parameters = {name: p for name, p in model.named_parameters()}
+    own = lora_weights(model)
+    assert not torch.allclose(logits_v1, logits_v2)
+    with torch.no_grad(), versions.loaded(model, 1):
+        assert torch.equal(model(input_ids=ids).logits, logits_v1)
+    after = lora_weights(model)
+    assert all(torch.equal(after[name], own[name]) for name in own)
+    assert all(p is parameters[name] for name, p in model.named_parameters())  # the optimizer's tensors, untouched
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits_v2)
+    versions.note(model, 3)
+    assert (versions.has(1), versions.has(2), versions.has(3)) == (False, True, True)

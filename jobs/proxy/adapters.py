@@ -416,10 +416,14 @@ class AdapterSync:
         """Bring a replica's adapters in line with the live set, then `activate` it between two broadcasts.
 
         Adapters of this run that are not live (left by an earlier trainer or proxy) are unloaded; every live version
-        is loaded. Raises RuntimeError saying what failed; the replica then stays out and is tried again later.
+        is loaded. A replica marked `reload` (ejected for serving the wrong policy) first has every adapter of this
+        run unloaded, so each live version is loaded afresh from the store. Raises RuntimeError saying what failed;
+        the replica then stays out and is tried again later.
         """
         held = await self._held_versions(replica)
         replica.loaded = set(held)
+        if replica.reload:  # ejected for serving the wrong policy: nothing it holds is trusted, load all afresh
+            await self._converge(replica, set())
         await self._converge(replica, set(self.live))
         async with self.lock:
             await self._converge(replica, set(self.live))  # versions loaded or unloaded meanwhile
@@ -428,6 +432,7 @@ class AdapterSync:
             if kind != "ok":
                 raise RuntimeError(f"{target} failed: {detail}")
             activate()
+            replica.reload = False
 
     async def _converge(self, replica: Replica, live: set[int]) -> None:
         for version in sorted(replica.loaded - live):

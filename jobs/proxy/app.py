@@ -13,7 +13,9 @@ Endpoints (everything TRL 1.16's AsyncGRPOTrainer calls, plus the proxy's own):
     POST /tokenize, /detokenize, other GETs      forwarded to one healthy replica
     GET  /proxy/stats                            counters (shape in stats.py)
     GET  /proxy/replicas                         every replica and its state
-    POST /proxy/replicas/<role>/eject            take a replica out of rotation (it is re-admitted once healthy)
+    POST /proxy/replicas/<role>/eject            take a replica out of rotation; it is re-admitted once healthy,
+                                                 after a clean re-load of every live adapter; optional body
+                                                 {"reason": "..."} (shown as its last error)
     POST /proxy/replicas/<role>/admit            try to admit a replica now instead of at the next health check
     POST /proxy/trainer_state {"step": N}        the optimizer step stamped into the next published manifest
 
@@ -150,7 +152,7 @@ class Proxy:
         if route is not None:
             return await route(exchange)
         if request.method == "POST" and request.path.startswith("/proxy/replicas/"):
-            return await self._replica_action(request.path)
+            return await self._replica_action(request.path, request.body)
         if request.method in ("GET", "HEAD") and not request.path.startswith("/proxy/"):  # the proxy's own: above
             return await self._forward(exchange)
         return text_response(
@@ -361,14 +363,16 @@ class Proxy:
         body = {"replicas": [replica.describe() for replica in self.membership.replicas.values()]}
         return Response(200, json.dumps(body).encode(), list(_JSON))
 
-    async def _replica_action(self, path: str) -> Response:
+    async def _replica_action(self, path: str, body: bytes = b"") -> Response:
         _, _, rest = path.partition("/proxy/replicas/")
         role, _, action = rest.rpartition("/")
         replica = self.membership.find(role)
         if replica is None or action not in ("eject", "admit"):
             return text_response(404, f"proxy: no replica {role!r} or no action {action!r} (use eject or admit)")
         if action == "eject":
-            self.membership.eject(replica, "ejected on request")
+            # Whoever asks (the trainer's policy audit) distrusts what the replica holds: re-load it from scratch.
+            replica.reload = True
+            self.membership.eject(replica, _eject_reason(body))
         elif replica.state != "healthy":
             problem = await self.membership.check(replica)
             if problem is not None:
@@ -441,3 +445,12 @@ class Proxy:
 
 def _is_event_stream(headers: list[tuple[str, str]]) -> bool:
     return any(name.lower() == "content-type" and value.startswith("text/event-stream") for name, value in headers)
+
+
+def _eject_reason(body: bytes) -> str:
+    """The reason an eject request gives in its optional JSON body {"reason": ...}, else a generic one."""
+    try:
+        reason = json.loads(body).get("reason") if body else None
+    except (ValueError, AttributeError):
+        reason = None
+    return f"ejected on request: {reason[:300]}" if isinstance(reason, str) and reason else "ejected on request"

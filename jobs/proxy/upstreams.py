@@ -46,6 +46,9 @@ class Replica:
     last_error: str | None = None
     changed: float = field(default_factory=time.time)
     probing: bool = False
+    # Set when the replica was ejected for serving the wrong policy (the trainer's audit): its adapters cannot be
+    # trusted, so its admission unloads every one of them and loads the live versions afresh.
+    reload: bool = False
 
     @property
     def url(self) -> str:

@@ -1,11 +1,22 @@
 """The policy audit: proof that every replica serves exactly the policy the trainer just published.
 
-Right after a sync the trainer's weights *are* the published version. The audit sends one fixed probe prompt with a
-fixed seed to every replica under that version's name, then scores the tokens each replica sampled with the
-trainer's own forward (base + adapter, the same fused log-prob head the loss uses) at the same temperature. The
-largest per-token log-prob difference per replica is recorded in the store (`audit/vNNNNNN.json`); above the
-tolerance the run gets an alert. A replica silently serving the base model or a stale adapter differs by far more
-than numerical noise.
+Right after a sync the trainer's weights *are* the published version vN. The audit sends one fixed probe prompt with
+a fixed seed to every replica under vN's name, then scores the tokens each replica sampled with the trainer's own
+forward (the same fused log-prob head the loss uses) at the same temperature, three times: under vN, under v(N-1)
+(its LoRA weights, kept from the previous sync, loaded for a moment) and under the base model (adapter disabled). The
+mean per-token |Δlogp| to each is the replica's distance to that policy. A replica passes only when it is within the
+tolerance of vN *and* much closer to vN than to v(N-1) and to the base: with an absolute tolerance alone, a bf16
+replica a few 1e-2 off could be serving v(N-1) when one sync moved the policy less than the noise. When vN cannot be
+told apart from an alternative on the probe (the first version equals the base: LoRA's B starts at zero; a tiny
+learning rate), the record says so: `inconclusive`, not a failure.
+
+A failing replica (`stale`: serves v(N-1); `base`: serves the base model; `mismatch`: neither) is ejected through the
+proxy, which re-admits it after unloading everything it holds and loading every live version afresh. The same replica
+failing `FAILURES_TO_STOP` audits in a row stops the run (with a checkpoint) and fails it with the reason: a replica
+that keeps serving the wrong policy after clean re-loads is broken, and rollouts from it would train on garbage.
+
+The result goes to the store (`audit/vNNNNNN.json`: per replica the three distances, the separations of vN from the
+alternatives, the verdict and why) and to the events stream.
 """
 
 from __future__ import annotations
@@ -13,6 +24,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import requests
@@ -27,13 +40,60 @@ log = logging.getLogger(__name__)
 PROBE_MESSAGES = [{"role": "user", "content": "Write a short sentence about the sea."}]
 PROBE_TOKENS = 16
 PROBE_SEED = 1234
-# Per-token |log p_trainer - log p_replica| above this is a mismatch: fp32 on both sides agrees to ~1e-5; bf16/fp16
-# kernels on different hardware differ by up to a few 1e-2.
+# Mean per-token |log p_trainer - log p_replica| above this is a mismatch: fp32 on both sides agrees to ~1e-6 (measured
+# on the demo); bf16/fp16 kernels on different hardware differ by up to a few 1e-2.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.1}
+# "Much closer": the replica's distance to vN times this must stay below its distance to v(N-1) and to the base. An
+# alternative is told apart from vN only when the two are at least (MARGIN + 1) tolerances apart on the probe: then a
+# replica within the tolerance of vN is always MARGIN times closer to it (triangle inequality), and one serving the
+# alternative never is.
+MARGIN = 4.0
+FAILURES_TO_STOP = 3  # consecutive failed audits of one replica (each followed by a clean re-load) that stop the run
+PASSING = ("match", "inconclusive")
+FAILING = ("stale", "base", "mismatch")
 
 
 def tolerance_for(dtype: str) -> float:
     return TOLERANCE.get(dtype, 0.1)
+
+
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def judge(
+    version: int,
+    distance: dict[str, float],
+    separation: dict[str, float],
+    tolerance: float,
+) -> tuple[str, str]:
+    """(verdict, why) for one replica.
+
+    `distance` holds the replica's distance to "current" (vN) and to each alternative it could be serving by mistake
+    ("previous": v(N-1), "base"), `separation` each alternative's distance from vN on the same tokens. The verdict is
+    `match` (much closer to vN than to every alternative), `inconclusive` (close to vN, but some alternative cannot be
+    told apart from vN on this probe), or a failure: `stale`, `base` (it is within the tolerance of that alternative)
+    or `mismatch` (it serves none of them).
+    """
+    names = {"current": f"v{version}", "previous": f"v{version - 1}", "base": "the base model"}
+    current = distance["current"]
+    told_apart = {alt: separation[alt] >= (MARGIN + 1) * tolerance for alt in separation}
+    closer = all(current * MARGIN <= distance[alt] for alt in separation if told_apart[alt])
+    figures = ", ".join(f"{names[k]} {v:.2e}" for k, v in distance.items())
+    if current > tolerance or not closer:
+        nearest = min(distance, key=distance.get)
+        if nearest != "current" and distance[nearest] <= tolerance:
+            verdict = "stale" if nearest == "previous" else "base"
+            return verdict, f"serves {names[nearest]} under v{version}'s name (mean |Δlogp| to {figures})"
+        return "mismatch", f"serves none of v{version}, v{version - 1} or the base (mean |Δlogp| to {figures})"
+    unclear = [alt for alt, apart in told_apart.items() if not apart]
+    if unclear:
+        what = " or ".join(f"{names[alt]} (separation {separation[alt]:.2e})" for alt in unclear)
+        return "inconclusive", (
+            f"within the tolerance of v{version}, but v{version} cannot be told from {what} on the probe "
+            f"(needs {(MARGIN + 1) * tolerance:.1e})"
+        )
+    return "match", f"serves v{version} (mean |Δlogp| to {figures})"
 
 
 def trainer_log_probs(trainer, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -68,47 +128,113 @@ def trainer_log_probs(trainer, prompt_ids: list[int], completion_ids: list[int])
     return log_probs[start : start + len(completion_ids)].tolist()
 
 
+def lora_weights(model) -> dict[str, torch.Tensor]:
+    """A copy of a PeftModel's LoRA weights (not views: training moves on in place)."""
+    from peft import get_peft_model_state_dict
+
+    return {name: tensor.detach().clone() for name, tensor in get_peft_model_state_dict(model).items()}
+
+
+class VersionWeights:
+    """The LoRA weights of the trainer's last two versions, kept at each sync so the audit of vN can score v(N-1).
+
+    The adapter is small (LoRA only), so two copies cost little. TRL keeps no earlier weights, and after a resume the
+    version before the first one is not here: that audit scores vN against the base only.
+    """
+
+    def __init__(self) -> None:
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+
+    def note(self, model, version: int) -> None:
+        """Keep `model`'s weights as `version` (which it must hold now) and the version before it; drop older ones."""
+        if version not in self.kept:
+            self.kept[version] = lora_weights(model)
+        self.kept = {v: weights for v, weights in self.kept.items() if version - 1 <= v <= version}
+
+    def has(self, version: int) -> bool:
+        return version in self.kept
+
+    @contextmanager
+    def loaded(self, model, version: int) -> Iterator[None]:
+        """`model` with `version`'s LoRA weights for the duration; its own weights restored after, bit for bit."""
+        from peft import set_peft_model_state_dict
+
+        own = lora_weights(model)
+        with torch.no_grad():
+            set_peft_model_state_dict(model, self.kept[version])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                set_peft_model_state_dict(model, own)
+
+
+class PolicyAuditFailed(RuntimeError):
+    """The run stops because a replica kept failing the policy audit (the message says which and why)."""
+
+
 class PolicyAudit:
+    """Audits one version on every replica; keeps the LoRA weights of the version before, ejects and counts failures.
+
+    `eject(role, reason)` takes a replica out of the proxy's rotation; `on_fatal(reason)` is called once when a
+    replica has failed `FAILURES_TO_STOP` audits in a row (the job stops the run through it).
+    """
+
     def __init__(
         self,
         trainer,
         tokenizer,
         store: ObjectStore,
         run_id: str,
-        replicas_fn,
+        replicas_fn: Callable[[], list[dict]],
         token: str | None,
         temperature: float,
         tolerance: float,
         telemetry=None,
+        eject: Callable[[str, str], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ):
         self.trainer, self.store, self.run_id = trainer, store, run_id
         self.replicas_fn, self.token, self.temperature, self.tolerance = replicas_fn, token, temperature, tolerance
-        self.telemetry = telemetry
+        self.telemetry, self.eject, self.on_fatal = telemetry, eject, on_fatal
         self.prompt_ids = prompt_token_ids(tokenizer, PROBE_MESSAGES)
+        self.versions = VersionWeights()
+        self.failures: dict[str, int] = {}  # consecutive failed audits per replica role
+        self.fatal: str | None = None
+
+    def _peft_model(self):
+        return self.trainer.accelerator.unwrap_model(self.trainer.model)
+
+    def note_version(self, version: int) -> None:
+        """Call right after a sync (the trainer holds `version`), so the audit of the next version can score v(N-1)."""
+        self.versions.note(self._peft_model(), version)
+
+    # -- the audit -------------------------------------------------------------------------------------------------
 
     def run(self, version: int, step: int) -> dict[str, Any]:
-        """Audit `version` on every replica; writes the result to the store and returns it."""
+        """Audit `version` (which the trainer must hold now) on every replica; store, report and act on the result."""
+        self.note_version(version)
         results: dict[str, Any] = {}
+        probes: dict[str, tuple[list[int], list[float]]] = {}
         for replica in self.replicas_fn():
             try:
                 tokens, served = self._probe(replica["url"], version)
                 if not tokens:
                     raise ValueError("the replica returned no tokens")
-                local = trainer_log_probs(self.trainer, self.prompt_ids, tokens)
-                diffs = [abs(a - b) for a, b in zip(local, served, strict=True)]
-                results[replica["role"]] = {
-                    "max_abs_diff": max(diffs),
-                    "mean_abs_diff": sum(diffs) / len(diffs),
-                    "tokens": len(tokens),
-                }
+                probes[replica["role"]] = (tokens, served)
             except Exception as error:
-                results[replica["role"]] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        ok = bool(results) and all(r.get("max_abs_diff", float("inf")) <= self.tolerance for r in results.values())
+                results[replica["role"]] = {"verdict": "error", "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        if probes:
+            results.update(self._judge_all(version, probes))
+        ok = bool(results) and all(r["verdict"] in PASSING for r in results.values())
+        for role, result in results.items():
+            self._act(role, version, result)
         record = {
             "version": version,
             "step": step,
             "time": time.time(),
             "tolerance": self.tolerance,
+            "margin": MARGIN,
             "ok": ok,
             "replicas": results,
         }
@@ -118,15 +244,82 @@ class PolicyAudit:
             log.warning("audit of v%d not stored: %s", version, error)
         if self.telemetry is not None:
             worst = max((r.get("max_abs_diff", float("inf")) for r in results.values()), default=float("inf"))
-            level = "info" if ok else "error"
+            verdicts = ", ".join(f"{role} {r['verdict']}" for role, r in sorted(results.items()))
             message = (
-                f"policy audit v{version}: replicas match the trainer (max |Δlogp| {worst:.2e})"
+                f"policy audit v{version}: replicas serve v{version} ({verdicts}; max |Δlogp| {worst:.2e})"
                 if ok
                 else f"policy audit v{version} FAILED: {json.dumps(results)[:400]}"
             )
-            self.telemetry.event("audit", message, level=level, version=version, ok=ok)
+            self.telemetry.event("audit", message, level="info" if ok else "error", version=version, ok=ok)
         log.info("policy audit v%d: ok=%s %s", version, ok, results)
         return record
+
+    def _judge_all(self, version: int, probes: dict[str, tuple[list[int], list[float]]]) -> dict[str, Any]:
+        """Score every probe's tokens under vN, v(N-1) (when its weights are here) and the base; one verdict each."""
+        sequences = {tuple(tokens) for tokens, _ in probes.values()}
+
+        def score() -> dict[tuple[int, ...], list[float]]:
+            return {seq: trainer_log_probs(self.trainer, self.prompt_ids, list(seq)) for seq in sequences}
+
+        scores = {"current": score()}
+        if self.versions.has(version - 1):
+            with self.versions.loaded(self._peft_model(), version - 1):
+                scores["previous"] = score()
+        with self._peft_model().disable_adapter():
+            scores["base"] = score()
+        results = {}
+        for role, (tokens, served) in probes.items():
+            seq = tuple(tokens)
+            distance = {name: mean_abs_diff(by_seq[seq], served) for name, by_seq in scores.items()}
+            separation = {name: mean_abs_diff(by_seq[seq], scores["current"][seq]) for name, by_seq in scores.items()}
+            del separation["current"]
+            verdict, why = judge(version, distance, separation, self.tolerance)
+            results[role] = {
+                "verdict": verdict,
+                "why": why,
+                "distance": distance,
+                "separation": separation,
+                "max_abs_diff": max(abs(a - b) for a, b in zip(scores["current"][seq], served, strict=True)),
+                "mean_abs_diff": distance["current"],
+                "tokens": len(tokens),
+            }
+        return results
+
+    def _act(self, role: str, version: int, result: dict[str, Any]) -> None:
+        """Eject a failing replica and count its failures in a row; a pass resets the count (errors change nothing:
+        a probe that timed out proves nothing about the policy)."""
+        verdict = result["verdict"]
+        if verdict in PASSING:
+            self.failures[role] = 0
+        if verdict not in FAILING:
+            return
+        self.failures[role] = self.failures.get(role, 0) + 1
+        reason = f"failed the policy audit of v{version}: {result['why']}"
+        if self.eject is not None:
+            try:
+                self.eject(role, reason)
+                result["ejected_at"] = time.time()
+            except Exception as error:  # the audit's record and the stop below still stand
+                result["eject_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                log.warning("could not eject %s after its failed audit: %s", role, error)
+        if self.telemetry is not None:
+            self.telemetry.event(
+                "replica_ejected",
+                f"{role} {reason}; ejected, it is re-admitted after a clean re-load",
+                level="error",
+                role=role,
+                version=version,
+                verdict=verdict,
+            )
+        if self.failures[role] >= FAILURES_TO_STOP and self.fatal is None:
+            self.fatal = (
+                f"{role} failed the policy audit {self.failures[role]} times in a row, clean re-loads between "
+                f"(last, v{version}: {result['why']}); it does not serve the policy the trainer publishes. The run "
+                "stopped with a checkpoint: check that replica's engine, then relaunch the trainer to resume"
+            )
+            log.error(self.fatal)
+            if self.on_fatal is not None:
+                self.on_fatal(self.fatal)
 
     def _probe(self, url: str, version: int) -> tuple[list[int], list[float]]:
         body = {
@@ -149,15 +342,34 @@ class PolicyAudit:
 
 
 class AuditCallback(TrainerCallback):
-    """Audits every k-th version right after TRL's sync. Add it *after* constructing the trainer so it runs after
-    TRL's sync callback within the same step."""
+    """Audits every k-th version right after TRL's sync, and right after a resume (unless periodic audits are off:
+    `every` 0); keeps each version's weights.
+
+    Add it *after* constructing the trainer so it runs after TRL's callbacks (its cold sync at train begin, its sync
+    at step end). A version is audited only at the moment it was synced: with `weight_sync_steps` > 1 the trainer's
+    weights move on at the next optimizer step while its version stays, and an audit then would blame the replicas.
+    """
 
     def __init__(self, audit: PolicyAudit, every: int):
         self.audit, self.every = audit, every
-        self._last = 0
+        self._version_at_begin = -1
+
+    def _version(self) -> int:
+        return int(self.audit.trainer.model_version)
+
+    def on_train_begin(self, _args, state, _control, **_kwargs):
+        version = self._version()  # TRL's cold sync just published the weights the trainer starts (or resumes) from
+        self.audit.note_version(version)
+        if self.every and (state.global_step > 0 or version % self.every == 0):
+            self.audit.run(version, state.global_step)
+
+    def on_step_begin(self, _args, _state, _control, **_kwargs):
+        self._version_at_begin = self._version()
 
     def on_step_end(self, _args, state, _control, **_kwargs):
-        version = int(self.audit.trainer.model_version)
-        if self.every and version != self._last and version % self.every == 0:
-            self._last = version
+        version = self._version()
+        if version == self._version_at_begin:
+            return  # no sync in this step: the trainer no longer holds its version's weights
+        self.audit.note_version(version)
+        if self.every and version % self.every == 0:
             self.audit.run(version, state.global_step)

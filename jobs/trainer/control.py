@@ -42,6 +42,12 @@ class GracefulStop(TrainerCallback):
         self._signalled.set()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
+    def request(self, reason: str) -> None:
+        """Stop after the current step (main process; from any thread), e.g. when the policy audit gives up on a
+        replica. The decision reaches every rank at the next step end, like a stop request from the panel."""
+        self.reason = self.reason or reason
+        self._signalled.set()
+
     def requested(self) -> bool:
         if self._signalled.is_set():
             return True

@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 
 from jobs import pins
+from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
 from jobs.models import eos_token_ids, resolve_model
 from jobs.runtime import ENV_UPSTREAM_TOKEN, RunContext, open_run, read_json, setup_logging, spec_uri
 from jobs.store import StoreError
 from jobs.trainer import cpu_compat, ranks
-from jobs.trainer.audit import AuditCallback, PolicyAudit, tolerance_for
+from jobs.trainer.audit import AuditCallback, PolicyAudit, PolicyAuditFailed, tolerance_for
 from jobs.trainer.checkpoints import (
     CheckpointComplete,
     CheckpointUploader,
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model_path = resolve_model(spec.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
+        fit_tokenizer(tokenizer, spec.model.id)  # e.g. Qwen2.5-Math: TRL reads its replies with the recipe's template
         max_prompt = spec.model.max_model_len - spec.grpo.max_completion_length
         dataset = build_prompts(spec.dataset, load_rows(spec.dataset, store), tokenizer, max_prompt)
         error_log = workdir / "reward_errors.jsonl"
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec.parent is not None and resume_path is None:
             parent = ranks.from_main(lambda: download_parent_adapter(store, spec.parent, workdir))
             load_parent_adapter(parent, spec.parent, trainer.model)
-        audit = watch_trainer(trainer, tokenizer, ctx, proxy, telemetry, cuda) if main_process else None
+        audit = watch_trainer(trainer, tokenizer, ctx, proxy, telemetry, cuda, stop) if main_process else None
 
         telemetry.status("training", resumed_from_step=resume_step)
         trainer.train(resume_from_checkpoint=resume_path)
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             # is a collective.
             trainer._sync_weight()
         if main_process:
+            if audit.fatal:
+                raise PolicyAuditFailed(audit.fatal)
             audit.run(int(trainer.model_version), trainer.state.global_step)
             publish_final(
                 store,
@@ -187,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             outcome,
             f"training {outcome} at step {trainer.state.global_step}" + (f" ({stop.reason})" if stop.reason else ""),
         )
-    except ReplicasLost as error:
+    except (ReplicasLost, PolicyAuditFailed) as error:
         telemetry.fail(str(error))
     except Exception as error:
         log.exception("training failed")
@@ -213,8 +217,11 @@ def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: Traine
     return ReplicaWatchdog(proxy, args.replica_loss_timeout).start()
 
 
-def watch_trainer(trainer, tokenizer, ctx: RunContext, proxy: ProxyProcess, telemetry, cuda: bool) -> PolicyAudit:
-    """What the main process adds to TRL's trainer: sample recording, a prompt rollout-worker stop, policy audits."""
+def watch_trainer(
+    trainer, tokenizer, ctx: RunContext, proxy: ProxyProcess, telemetry, cuda: bool, stop: GracefulStop
+) -> PolicyAudit:
+    """What the main process adds to TRL's trainer: sample recording, a prompt rollout-worker stop, policy audits
+    (a replica failing one is ejected through the proxy; one failing them again and again stops the run)."""
     spec = ctx.spec
     trainer.rollout_queue = RecordingQueue(trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness)
     _drain_queues_on_stop(trainer.rollout_worker)
@@ -228,6 +235,8 @@ def watch_trainer(trainer, tokenizer, ctx: RunContext, proxy: ProxyProcess, tele
         spec.grpo.temperature,
         tolerance_for(audit_dtype(spec, cuda)),
         telemetry,
+        eject=proxy.eject,
+        on_fatal=stop.request,
     )
     trainer.add_callback(AuditCallback(audit, spec.grpo.audit_every))  # after TRL's sync callback: see AuditCallback
     return audit

@@ -65,6 +65,12 @@ class ProxyProcess:
         replicas = body["replicas"] if isinstance(body, dict) else body
         return [replica for replica in replicas if replica.get("healthy", True) and not replica.get("ejected")]
 
+    def eject(self, role: str, reason: str) -> None:
+        """Take a replica out of rotation; the proxy re-admits it at a later health check after unloading everything
+        it holds and loading every live version afresh (a clean re-load). Raises on failure."""
+        response = requests.post(f"{self.url}/proxy/replicas/{role}/eject", json={"reason": reason}, timeout=10)
+        response.raise_for_status()
+
     def post_step(self, step: int) -> None:
         """Tell the proxy the optimizer step, which it stamps into the next adapter version it publishes."""
         try:
