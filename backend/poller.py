@@ -355,4 +355,4 @@ def _job_cost(job: Job, now: float) -> float:
 def _proxy_degraded(session: Session, run_id: str) -> bool:
     latest = ingest.latest_proxy_snapshots(session, run_id)
     replicas = (latest[0].get("replicas") or []) if latest else []
-    return any(not r.get("healthy", True) or r.get("ejected") for r in replicas)
+    return any(not r.get("healthy", True) for r in replicas)  # an ejected replica is not healthy (proxy/upstreams.py)

@@ -100,6 +100,7 @@ def _check_store(ctx: PanelContext, run: Run, result: Preflight):
     try:
         store = ctx.fresh_store(run)
         store.probe()
+        _check_region(store, spec, result)
         return store
     except StoreAccessError as error:
         message = str(error)
@@ -114,6 +115,20 @@ def _check_store(ctx: PanelContext, run: Run, result: Preflight):
     except Exception as error:  # a credential that cannot be decrypted, a folder that cannot be created, ...
         result.errors["storage.credentials"] = str(error)
     return None
+
+
+def _check_region(store, spec: RunSpec, result: Preflight) -> None:
+    """An S3 bucket's region must be known and right: the job bootstrap signs for it and cannot follow a redirect.
+    Left empty, it is learnt when the run is created (RunService.create)."""
+    if not spec.storage.uri.startswith("s3://"):
+        return  # a local folder, or an HF bucket (its gateway has one region)
+    actual = store.bucket_region()
+    if actual is None:
+        result.errors["storage.region"] = (
+            "the bucket did not say which region it is in; enter its region (e.g. 'eu-west-1')"
+        )
+    elif spec.storage.region and spec.storage.region != actual:
+        result.errors["storage.region"] = f"the bucket is in {actual}, not {spec.storage.region}; use {actual}"
 
 
 def _check_compute(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) -> None:

@@ -486,6 +486,18 @@ def test_bucket_keys_the_bucket_rejects(gate, refused, hub, moto_server):
     )
 
 
+@row("bucket region wrong")
+def test_a_bucket_region_that_is_not_the_buckets(gate, refused, hub, moto_server):
+    """Issue 14: the job bootstrap signs for the spec's region and cannot follow a redirect to another one."""
+    gate.bucket_client.create_bucket(Bucket="eu-data", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    data = hub_spec(gate, moto_server.url, bucket="eu-data")
+    data["storage"]["region"] = "us-east-2"
+    credentials = {"store_credential_id": hub["keys"], "hf_credential_id": hub["hf"]}
+    message = refused(data, "storage.region", "use eu-west-1", **credentials)
+    assert "the bucket is in eu-west-1, not us-east-2" in message
+    gate.bucket_client.delete_bucket(Bucket="eu-data")  # the gate checks that nothing was left behind
+
+
 @row("bucket missing")
 def test_a_bucket_that_does_not_exist(gate, refused, hub, moto_server):
     refused(

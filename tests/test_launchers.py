@@ -98,6 +98,21 @@ def test_a_demo_run_goes_end_to_end_through_hf_jobs(hub_panel, emulator, moto_se
     assert submitted == {job.role: as_planned(planned_body(job)) for job in plan.jobs}
 
 
+def test_a_run_on_a_bucket_in_another_region_is_created_with_that_region(hub_panel, moto_server):
+    """Issue 14: a bucket's region left empty is learnt from the bucket (HeadBucket) when the run is created, so the
+    jobs' bootstrap signs for it: it cannot follow a redirect to the right region as boto3 does."""
+    ctx, hf_id, keys_id, _ = hub_panel
+    moto_server.client().create_bucket(Bucket="eu-runs", CreateBucketConfiguration={"LocationConstraint": "eu-west-1"})
+    service = RunService(ctx, OWNER)
+    run = service.create(
+        hub_spec("eu-run", "eu-runs", moto_server.url), store_credential_id=keys_id, hf_credential_id=hf_id
+    )
+    assert ctx.spec(run).storage.region == "eu-west-1"
+    trainer = ctx.plan(service.get("eu-run")).job("trainer").command
+    assert trainer[trainer.index("eu-runs") - 1] == "eu-west-1"  # the bootstrap's region argument
+    assert trainer[trainer.index("--store-region") + 1] == "eu-west-1"
+
+
 def planned_body(job: JobPlan) -> dict:
     """The job spec `run_job` sends for a JobPlan, as the Hub receives it (the submission label aside)."""
     body = {

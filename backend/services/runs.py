@@ -32,6 +32,7 @@ from backend.models import (
 from backend.services.launches import Launches, job_row
 from jobs.contract import RunSpec, layout
 from jobs.contract.control import JOBS, STOP, UPSTREAMS, JobsRecord, StopRequest, Upstream, UpstreamsRecord
+from jobs.store import ObjectStore, S3Store
 
 log = logging.getLogger(__name__)
 TERMINAL_STATUSES = ("finished", "failed", "stopped")
@@ -82,6 +83,8 @@ class RunService:
         check_hosting(spec)
         run = run_row(spec, self.owner, "draft", store_credential_id, hf_credential_id)
         store = self.ctx.store_for(run)
+        spec = with_bucket_region(spec, store)
+        run.spec_json = spec.to_json()
         store.put_bytes(layout.spec_key(spec.run_id), spec.to_json().encode())
         with self.ctx.db.session() as session:
             session.add(run)
@@ -227,6 +230,16 @@ def check_hosting(spec: RunSpec) -> None:
                     f"rewards.{index}: on a shared panel, code rewards run only on HF Jobs (in your own jobs); "
                     "switch compute to HF Jobs or use a built-in reward"
                 )
+
+
+def with_bucket_region(spec: RunSpec, store: ObjectStore) -> RunSpec:
+    """`spec` with its S3 bucket's region filled in when it was left empty, so no job signs for the wrong one."""
+    if spec.storage.region or not spec.storage.uri.startswith("s3://") or not isinstance(store, S3Store):
+        return spec
+    region = store.bucket_region()
+    if region is None:
+        return spec  # preflight refuses such a bucket; a run created without it fails at the bootstrap, saying so
+    return spec.model_copy(update={"storage": spec.storage.model_copy(update={"region": region})})
 
 
 def run_row(

@@ -125,6 +125,21 @@ class S3Store(ObjectStore):
     def describe(self) -> str:
         return self.location.describe()
 
+    def bucket_region(self) -> str | None:
+        """The region the bucket lives in, as HeadBucket's `x-amz-bucket-region` says (None if it does not say).
+
+        boto3 follows a wrong-region redirect by itself; the job bootstrap signs with plain urllib and cannot, so a
+        job must be told the bucket's real region.
+        """
+        try:
+            answer = self.client.head_bucket(Bucket=self.bucket)
+            headers = answer["ResponseMetadata"]["HTTPHeaders"]
+        except ClientError as error:  # a 301 from another region still names the bucket's own
+            headers = error.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            if "x-amz-bucket-region" not in headers:
+                raise self._translate(error, None) from None
+        return headers.get("x-amz-bucket-region")
+
     def _key(self, key: str) -> str:
         return self.root + check_key(key)
 
