@@ -10,10 +10,12 @@ launch form shows next to each field; once every check passes it also holds the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from backend.context import PanelContext
@@ -31,8 +33,9 @@ from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, loa
 
 log = logging.getLogger(__name__)
 SAMPLE_ROWS = 4
-# Where a tokenizer keeps its chat template (jobs/chat_templates.py reads them as transformers does).
-TOKENIZER_FILES = {"tokenizer_config.json", "chat_template.jinja"}
+# What preflight reads of a Hub model: where a tokenizer keeps its chat template (jobs/chat_templates.py reads them as
+# transformers does), and the config (attention heads, for the replicas' tensor parallelism).
+MODEL_FILES = {"tokenizer_config.json", "chat_template.jinja", "config.json"}
 
 
 @dataclass
@@ -122,12 +125,15 @@ def _check_region(store, spec: RunSpec, result: Preflight) -> None:
     Left empty, it is learnt when the run is created (RunService.create)."""
     if not spec.storage.uri.startswith("s3://"):
         return  # a local folder, or an HF bucket (its gateway has one region)
-    actual = store.bucket_region()
-    if actual is None:
+    try:
+        actual = store.bucket_region()
+    except StoreAccessError:  # keys limited to a prefix may not HEAD the bucket itself
+        actual = None
+    if actual is None and not spec.storage.region:
         result.errors["storage.region"] = (
             "the bucket did not say which region it is in; enter its region (e.g. 'eu-west-1')"
         )
-    elif spec.storage.region and spec.storage.region != actual:
+    elif actual and spec.storage.region and spec.storage.region != actual:
         result.errors["storage.region"] = f"the bucket is in {actual}, not {spec.storage.region}; use {actual}"
 
 
@@ -179,9 +185,11 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
     try:
         info = api.model_info(model, revision=spec.model.revision, timeout=10)
         with tempfile.TemporaryDirectory() as folder:
-            for name in TOKENIZER_FILES & {sibling.rfilename for sibling in info.siblings or []}:
+            for name in MODEL_FILES & {sibling.rfilename for sibling in info.siblings or []}:
                 api.hf_hub_download(model, name, revision=spec.model.revision, local_dir=folder)
             template = chat_template_in(folder)
+            config = Path(folder) / "config.json"
+            heads = json.loads(config.read_text()).get("num_attention_heads") if config.is_file() else None
     except GatedRepoError:
         result.errors["model.id"] = f"{model} is gated; accept its terms on the Hub and use a token that has access"
     except RepositoryNotFoundError:
@@ -194,6 +202,19 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
         _check_chat_template(template, model, result)
         if info.safetensors is not None and spec.compute.backend == "hf_jobs":
             _check_trainer_memory(info.safetensors.total, spec, result)
+        if heads and spec.compute.backend == "hf_jobs":
+            _check_tensor_parallel(heads, spec, result)
+
+
+def _check_tensor_parallel(heads: int, spec: RunSpec, result: Preflight) -> None:
+    """vLLM splits the attention heads over a replica's GPUs: their count must divide the model's heads."""
+    tensor_parallel = derived.replica_tensor_parallel(spec.compute)
+    if heads % tensor_parallel:
+        fitting = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0 and n <= 8)
+        result.errors["compute.replica_flavor"] = (
+            f"{spec.model.id} has {heads} attention heads, which vLLM cannot split over the {tensor_parallel} GPUs of "
+            f"{spec.compute.replica_flavor}; choose a flavor with {fitting} GPU(s)"
+        )
 
 
 def _check_trainer_memory(parameters: int, spec: RunSpec, result: Preflight) -> None:

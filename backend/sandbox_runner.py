@@ -47,8 +47,8 @@ def main(root, request_path, result_path):
     from jobs.contract import RewardSpec
     from jobs.trainer.rewards import build_rewards, import_builtin_dependencies
 
-    import_builtin_dependencies()  # our own built-ins' libraries load C code (ctypes) that user code may not
-    sys.addaudithook(_guard)
+    import_builtin_dependencies([spec["name"] for spec in request["rewards"]])
+    sys.addaudithook(_guard)  # after our own built-ins' libraries loaded the C code (ctypes) user code may not
     completions = [[{"role": "assistant", "content": text}] for text in request["completions"]]
     columns = request["columns"]
     result = {"rewards": {}}

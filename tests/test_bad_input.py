@@ -258,6 +258,19 @@ def test_a_model_the_trainer_flavors_gpus_cannot_hold(gate, refused, hub, moto_s
     assert "compute.trainer_flavor" not in roomy.errors, roomy.errors
 
 
+@row("replica flavor vLLM cannot split the model over")
+def test_a_replica_flavor_whose_gpus_do_not_divide_the_attention_heads(gate, refused, hub, moto_server):
+    """Qwen2.5-1.5B has 12 attention heads: vLLM can spread it over 1, 2, 3, 4 or 6 GPUs, not the 8 of h200x8."""
+    files = {**model_files("qwen2.5-math-1.5b.json"), "config.json": b'{"num_attention_heads": 12}'}
+    gate.emulator.repos["acme/twelve-heads"] = files
+    data = {**hub_spec(gate, moto_server.url, replica_flavor="h200x8"), "model": {"id": "acme/twelve-heads"}}
+    credentials = {"store_credential_id": hub["keys"], "hf_credential_id": hub["hf"]}
+    message = refused(data, "compute.replica_flavor", "choose a flavor with 1, 2, 3, 4, 6 GPU(s)", **credentials)
+    assert "12 attention heads" in message and "8 GPUs of h200x8" in message
+    fits = gate.check({**data, "compute": {**data["compute"], "replica_flavor": "h200x4"}}, **credentials)
+    assert "compute.replica_flavor" not in fits.errors, fits.errors
+
+
 # --- dataset ----------------------------------------------------------------------------------------------------
 
 

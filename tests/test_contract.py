@@ -172,3 +172,20 @@ def test_storage_uris():
     assert parse_storage_uri("file:///tmp/x/").root == "/tmp/x"
     with pytest.raises(ValueError, match="credentials"):
         parse_storage_uri("s3://bucket", endpoint="https://key:secret@host")
+
+
+def test_a_spec_stored_before_a_refusal_was_added_still_loads():
+    """Refusals added later (top-p, top-k, staleness 0, HF Jobs timeouts and flavors) apply to new input only: a run
+    created by an earlier version must still load, poll and relaunch."""
+    old = {
+        "run_id": "stored-run",
+        "grpo": {"top_p": 0.9, "top_k": 20, "max_staleness": 0},
+        "compute": {"backend": "hf_jobs", "namespace": "me", "timeout": "5m", "replica_flavor": "retired-gpu"},
+    }
+    with pytest.raises(SpecError) as refused:
+        parse_spec(old)
+    assert {"grpo.top_p", "grpo.top_k", "grpo.max_staleness"} <= set(refused.value.errors)
+    with pytest.raises(SpecError, match="is not an HF Jobs flavor"):
+        parse_spec({**old, "grpo": {}})
+    stored = RunSpec.from_json(json.dumps(old))
+    assert (stored.grpo.top_p, stored.grpo.max_staleness, stored.compute.replica_flavor) == (0.9, 0, "retired-gpu")

@@ -528,6 +528,55 @@ def test_a_killed_panel_resumes_polling_and_sqlite_matches_the_store(replica_fau
 
 # --- row 3: every replica killed ------------------------------------------------------------------------------------
 
+OUTAGE_TIMEOUT = 20
+
+
+def test_a_bucket_that_stays_unreachable_stops_the_run_and_its_replicas(tmp_path, moto_server, monkeypatch):
+    """Issue 14: a bucket that stays unreachable ends the run within a bounded time (the outage limit, or the publish
+    ride-through if it gives up first), the trainer says why in its log and stops its replicas from the list it read
+    at start (the bucket holding that list is the thing that is gone). Once the bucket answers again, the panel shows
+    the run failed; nothing is left running."""
+    monkeypatch.setenv("GRPO_STORE_OUTAGE_TIMEOUT", str(OUTAGE_TIMEOUT))
+    faulty = FaultyProxy(moto_server.url).start()
+    uri = f"s3://{moto_server.create_bucket()}/panel"
+    spec = demo_spec(
+        "fault-outage", uri, grpo={"max_steps": 40, "seed": 0}, storage={"uri": uri, "endpoint": faulty.url}
+    )
+    keys = moto_server.credentials
+    run = FaultRun(tmp_path, spec, {"access_key_id": keys.access_key_id, "secret_access_key": keys.secret_access_key})
+    try:
+        run.launch()
+        run.wait(lambda r: r.step >= 2, 300, what="training")
+        groups = {role: run.pgid(role) for role in ("trainer", "replica-0", "replica-1")}
+        faulty.inject("status", 1_000_000, status=503)  # every call, for good
+        gone_at = time.monotonic()
+        wait_until(
+            lambda: run.processes.snapshot() or not any(group_alive(g) for g in groups.values()),
+            OUTAGE_TIMEOUT + 240,
+            1.0,
+            what="the trainer and both replicas stopped",
+        )
+        stopped_after = time.monotonic() - gone_at
+        print(f"bucket unreachable: every job ended {stopped_after:.0f}s later (outage limit {OUTAGE_TIMEOUT}s)")
+        log = (run.job_folder("trainer") / "log").read_text()
+        # Why, in the trainer's log (the bucket cannot hold its status): the outage limit, or a publish that rode
+        # through all it could, whichever comes first.
+        assert f"has not answered for {OUTAGE_TIMEOUT}s" in log or "the service kept failing" in log
+        assert "stopping the replicas known at start" in log
+        assert "stopped replicas replica-0, replica-1" in log
+        assert stopped_after <= OUTAGE_TIMEOUT + 180
+        faulty.clear()
+        final = run.finish(poll=True)
+        assert final.status == "failed"
+        assert run.processes.running() == []
+    finally:
+        faulty.clear()
+        for pid in run.processes.running():
+            os.kill(pid, signal.SIGKILL)
+        faulty.stop()
+        run.ctx.db.close()
+
+
 LOSS_TIMEOUT = 20
 
 

@@ -43,9 +43,8 @@ def test_the_math_recipe_on_two_gpu_flavors_uses_every_gpu(tmp_path):
     replica = plan["jobs"][0]
     assert replica["ports"] == [8000] and replica["flavor"] == "h200x2"
     assert "accelerate.commands.launch" not in replica["command"]
-    # The bootstrap's source is abbreviated unless --full; nothing in the plan is a secret's value.
+    # The bootstrap's source is abbreviated unless --full.
     assert any(arg.startswith("<") and "characters" in arg for arg in trainer["command"])
-    assert "<not entered yet>" not in done.stdout
 
     derived = plan["derived"]
     assert derived["trainer"] == {
@@ -104,4 +103,29 @@ def test_a_passing_check_carries_the_plan_launch_would_submit(tmp_path):
     assert result.plan["derived"]["trainer"]["processes"] == 2
     failing = run_preflight(ctx, "local", {**json.loads(spec.to_json()), "dataset": {"source": "hub", "id": ""}})
     assert not failing.ok and failing.plan is None
+    ctx.db.close()
+
+
+def test_a_plan_names_the_secrets_a_launch_sends_and_holds_none_of_their_values(tmp_path):
+    """With the run's credentials in the vault, the plan is the one Launch submits: every secret by name only."""
+    from backend.services.runs import run_row
+    from jobs.contract import parse_spec
+
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    token, secret = "hf_" + "x" * 34, "s3cret-" + "y" * 33
+    hf = ctx.vault.save("local", "hub", "hf_token", token).id
+    keys = ctx.vault.save(
+        "local", "bucket", "s3", {"access_key_id": "AKIAEXAMPLEKEY000000", "secret_access_key": secret}
+    )
+    spec = parse_spec(
+        {
+            "run_id": "secret-plan",
+            "compute": {"backend": "hf_jobs", "namespace": "me", "trainer_flavor": "h200", "replica_flavor": "h200"},
+            "storage": {"uri": "s3://some-bucket/runs", "region": "us-east-1"},
+        }
+    )
+    shown = json.dumps(ctx.plan(run_row(spec, "local", "draft", keys.id, hf)).to_json(full=True))
+    assert token not in shown and secret not in shown and "AKIAEXAMPLEKEY000000" not in shown
+    trainer = json.loads(shown)["jobs"][-1]
+    assert set(trainer["secrets"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "UPSTREAM_TOKEN"}
     ctx.db.close()

@@ -90,6 +90,8 @@ def _retry_after(error: BaseException) -> float | None:
         return None
 
 
+# The longest wait for a rate limit to reset before the next try (a launch's Hub calls stay bounded in time).
+MAX_RATE_LIMIT_WAIT = 120.0
 # Seconds to connect, and between two reads or writes, of any Hub call (log reads stream, so no total bound).
 HUB_TIMEOUT = 30.0
 
@@ -144,7 +146,7 @@ class HfJobsLauncher(Launcher):
                     ) from None
                 if status not in (429, 500, 502, 503, 504) or attempt == self.retry.attempts:
                     raise LaunchError(f"the Hub refused to {what} (HTTP {status}): {str(error)[:300]}") from None
-                delay = _retry_after(error) or self.retry.delay(attempt)
+                delay = min(_retry_after(error) or self.retry.delay(attempt), MAX_RATE_LIMIT_WAIT)
             except (OSError, httpx2.TransportError) as error:  # connection refused or reset, a call timed out
                 if attempt == self.retry.attempts:
                     raise LaunchError(f"could not reach the Hub to {what}: {error}") from None

@@ -15,7 +15,15 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from jobs.contract.flavors import FLAVORS
 from jobs.contract.storage_uri import parse_storage_uri
@@ -235,24 +243,24 @@ class GrpoSpec(_Section):
 
     @field_validator("top_p")
     @classmethod
-    def _top_p(cls, value: float) -> float:
-        if value < 1.0:
+    def _top_p(cls, value: float, info: ValidationInfo) -> float:
+        if value < 1.0 and _new_input(info):
             raise ValueError(f"{value} truncates sampling, {_NO_TRUNCATION}; leave top-p at 1")
         return value
 
     @field_validator("top_k")
     @classmethod
-    def _top_k(cls, value: int) -> int:
-        if value > 0:
+    def _top_k(cls, value: int, info: ValidationInfo) -> int:
+        if value > 0 and _new_input(info):
             raise ValueError(f"{value} truncates sampling, {_NO_TRUNCATION}; leave top-k at 0 (off)")
         return value
 
     @field_validator("max_staleness")
     @classmethod
-    def _staleness(cls, value: int) -> int:
+    def _staleness(cls, value: int, info: ValidationInfo) -> int:
         if value < 0:
             raise ValueError("cannot be negative; use 1 or more")
-        if value == 0:
+        if value == 0 and _new_input(info):
             raise ValueError(
                 "0 cannot work with TRL 1.16: it unloads the previous adapter version before new requests move to "
                 "the next, so requests still in flight fail; use 1 (nearly on-policy) or more"
@@ -315,8 +323,8 @@ class ComputeSpec(_Section):
         return value
 
     @model_validator(mode="after")
-    def _hub(self) -> ComputeSpec:
-        if self.backend != "hf_jobs":
+    def _hub(self, info: ValidationInfo) -> ComputeSpec:
+        if self.backend != "hf_jobs" or not _new_input(info):
             return self
         if not self.namespace:
             raise ValueError("namespace: required for HF Jobs: your username or an organisation you can bill")
@@ -423,15 +431,25 @@ class RunSpec(_Section):
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RunSpec:
-        return parse_spec(json.loads(text))
+        """A stored spec (see `parse_spec`)."""
+        return parse_spec(json.loads(text), stored=True)
 
 
-def parse_spec(data: dict[str, Any]) -> RunSpec:
-    """Validate `data` into a RunSpec, raising `SpecError` with one message per offending field."""
+def parse_spec(data: dict[str, Any], stored: bool = False) -> RunSpec:
+    """Validate `data` into a RunSpec, raising `SpecError` with one message per offending field.
+
+    `stored`: a spec a run was created with, perhaps by an earlier version; the refusals added since then (marked
+    `_new_input`) are not applied to it, so such a run still loads, polls and relaunches as it did.
+    """
     try:
-        return RunSpec.model_validate(data)
+        return RunSpec.model_validate(data, context={"stored": stored})
     except ValidationError as error:
         raise SpecError(_field_errors(error)) from None
+
+
+def _new_input(info: ValidationInfo) -> bool:
+    """Whether a refusal added after specs were first stored applies: to new input, not to a stored spec."""
+    return not (info.context or {}).get("stored")
 
 
 def timeout_seconds(value: str | int | float) -> int:

@@ -25,7 +25,9 @@ class GracefulStop(TrainerCallback):
 
     With several training processes the main one decides, after every step, and every rank follows: ranks that
     looked for themselves could stop at different steps, and the ones still training would wait forever in the next
-    collective. Only the main process catches SIGTERM; the others have nothing of their own to save.
+    collective. Every rank catches the first SIGTERM (a cancelled job's agent signals them all): a rank that died at
+    once would leave the main one blocked in a collective, with no checkpoint (each rank writes its own RNG state
+    into it) and its replicas still running.
     """
 
     def __init__(self, store: ObjectStore, run_id: str, telemetry=None, check_every: float = 5.0):

@@ -45,8 +45,14 @@ from jobs.trainer.checkpoints import (
 from jobs.trainer.config import grpo_config, lora_config
 from jobs.trainer.control import GracefulStop, StepHint
 from jobs.trainer.dataset import build_prompts, load_rows
-from jobs.trainer.proxy_process import ProxyProcess, ReplicasLost, ReplicaWatchdog
-from jobs.trainer.replicas import stop_replicas
+from jobs.trainer.proxy_process import (
+    ProxyProcess,
+    StoreUnreachable,
+    TrainingInterrupted,
+    Watchdog,
+    replica_watchdog,
+)
+from jobs.trainer.replicas import read_replica_jobs, stop_replicas
 from jobs.trainer.rewards import build_rewards
 from jobs.trainer.telemetry import (
     RecordingQueue,
@@ -79,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=float(os.environ.get("GRPO_REPLICA_LOSS_TIMEOUT", "180")),
         help="seconds with no healthy replica before the run fails (default: $GRPO_REPLICA_LOSS_TIMEOUT or 180)",
     )
+    parser.add_argument(
+        "--store-outage-timeout",
+        type=float,
+        default=float(os.environ.get("GRPO_STORE_OUTAGE_TIMEOUT", "300")),
+        help="seconds the bucket may fail every call before the run stops (default: $GRPO_STORE_OUTAGE_TIMEOUT or 300)",
+    )
     parser.add_argument("--torch-threads", type=int, default=int(os.environ.get("GRPO_TORCH_THREADS", "0")) or None)
     return parser.parse_args(argv)
 
@@ -107,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         attempt, telemetry = 0, SilentTelemetry()  # the main process reports for every rank
     telemetry.status("starting")
     proxy = ProxyProcess(spec_uri(spec.storage, spec.run_id), args.proxy_port, args.store_endpoint, args.store_region)
-    watchdog: ReplicaWatchdog | None = None
+    watchdogs: list[Watchdog] = []
+    replica_jobs = None  # the replica jobs as recorded at start: stoppable even if the bucket is gone by the end
     stop = GracefulStop(store, spec.run_id, telemetry)
-    if main_process:
-        stop.install_signal_handler()
+    stop.install_signal_handler()
     outcome, exit_code = "failed", 1
     workdir: Path | None = None
     errors = None
@@ -120,7 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         if not cuda:
             cpu_compat.apply_cpu_patches()
         if main_process:
-            watchdog = start_proxy(proxy, args, telemetry)
+            watchdogs.append(start_proxy(proxy, args, telemetry))
+            watchdogs.append(store_watchdog(store, spec.run_id, args.store_outage_timeout).start())
+            replica_jobs = read_replica_jobs(store, spec.run_id)
 
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
@@ -191,30 +205,41 @@ def main(argv: list[str] | None = None) -> int:
             outcome,
             f"training {outcome} at step {trainer.state.global_step}" + (f" ({stop.reason})" if stop.reason else ""),
         )
-    except (ReplicasLost, PolicyAuditFailed) as error:
+    except (TrainingInterrupted, PolicyAuditFailed) as error:
         telemetry.fail(str(error))
     except Exception as error:
         log.exception("training failed")
         telemetry.fail(describe_failure(error, workdir))
     finally:
-        if watchdog is not None:
+        for watchdog in watchdogs:
             watchdog.stop()
         if errors is not None:
             errors.close()
         if main_process:
             proxy.stop()
-            stopped = stop_replicas(store, spec.run_id, reason=f"the trainer {outcome}")
+            stopped = stop_replicas(store, spec.run_id, f"the trainer {outcome}", replica_jobs)
             telemetry.status(outcome, replicas_stopped=stopped)
         telemetry.close()
     return exit_code
 
 
-def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: TrainerTelemetry) -> ReplicaWatchdog:
+def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: TrainerTelemetry) -> Watchdog:
     """Start the proxy, wait until replicas answer through it, and watch that they keep answering (main process)."""
     proxy.start()
     telemetry.status("waiting_replicas")
     proxy.wait_healthy(args.replica_wait, on_wait=lambda waited: telemetry.status(force=False, waited_s=waited))
-    return ReplicaWatchdog(proxy, args.replica_loss_timeout).start()
+    return replica_watchdog(proxy, args.replica_loss_timeout).start()
+
+
+def store_watchdog(store, run_id: str, timeout: float) -> Watchdog:
+    """Stops the run once its bucket has failed every call for `timeout` seconds: beyond the minute of outage the
+    store calls ride through, nothing can be published or checkpointed, and the replicas would bill for nothing."""
+    reason = (
+        f"the run's bucket ({store.describe()}) has not answered for {timeout:.0f}s, so nothing can be published or "
+        "checkpointed; the trainer stopped its replicas. Check the bucket and its credentials, then relaunch the "
+        "trainer: it resumes from the newest checkpoint"
+    )
+    return Watchdog(lambda: store.exists(layout.spec_key(run_id)), timeout, StoreUnreachable(reason))
 
 
 def watch_trainer(

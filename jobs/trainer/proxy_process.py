@@ -63,7 +63,7 @@ class ProxyProcess:
         response.raise_for_status()
         body = response.json()
         replicas = body["replicas"] if isinstance(body, dict) else body
-        return [replica for replica in replicas if replica.get("healthy", True) and not replica.get("ejected")]
+        return [replica for replica in replicas if replica.get("healthy", True)]  # an ejected one is not healthy
 
     def eject(self, role: str, reason: str) -> None:
         """Take a replica out of rotation; the proxy re-admits it at a later health check after unloading everything
@@ -89,47 +89,70 @@ class ProxyProcess:
             self.process.wait()
 
 
-class ReplicasLost(RuntimeError):
-    """Raised in the training thread when no replica has answered for too long."""
+class TrainingInterrupted(RuntimeError):
+    """Raised in the training thread by a `Watchdog`: the run cannot go on; the message says why and what to do."""
 
 
-class ReplicaWatchdog:
-    """Interrupts training when the proxy has had no healthy replica for `timeout` seconds.
+class ReplicasLost(TrainingInterrupted):
+    """No replica has answered for too long."""
 
-    TRL retries a failing generation for ~20 minutes before its rollout worker dies, and meanwhile the trainer just
-    waits; a run whose replicas are all gone should fail within a bounded, configurable time instead. The watchdog
-    raises `ReplicasLost` in the main thread through a signal, the one way to interrupt a thread blocked in a queue.
+
+class StoreUnreachable(TrainingInterrupted):
+    """The run's bucket has refused or ignored every call for too long."""
+
+
+class Watchdog:
+    """Interrupts training once `ok()` has been false for `timeout` seconds in a row.
+
+    TRL retries a failing generation for ~20 minutes before its rollout worker dies, and a store outage stalls every
+    sync, while the replicas keep billing; a run that cannot go on should fail within a bounded, configurable time
+    instead. The watchdog raises its error in the main thread through a signal, the one way to interrupt a thread
+    blocked in a queue.
     """
 
-    def __init__(self, proxy: ProxyProcess, timeout: float, interval: float = 5.0):
-        self.proxy, self.timeout, self.interval = proxy, timeout, interval
-        self.reason: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="replica-watchdog", daemon=True)
+    _pending: TrainingInterrupted | None = None  # what the next SIGUSR1 raises (the first watchdog to fire wins)
 
-    def start(self) -> ReplicaWatchdog:
-        signal.signal(signal.SIGUSR1, self._raise)
+    def __init__(self, ok: Callable[[], bool], timeout: float, error: TrainingInterrupted, interval: float = 5.0):
+        self.ok, self.timeout, self.error, self.interval = ok, timeout, error, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"watchdog-{type(error).__name__}", daemon=True)
+
+    def start(self) -> Watchdog:
+        signal.signal(signal.SIGUSR1, _raise_pending)
         self._thread.start()
         return self
 
-    def _raise(self, _signum, _frame):
-        raise ReplicasLost(self.reason or "every replica is gone")
-
     def _run(self) -> None:
-        unhealthy_since: float | None = None
+        failing_since: float | None = None
         while not self._stop.wait(self.interval):
-            if self.proxy.healthy():
-                unhealthy_since = None
+            if self._healthy():
+                failing_since = None
                 continue
-            unhealthy_since = unhealthy_since or time.monotonic()
-            if time.monotonic() - unhealthy_since >= self.timeout:
-                self.reason = (
-                    f"no replica has answered for {self.timeout:.0f}s; the run cannot generate rollouts. "
-                    "Check the replica jobs (they may have been stopped, preempted or crashed) and relaunch"
-                )
-                log.error(self.reason)
+            failing_since = failing_since or time.monotonic()
+            if time.monotonic() - failing_since >= self.timeout and Watchdog._pending is None:
+                log.error("%s", self.error)
+                Watchdog._pending = self.error
                 signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
                 return
 
+    def _healthy(self) -> bool:
+        try:
+            return self.ok()
+        except Exception:  # a check that cannot even be made counts as failing
+            return False
+
     def stop(self) -> None:
         self._stop.set()
+
+
+def _raise_pending(_signum, _frame) -> None:
+    raise Watchdog._pending or TrainingInterrupted("interrupted")
+
+
+def replica_watchdog(proxy: ProxyProcess, timeout: float) -> Watchdog:
+    """Fails the run when the proxy has had no healthy replica for `timeout` seconds."""
+    reason = (
+        f"no replica has answered for {timeout:.0f}s; the run cannot generate rollouts. "
+        "Check the replica jobs (they may have been stopped, preempted or crashed) and relaunch"
+    )
+    return Watchdog(proxy.healthy, timeout, ReplicasLost(reason))

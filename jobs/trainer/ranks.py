@@ -5,7 +5,7 @@ On a multi-GPU flavor (and in the 2-process CPU demo) the trainer runs under `ac
 `WORLD_SIZE` environment variables torchrun sets. TRL already splits the work: rank 0 alone talks to the inference
 server (weight sync, rollout worker) and dispatches every micro-batch; the other ranks only forward, backward and
 join the collectives. The job follows the same rule: everything that reaches outside the training loop — the proxy,
-the store, the replicas — is the main process's, and the other ranks stay silent.
+the replicas, every write to the store — is the main process's; the other ranks only read (the spec, the dataset).
 
 A few things must still be decided once and shared, because ranks that disagree wait forever in a collective: the
 local working folder (checkpoints, adapter versions and downloads go there), the checkpoint to resume from, and
@@ -18,9 +18,12 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import TypeVar
 
 T = TypeVar("T")
+# How long a rank may wait in a collective for the others (a rank that dies is caught sooner: torchrun ends the job).
+COLLECTIVE_TIMEOUT = timedelta(hours=2)
 
 
 def rank(env: Mapping[str, str] = os.environ) -> int:
@@ -41,6 +44,10 @@ def is_main_process(env: Mapping[str, str] = os.environ) -> bool:
 def join_process_group(cuda: bool) -> None:
     """Start the job's process group (gloo on the CPU, NCCL on GPUs) before the first collective.
 
+    With `COLLECTIVE_TIMEOUT`: NCCL's default of 10 minutes is shorter than what the other ranks may wait for the
+    main one (the replicas' cold start, up to `--replica-wait`, then an audit inside a step), and TRL's own
+    `ddp_timeout` does not apply to a group that already exists.
+
     Through accelerate's `PartialState`, as TRL's own `Accelerator` would: `cpu=True` on a machine without CUDA,
     since accelerate otherwise treats a torchrun worker there as a lone process. The trainer's `TrainingArguments`
     later find the group initialised and use it.
@@ -49,7 +56,7 @@ def join_process_group(cuda: bool) -> None:
         return
     from accelerate import PartialState
 
-    PartialState(cpu=not cuda)
+    PartialState(cpu=not cuda, timeout=COLLECTIVE_TIMEOUT)
 
 
 def from_main(decide: Callable[[], T]) -> T:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 from jobs.contract import layout
 from jobs.contract.control import JOBS, JobsRecord
@@ -18,15 +19,27 @@ from jobs.store import ObjectNotFound, ObjectStore
 log = logging.getLogger(__name__)
 
 
-def stop_replicas(store: ObjectStore, run_id: str, reason: str) -> list[str]:
-    """Cancel every replica job of the run; returns the roles it stopped. Never raises: it runs on the way out."""
+def read_replica_jobs(store: ObjectStore, run_id: str) -> JobsRecord | None:
+    """The run's jobs as the launcher recorded them (None if it keeps no record: it then stops the replicas itself)."""
     try:
-        record = JobsRecord.model_validate_json(store.get_bytes(layout.control_key(run_id, JOBS)))
+        return JobsRecord.model_validate_json(store.get_bytes(layout.control_key(run_id, JOBS)))
     except ObjectNotFound:
         log.info("no control/jobs.json: the launcher manages the replicas")
-        return []
+        return None
+
+
+def stop_replicas(store: ObjectStore, run_id: str, reason: str, known: JobsRecord | None = None) -> list[str]:
+    """Cancel every replica job of the run; returns the roles it stopped. Never raises: it runs on the way out.
+
+    The record is read again (a replaced replica is a new job); when the bucket cannot be read (the run may be ending
+    because of that), the replicas `known` from the trainer's start are stopped instead.
+    """
+    try:
+        record = read_replica_jobs(store, run_id)
     except Exception as error:
-        log.error("cannot read the replica list (%s); the launcher must stop them", error)
+        log.error("cannot read the replica list (%s); stopping the replicas known at start", error)
+        record = known
+    if record is None:
         return []
     stopped = []
     for job in record.jobs:
@@ -36,11 +49,34 @@ def stop_replicas(store: ObjectStore, run_id: str, reason: str) -> list[str]:
             if record.backend == "local" and job.pgid:
                 terminate_group(job.pgid)
             elif record.backend == "hf_jobs":
-                from huggingface_hub import HfApi
-
-                HfApi(token=os.environ.get(ENV_HF_TOKEN)).cancel_job(job_id=job.job_id, namespace=record.namespace)
+                cancel_hf_job(job.job_id, record.namespace)
             stopped.append(job.role)
         except Exception as error:
             log.error("could not stop %s (%s): %s", job.role, job.job_id, error)
     log.info("stopped replicas %s: %s", ", ".join(stopped) or "none", reason)
     return stopped
+
+
+CANCEL_TIMEOUT = 60.0  # seconds one cancel may take: huggingface_hub's client has no timeout of its own
+
+
+def cancel_hf_job(job_id: str, namespace: str | None) -> None:
+    """Cancel an HF job, giving up after CANCEL_TIMEOUT (the call goes on in a daemon thread): a stuck request must
+    not keep the trainer from stopping its other replicas and exiting."""
+    from huggingface_hub import HfApi
+
+    errors: list[BaseException] = []
+
+    def cancel() -> None:
+        try:
+            HfApi(token=os.environ.get(ENV_HF_TOKEN)).cancel_job(job_id=job_id, namespace=namespace)
+        except BaseException as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=cancel, name=f"cancel-{job_id}", daemon=True)
+    thread.start()
+    thread.join(CANCEL_TIMEOUT)
+    if thread.is_alive():
+        raise TimeoutError(f"the Hub did not answer the cancel within {CANCEL_TIMEOUT:.0f}s")
+    if errors:
+        raise errors[0]

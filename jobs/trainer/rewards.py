@@ -98,10 +98,11 @@ def normalize_answer(answer: str) -> str:
     return text
 
 
-def import_builtin_dependencies() -> None:
-    """Import what the built-in rewards use, before the reward sandbox forbids loading C libraries (sympy, under
-    math_verify, does with ctypes)."""
-    import math_verify  # noqa: F401
+def import_builtin_dependencies(names: Sequence[str]) -> None:
+    """Import what the built-in rewards `names` use, before the reward sandbox forbids loading C libraries (sympy,
+    under math_verify, does with ctypes); it takes a second or two, so only for `math_boxed`."""
+    if "math_boxed" in names:
+        import math_verify  # noqa: F401
 
 
 def symbolically_equal(answer: str, gold: str) -> bool:

@@ -158,6 +158,8 @@ DEFAULT_HARDWARE: list[dict[str, Any]] = [
     _flavor("a100-large", "Nvidia A100 - large", "12 vCPU", "142 GB", "1000 GB", 41_667, ("A100", 1, "80 GB")),
     _flavor("h200", "1x Nvidia H200", "23 vCPU", "256 GB", "3000 GB", 83_333, ("H200", 1, "141 GB")),
     _flavor("h200x2", "2x Nvidia H200", "46 vCPU", "512 GB", "6000 GB", 166_667, ("H200", 2, "282 GB")),
+    _flavor("h200x4", "4x Nvidia H200", "92 vCPU", "1024 GB", "12000 GB", 333_333, ("H200", 4, "564 GB")),
+    _flavor("h200x8", "8x Nvidia H200", "184 vCPU", "2048 GB", "24000 GB", 666_667, ("H200", 8, "1128 GB")),
 ]
 
 
