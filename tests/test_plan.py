@@ -112,7 +112,7 @@ def test_a_plan_names_the_secrets_a_launch_sends_and_holds_none_of_their_values(
     from jobs.contract import parse_spec
 
     ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
-    token, secret = "hf_" + "x" * 34, "s3cret-" + "y" * 33
+    token, secret = "hf_" + "x" * 34, "s3cret-" + "y" * 33  # made up, like the key below: valid nowhere
     hf = ctx.vault.save("local", "hub", "hf_token", token).id
     keys = ctx.vault.save(
         "local", "bucket", "s3", {"access_key_id": "AKIAEXAMPLEKEY000000", "secret_access_key": secret}

@@ -6,6 +6,7 @@ import asyncio
 import json
 import pickle
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -26,6 +27,12 @@ from jobs.trainer.rewards import (
 )
 
 EOS = 2
+
+
+def awaited(call):
+    """Run an awaitable reward call to its end on a loop of its own (in a thread: the suite's thread may have one)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, call).result()
 
 
 def assistant(text: str) -> list[dict]:
@@ -124,7 +131,7 @@ def test_user_code_runs_is_weighted_and_pickles():
     (reward,) = build_rewards([spec])
     reward = pickle.loads(pickle.dumps(reward))
     assert reward.__name__ == "contains"
-    assert asyncio.run(reward(completions=[assistant("x 7"), assistant("x")], answer=["7", "7"])) == [2.0, 0.0]
+    assert awaited(reward(completions=[assistant("x 7"), assistant("x")], answer=["7", "7"])) == [2.0, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -156,7 +163,7 @@ def test_bad_returns_are_reported_with_name_and_row_without_killing(tmp_path, re
     log = tmp_path / "errors.jsonl"
     source = f"def score(completions, **kw):\n    return {returns}\n"
     (reward,) = build_rewards([RewardSpec(kind="code", name="bad", source=source, entry_point="score")], error_log=log)
-    assert asyncio.run(reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"])) == [None, None]
+    assert awaited(reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"])) == [None, None]
     record = json.loads(log.read_text().splitlines()[-1])
     assert record["reward"] == "bad" and fragment in record["error"]
     assert "completion" in record["row"] and "answer" in record["row"]
@@ -168,9 +175,9 @@ def test_a_reward_that_always_fails_stops_the_run_after_a_while(tmp_path):
 
     reward = CheckedReward(broken, "broken", error_log=str(tmp_path / "e.jsonl"))
     for _ in range(MAX_CONSECUTIVE_FAILED_CALLS - 1):
-        assert asyncio.run(reward(completions=[assistant("a")])) == [None]
+        assert awaited(reward(completions=[assistant("a")])) == [None]
     with pytest.raises(RewardError, match="broken failed on"):
-        asyncio.run(reward(completions=[assistant("a")]))
+        awaited(reward(completions=[assistant("a")]))
 
 
 def test_returning_none_on_purpose_is_not_a_failure(tmp_path):
@@ -179,7 +186,7 @@ def test_returning_none_on_purpose_is_not_a_failure(tmp_path):
 
     reward = CheckedReward(unsure, "unsure", error_log=str(tmp_path / "e.jsonl"))
     for _ in range(MAX_CONSECUTIVE_FAILED_CALLS + 5):
-        assert asyncio.run(reward(completions=[assistant("a")])) == [None]
+        assert awaited(reward(completions=[assistant("a")])) == [None]
     assert not (tmp_path / "e.jsonl").exists()
 
 
@@ -197,14 +204,14 @@ def test_a_reward_past_its_deadline_scores_nothing_and_is_reported_by_name(tmp_p
     reward = CheckedReward(hangs, "slow_judge", error_log=str(tmp_path / "e.jsonl"), deadline=0.2)
     assert is_async_callable(reward)
     try:
-        assert asyncio.run(reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"])) == [None, None]
+        assert awaited(reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"])) == [None, None]
     finally:
         release.set()
     record = json.loads((tmp_path / "e.jsonl").read_text().splitlines()[-1])
     assert record["reward"] == "slow_judge"
     assert record["error"] == "TimeoutError: did not answer within 0.2 s; its scores were left out"
     quick = CheckedReward(lambda completions, **kw: [0.5] * len(completions), "quick", deadline=0.2)
-    assert asyncio.run(quick(completions=[assistant("a")])) == [0.5]
+    assert awaited(quick(completions=[assistant("a")])) == [0.5]
 
 
 def test_math_boxed_falls_back_to_math_verify_when_the_strings_differ():
