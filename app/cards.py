@@ -13,6 +13,7 @@ from typing import Any
 
 from app.formatting import ago, duration, money
 from backend.models import Event, Job, Run
+from backend.services.smoke import SmokeReport
 
 STATUS_TONE = {
     "draft": "muted",
@@ -55,6 +56,18 @@ def json_block(data: Any) -> str:
     """`data` as indented JSON in a scrollable block, every line in the page (a code editor would render only the
     lines in view)."""
     return f'<pre class="gp-json">{escape(json.dumps(data, indent=2, ensure_ascii=False))}</pre>'
+
+
+def smoke_report(report: SmokeReport) -> str:
+    """The smoke test's steps, each with its time and what it found, under a line that says how it ended."""
+    rows = "".join(
+        f"<tr><td>{'✓' if step.ok else '✗'}</td><td>{escape(step.name)}</td><td>{duration(step.seconds)}</td>"
+        f"<td>{escape(step.detail)}</td></tr>"
+        for step in report.steps
+    )
+    link = f' <a href="{escape(report.job_url)}" target="_blank">the job</a>' if report.job_url else ""
+    table = f'<table id="smoke-steps"><tbody>{rows}</tbody></table>'
+    return note(report.summary(), "good" if report.ok else "bad") + f'<div class="gp-table-wrap">{table}{link}</div>'
 
 
 def eta_seconds(run: Run, step_seconds: float | None, now: float | None = None) -> float | None:

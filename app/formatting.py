@@ -4,22 +4,7 @@ from __future__ import annotations
 
 import time
 
-
-def duration(seconds: float | None) -> str:
-    """'42s', '7m 05s', '3h 12m', '2d 4h'; '—' when unknown."""
-    if seconds is None or seconds < 0:
-        return "—"
-    seconds = round(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m {seconds:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    if hours < 48:
-        return f"{hours}h {minutes:02d}m"
-    days, hours = divmod(hours, 24)
-    return f"{days}d {hours}h"
+from jobs.contract.durations import duration
 
 
 def money(usd: float | None, per_hour: bool = False) -> str:

@@ -54,8 +54,8 @@ KEYS = (
     "builtin_rewards", "format_tags", "length_target", "regex_pattern",
     "code_enabled", "code_name", "code_entry", "code_weight", "code_source",
     "bucket_kind", "storage_uri", "storage_endpoint", "storage_region", "store_credential",
-    "backend", "namespace", "hf_credential", "trainer_flavor", "replica_flavor", "replicas", "timeout", "engine",
-    "cost_cap",
+    "backend", "namespace", "hf_credential", "trainer_flavor", "replica_flavor", "replicas", "timeout",
+    "queue_timeout", "startup_timeout", "engine", "cost_cap",
     "lora_rank", "lora_alpha", "lora_targets", "lora_dropout",
     "num_generations", "completions_per_step", "max_completion_length", "learning_rate", "max_steps", "max_staleness",
     "temperature", "top_p", "top_k", "weight_sync_steps", "max_inflight", "queue_size", "token_budget",
@@ -73,7 +73,7 @@ ADVANCED = {
     "grpo.top_k", "grpo.weight_sync_steps", "grpo.max_inflight", "grpo.queue_size", "grpo.token_budget",
     "grpo.gradient_checkpointing", "grpo.save_steps", "grpo.seed", "grpo.adam_beta2", "grpo.epsilon",
     "grpo.audit_every", "compute.trainer_image", "compute.replica_image", "compute.engine", "compute.cost_cap_usd",
-    "compute.trainer_processes",
+    "compute.trainer_processes", "compute.startup_timeout",
 }  # fmt: skip
 # The human label of every field an error can name (tests/test_form_errors.py checks that each RunSpec field has one).
 LABELS = {
@@ -89,6 +89,7 @@ LABELS = {
     "compute": "Compute", "compute.token": "HF token", "compute.backend": "Where the jobs run",
     "compute.namespace": "Namespace", "compute.trainer_flavor": "Trainer hardware",
     "compute.replica_flavor": "Replica hardware", "compute.replicas": "Replicas", "compute.timeout": "Timeout",
+    "compute.queue_timeout": "Queue limit", "compute.startup_timeout": "Start-up limit",
     "compute.engine": "Inference engine", "compute.cost_cap_usd": "Cost cap",
     "compute.trainer_processes": "Trainer processes", "compute.trainer_image": "Trainer image",
     "compute.replica_image": "Replica image",
@@ -250,6 +251,8 @@ def spec_from_form(form: dict[str, Any]) -> Built:
             "replica_flavor": _text(form.get("replica_flavor")) or "cpu-basic",
             "replicas": _int(form.get("replicas")),
             "timeout": (form.get("timeout") or "").strip(),
+            "queue_timeout": (form.get("queue_timeout") or "").strip() or None,
+            "startup_timeout": _text(form.get("startup_timeout")),
             "engine": form.get("engine"),
             "cost_cap_usd": form.get("cost_cap") or None,
             "trainer_image": (form.get("trainer_image") or "").strip(),
@@ -266,7 +269,9 @@ def spec_from_form(form: dict[str, Any]) -> Built:
     return Built(spec, slots)
 
 
-_NULLABLE = {"revision", "answer_column", "system_prompt", "limit", "queue_size", "namespace", "cost_cap_usd"}
+_NULLABLE = {
+    "revision", "answer_column", "system_prompt", "limit", "queue_size", "namespace", "cost_cap_usd", "startup_timeout",
+}  # fmt: skip
 
 
 def form_from_spec(spec: dict[str, Any]) -> dict[str, Any]:
@@ -311,6 +316,8 @@ def form_from_spec(spec: dict[str, Any]) -> dict[str, Any]:
         "replica_flavor": compute.get("replica_flavor", "h200"),
         "replicas": compute.get("replicas", 2),
         "timeout": compute.get("timeout", "4h"),
+        "queue_timeout": compute.get("queue_timeout", "30m"),
+        "startup_timeout": compute.get("startup_timeout") or "",
         "engine": compute.get("engine", "auto"),
         "cost_cap": compute.get("cost_cap_usd") or 0,
         "trainer_image": compute.get("trainer_image", "vllm/vllm-openai:v0.27.1"),

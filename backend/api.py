@@ -9,6 +9,7 @@ services.adapters.download_zip(run_id, 3)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from backend.context import PanelContext
@@ -18,6 +19,7 @@ from backend.sandbox import RewardTrial, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
 from backend.services.runs import RunService, run_row
+from backend.services.smoke import SmokeReport, SmokeStep, SmokeTest
 from jobs.contract import RewardSpec, RunSpec, layout, parse_storage_uri
 from jobs.store import StoreAccessError, open_store
 
@@ -58,6 +60,16 @@ class PanelServices:
             hf_credential_id=hf_credential_id,
         )
         return self.ctx.launcher_for(probe).prices_per_hour()
+
+    def smoke_test(
+        self,
+        spec: RunSpec,
+        store_credential_id: int | None,
+        hf_credential_id: int | None,
+        on_step: Callable[[SmokeStep], None] = lambda step: None,
+    ) -> SmokeReport:
+        """One cpu-basic job on HF Jobs proving the bucket, the code bundle and the job's URL (services/smoke.py)."""
+        return SmokeTest(self.ctx, self.owner, on_step).run(spec, store_credential_id, hf_credential_id)
 
     def test_connection(
         self, uri: str, endpoint: str | None, region: str | None, store_credential_id: int | None

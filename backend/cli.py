@@ -3,6 +3,8 @@
 python -m backend demo            run the embedded demo end to end on this machine and report the reward
 python -m backend plan --preset math --set compute.replica_flavor=h200x2
                                   print what a launch would submit, as JSON (a dry run: nothing is created)
+python -m backend smoke --spec run.json --hf-credential my-token --store-credential my-bucket
+                                  one cpu-basic HF job that proves the bucket, the code and the job's URL (cents)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from backend.context import PanelContext
 from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService, run_row
-from jobs.contract import SpecError, parse_spec
+from jobs.contract import RunSpec, SpecError, parse_spec
 from jobs.secrets import install_log_redaction
 
 LOCAL_OWNER = "local"
@@ -100,7 +102,8 @@ def _services(args: argparse.Namespace) -> PanelServices:
 
 def launch(args: argparse.Namespace) -> int:
     services = _services(args)
-    result = services.preflight(json.loads(Path(args.spec).read_text()), args.store_credential, args.hf_credential)
+    store_id, hf_id = _credential_ids(services.ctx, args)
+    result = services.preflight(json.loads(Path(args.spec).read_text()), store_id, hf_id)
     for message in result.warnings:
         print(f"warning: {message}")
     if not result.ok:
@@ -109,7 +112,7 @@ def launch(args: argparse.Namespace) -> int:
         return 2
     if result.cost_per_hour:
         print(f"estimated cost: ${result.cost_per_hour:.2f}/hour")
-    run = services.runs.create(result.spec, args.store_credential, args.hf_credential)
+    run = services.runs.create(result.spec, store_id, hf_id)
     services.runs.launch(run.id, wait=True)
     return 0 if follow(services.ctx, run.id, Poller(services.ctx)) == "finished" else 1
 
@@ -117,6 +120,35 @@ def launch(args: argparse.Namespace) -> int:
 def plan(args: argparse.Namespace) -> int:
     """Print, as JSON, every job a launch of the spec would submit and the values derived for its hardware."""
     ctx = PanelContext()
+    spec = _spec_from_args(args, ctx)
+    if spec is None:
+        return 2
+    store_id, hf_id = _credential_ids(ctx, args)
+    run = run_row(spec, LOCAL_OWNER, "draft", store_id, hf_id)
+    print(json.dumps(ctx.plan(run).to_json(full=args.full), indent=2, ensure_ascii=False))
+    return 0
+
+
+def smoke(args: argparse.Namespace) -> int:
+    """Prove on HF Jobs, for cents, that the account, the bucket and the network can run this spec's jobs."""
+    services = _services(args)
+    spec = _spec_from_args(args, services.ctx)
+    if spec is None:
+        return 2
+    store_id, hf_id = _credential_ids(services.ctx, args)
+    try:
+        report = services.smoke_test(spec, store_id, hf_id, on_step=lambda step: print(step.line(), flush=True))
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(report.summary())
+    if report.job_url:
+        print(f"job: {report.job_url}")
+    return 0 if report.ok else 1
+
+
+def _spec_from_args(args: argparse.Namespace, ctx: PanelContext) -> RunSpec | None:
+    """The spec of `--spec FILE` or `--preset NAME`, with every `--set` applied; None (errors printed) if invalid."""
     if args.spec:
         data = json.loads(Path(args.spec).read_text())
     elif args.preset == "math":
@@ -126,14 +158,26 @@ def plan(args: argparse.Namespace) -> int:
     for assignment in args.set:
         _assign(data, assignment)
     try:
-        spec = parse_spec(data)
+        return parse_spec(data)
     except SpecError as error:
         for field, message in error.errors.items():
             print(f"{field}: {message}", file=sys.stderr)
-        return 2
-    run = run_row(spec, LOCAL_OWNER, "draft", args.store_credential, args.hf_credential)
-    print(json.dumps(ctx.plan(run).to_json(full=args.full), indent=2, ensure_ascii=False))
-    return 0
+        return None
+
+
+def _credential_ids(ctx: PanelContext, args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """The bucket and HF credentials named by `--store-credential` / `--hf-credential` (an id or a saved name)."""
+    saved = {credential.name: credential.id for credential in ctx.vault.list(LOCAL_OWNER)}
+
+    def resolve(option: str, text: str | None) -> int | None:
+        if text is None or text.isdigit():
+            return int(text) if text else None
+        if text not in saved:
+            names = ", ".join(sorted(saved)) or "none saved yet"
+            raise SystemExit(f"{option}: no credential named {text!r}; saved: {names}")
+        return saved[text]
+
+    return resolve("--store-credential", args.store_credential), resolve("--hf-credential", args.hf_credential)
 
 
 def _assign(data: dict, assignment: str) -> None:
@@ -246,6 +290,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spec", help="a spec JSON file")
+    source.add_argument("--preset", choices=("demo", "math"), help="a launch form preset")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    parser.add_argument("--run-id", default="plan-preview", help="for a preset")
+    parser.add_argument("--namespace", default="your-username", help="for the math preset")
+    parser.add_argument("--bucket", default="grpo", help="for the math preset")
+    parser.add_argument("--store-credential", help="the bucket keys: a saved credential's id or name")
+    parser.add_argument("--hf-credential", help="the HF token: a saved credential's id or name")
+
+
 def main(argv: list[str] | None = None) -> int:
     install_log_redaction()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -266,21 +322,18 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.set_defaults(handler=demo)
     launch_parser = commands.add_parser("launch", help="validate, create and launch a run from a spec JSON file")
     launch_parser.add_argument("spec")
-    launch_parser.add_argument("--store-credential", type=int)
-    launch_parser.add_argument("--hf-credential", type=int)
+    launch_parser.add_argument("--store-credential", help="the bucket keys: a saved credential's id or name")
+    launch_parser.add_argument("--hf-credential", help="the HF token: a saved credential's id or name")
     launch_parser.set_defaults(handler=launch)
     plan_parser = commands.add_parser("plan", help="print every job a launch would submit (a dry run), as JSON")
-    source = plan_parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--spec", help="a spec JSON file")
-    source.add_argument("--preset", choices=("demo", "math"), help="a launch form preset")
-    plan_parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
-    plan_parser.add_argument("--run-id", default="plan-preview", help="for a preset")
-    plan_parser.add_argument("--namespace", default="your-username", help="for the math preset")
-    plan_parser.add_argument("--bucket", default="grpo", help="for the math preset")
-    plan_parser.add_argument("--store-credential", type=int)
-    plan_parser.add_argument("--hf-credential", type=int)
+    _add_spec_arguments(plan_parser)
     plan_parser.add_argument("--full", action="store_true", help="every argument in full (the bootstrap's source)")
     plan_parser.set_defaults(handler=plan)
+    smoke_parser = commands.add_parser(
+        "smoke", help="run one cpu-basic job on HF Jobs that proves the bucket, the code bundle and the job's URL work"
+    )
+    _add_spec_arguments(smoke_parser)
+    smoke_parser.set_defaults(handler=smoke)
     commands.add_parser("runs", help="list runs").set_defaults(handler=list_runs)
     for name, handler, extra in (
         ("follow", follow_run, ()),

@@ -53,18 +53,23 @@ class PanelContext:
             return self._stores[run.id]
 
     def secrets_for(self, run: Run) -> RunSecrets:
+        """The run's secrets, with the replica token its jobs share (a local run's is created and kept on first use)."""
+        secrets = self._credentials(run)
+        if run.backend == "hf_jobs" and secrets.hf_token:
+            secrets.replica_token = secrets.hf_token  # HF Jobs checks the HF token in front of every exposed port
+        else:
+            secrets.replica_token = self._replica_token(run.id, secrets.replica_token)
+        return secrets
+
+    def _credentials(self, run: Run) -> RunSecrets:
+        """The run's HF token and bucket keys from the vault (a fresh replica token that nothing keeps)."""
         hf_token = self.vault.hf_token(run.owner, run.hf_credential_id) if run.hf_credential_id is not None else None
         store = (
             self.vault.store_credentials(run.owner, run.store_credential_id)
             if run.store_credential_id is not None
             else None
         )
-        secrets = RunSecrets(hf_token=hf_token, store=store)
-        if run.backend == "hf_jobs" and hf_token:
-            secrets.replica_token = hf_token  # HF Jobs checks the HF token in front of every exposed port
-        else:
-            secrets.replica_token = self._replica_token(run.id, secrets.replica_token)
-        return secrets
+        return RunSecrets(hf_token=hf_token, store=store)
 
     def _replica_token(self, run_id: str, fresh: str) -> str:
         """The run's local replica token: the one stored for it, or `fresh`, stored now (encrypted)."""
@@ -98,16 +103,17 @@ class PanelContext:
 
         With the run's credentials the plan names exactly the secrets a launch sends. Without them (a plan printed
         before any were entered) it names the ones a launch of this spec needs; a plan never holds a secret's value.
+        A plan is a dry run: it writes nothing (not even the replica token a launch would keep).
         """
         spec = self.spec(run)
+        secrets = self._credentials(run)
         if run.backend == "local":
-            return self.local_launcher.plan(spec, self.secrets_for(run))
+            return self.local_launcher.plan(spec, secrets)
         from backend.launchers.hf_jobs import HfJobsLauncher
 
         launcher = (
             self.launcher_for(run) if run.hf_credential_id is not None else HfJobsLauncher(None, self.hub_endpoint)
         )
-        secrets = self.secrets_for(run)
         secrets.hf_token = secrets.hf_token or UNSET
         if secrets.store is None and not spec.storage.uri.startswith("file://"):
             secrets.store = StoreCredentials(UNSET, UNSET)

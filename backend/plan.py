@@ -79,7 +79,8 @@ def derived_values(spec: RunSpec, trainer_cuda: bool) -> dict[str, Any]:
     hub = compute.backend == "hf_jobs"
     return {
         "trainer": {
-            "gpus": derived.trainer_gpus(compute),
+            # On HF Jobs the flavor's GPUs; locally one per process when this machine has CUDA.
+            "gpus": derived.trainer_gpus(compute) if hub else (processes if trainer_cuda else 0),
             "gpu_memory_gb": flavor(compute.trainer_flavor).gpu_memory_gb if hub else 0.0,
             "processes": processes,
             "per_device_train_batch_size": per_device,

@@ -109,13 +109,16 @@ class Poller:
         if run is None:
             return 0
         store = self.ctx.store_for(run)
+        # Jobs first: a trainer writes its last status and telemetry before its job ends, so everything read from the
+        # store after a job is seen ended already holds what that job wrote. Read the other way round, a trainer that
+        # finished between the two reads looks like a job that ended without a final phase (a failed run).
+        self._update_jobs(run)
         chunks = sum(self._ingest_stream(run, store, stream) for stream in (*STREAM_INGESTERS, "proxy"))
         arrived = chunks > 0
         self._ingest_versions(run, store)
         self._ingest_current(run, store)
         self._ingest_audits(run, store)
         trainer = self._ingest_status(run, store)
-        self._update_jobs(run)
         self._derive_status(run_id, trainer, arrived)
         alerts.evaluate(self.ctx.db, run_id)
         return chunks
@@ -271,7 +274,9 @@ class Poller:
             elif phase in TERMINAL_PHASES:
                 status = phase
                 message = (
-                    ((trainer or {}).get("last_error") or "") if phase == "failed" else f"{phase} at step {run.step}"
+                    ((trainer or {}).get("last_error") or "")
+                    if phase == "failed"
+                    else f"{phase} at step {(trainer or {}).get('step', run.step)}"  # telemetry may still be behind
                 )
             elif trainer_job is not None and trainer_job.stage in TERMINAL:
                 status = "failed" if run.status != "stopping" else "stopped"

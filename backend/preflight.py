@@ -25,7 +25,7 @@ from backend.models import Run
 from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_rewards
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting
-from jobs.chat_templates import ChatTemplateError, chat_template_in, response_template
+from jobs.chat_templates import ADDITIONAL_TEMPLATES_DIR, ChatTemplateError, chat_template_in, response_template
 from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, derived, parse_spec
 from jobs.contract.flavors import flavor
 from jobs.store import StoreAccessError, StoreError
@@ -185,7 +185,7 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
     try:
         info = api.model_info(model, revision=spec.model.revision, timeout=10)
         with tempfile.TemporaryDirectory() as folder:
-            for name in MODEL_FILES & {sibling.rfilename for sibling in info.siblings or []}:
+            for name in [sibling.rfilename for sibling in info.siblings or [] if _preflight_reads(sibling.rfilename)]:
                 api.hf_hub_download(model, name, revision=spec.model.revision, local_dir=folder)
             template = chat_template_in(folder)
             config = Path(folder) / "config.json"
@@ -204,6 +204,11 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
             _check_trainer_memory(info.safetensors.total, spec, result)
         if heads and spec.compute.backend == "hf_jobs":
             _check_tensor_parallel(heads, spec, result)
+
+
+def _preflight_reads(name: str) -> bool:
+    """Whether preflight downloads this file of a Hub model (the few small files the checks need)."""
+    return name in MODEL_FILES or (name.startswith(f"{ADDITIONAL_TEMPLATES_DIR}/") and name.endswith(".jinja"))
 
 
 def _check_tensor_parallel(heads: int, spec: RunSpec, result: Preflight) -> None:

@@ -69,12 +69,21 @@ def _recognised_by_trl(chat_template: str) -> bool:
     return True
 
 
+ADDITIONAL_TEMPLATES_DIR = "additional_chat_templates"  # transformers' folder of named `<name>.jinja` templates
+
+
 def chat_template_in(folder: str | Path) -> str | dict | None:
-    """The chat template a tokenizer saved in `folder` loads with: `chat_template.jinja` when present, as
-    transformers prefers it, else the `chat_template` of `tokenizer_config.json`."""
+    """The chat template a tokenizer saved in `folder` loads with, read as transformers reads it: template files
+    (`chat_template.jinja` as "default", `additional_chat_templates/<name>.jinja` by name) take priority over the
+    `chat_template` of `tokenizer_config.json`; one default file is a plain template, several are named ones."""
     folder = Path(folder)
+    files = {}
     if (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
+        files["default"] = (folder / "chat_template.jinja").read_text()
+    for path in sorted((folder / ADDITIONAL_TEMPLATES_DIR).glob("*.jinja")):
+        files[path.name.removesuffix(".jinja")] = path.read_text()
+    if files:
+        return files["default"] if list(files) == ["default"] else files
     config = folder / "tokenizer_config.json"
     if not config.is_file():
         return None

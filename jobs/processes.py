@@ -13,18 +13,24 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
 
-class _Process(NamedTuple):
+class Process(NamedTuple):
     parent: int
     group: int
-    state: str  # "Z" for a zombie: it has exited, its parent has not reaped it yet
+    state: str  # "R", "S", ..., "Z" for a zombie (it has exited; its parent has not reaped it yet)
     started: int  # clock ticks after boot: tells a reused pid apart
 
+    @property
+    def exited(self) -> bool:
+        return self.state in ("Z", "X")
 
-def _process_table() -> dict[int, _Process]:
+
+def process_table() -> dict[int, Process]:
+    """pid -> Process, for every process of the machine."""
     table = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -34,8 +40,16 @@ def _process_table() -> dict[int, _Process]:
         except OSError:
             continue  # it exited while we looked
         fields = stat[stat.rindex(")") + 2 :].split()  # the command name in parentheses may hold spaces
-        table[int(entry.name)] = _Process(int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
+        table[int(entry.name)] = Process(int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
     return table
+
+
+def with_descendants(roots: Iterable[int], table: dict[int, Process]) -> set[int]:
+    """`roots` and every process below them, including children that started a session of their own."""
+    members = set(roots)
+    while children := {pid for pid, process in table.items() if process.parent in members} - members:
+        members |= children
+    return members
 
 
 def group_alive(pgid: int) -> bool:
@@ -52,12 +66,10 @@ def job_processes(pgid: int, known: dict[int, int] | None = None) -> dict[int, i
     """pid -> start time of every live process of the job whose process group is `pgid`: the group's members, the
     `known` processes (pid -> start time) still running, and every descendant of theirs, including those in a
     session of their own."""
-    table = _process_table()
+    table = process_table()
     members = {pid for pid, process in table.items() if process.group == pgid}
     members |= {pid for pid, started in (known or {}).items() if pid in table and table[pid].started == started}
-    while children := {pid for pid, process in table.items() if process.parent in members} - members:
-        members |= children
-    return {pid: table[pid].started for pid in members if table[pid].state not in ("Z", "X")}
+    return {pid: table[pid].started for pid in with_descendants(members, table) if not table[pid].exited}
 
 
 def _signal(pgid: int, processes: dict[int, int], signum: int) -> None:

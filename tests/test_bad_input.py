@@ -243,6 +243,11 @@ def test_a_hub_model_whose_chat_template_trl_cannot_read(gate, refused, hub):
     refused(gemma, "model.id", "cannot read replies in", hf_credential_id=hub["hf"])
     recipe = gate.check(gate.spec(model={"id": "Qwen/Qwen2.5-Math-1.5B"}), hf_credential_id=hub["hf"])
     assert "model.id" not in recipe.errors and not any("Qwen" in warning for warning in recipe.warnings), recipe
+    # Template files in `additional_chat_templates/` turn the template into named ones when transformers loads it.
+    with_tools = {**model_files("llama-3.1-8b-instruct.json"), "additional_chat_templates/tool_use.jinja": b"{{ x }}"}
+    gate.emulator.repos["acme/llama-tools"] = with_tools
+    named = gate.spec(model={"id": "acme/llama-tools"})
+    refused(named, "model.id", "several named chat templates (tool_use)", hf_credential_id=hub["hf"])
 
 
 @row("model too large for the trainer flavor")

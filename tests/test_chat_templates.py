@@ -67,6 +67,25 @@ def test_the_template_is_read_from_a_saved_tokenizer_as_transformers_reads_it(tm
     assert chat_template_in(tmp_path / "nothing-here") is None
 
 
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"chat_template.jinja": "main"},
+        {"chat_template.jinja": "main", "additional_chat_templates/tool_use.jinja": "tools"},
+        {"additional_chat_templates/rag.jinja": "rag"},  # a config template is then not used at all
+    ],
+    ids=["one file", "a default and a named one", "a named one only"],
+)
+def test_template_files_are_read_as_transformers_loads_them(tmp_path, files):
+    """Preflight must judge the template the trainer will load: compare with transformers loading the same folder."""
+    shutil.copytree(ensure_tiny_model(), tmp_path, dirs_exist_ok=True)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert chat_template_in(tmp_path) == AutoTokenizer.from_pretrained(str(tmp_path)).chat_template
+
+
 def test_the_trainers_tokenizer_carries_the_response_template_into_trls_child():
     """TRL pickles the tokenizer into its spawned rollout worker, which skips its own lookup when one is set."""
     import pickle

@@ -277,6 +277,9 @@ def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys
         audits = [json.loads(store.get_bytes(info.key)) for info in store.list(layout.audit_prefix(run_id))]
         assert audits and all(a["ok"] and set(a["replicas"]) == {"replica-0", "replica-1"} for a in audits), audits
         assert max(a["version"] for a in audits) == numbers[-1]
+        # The first audit after the resume scored the version before too, read back from the store.
+        after_resume = min((a for a in audits if a["version"] > versions_at_kill), key=lambda a: a["version"])
+        assert all("previous" in r["distance"] for r in after_resume["replicas"].values()), after_resume
 
         status = json.loads(store.get_bytes(layout.status_key(run_id, "trainer")))
         assert (status["phase"], status["attempt"]) == ("finished", 2)

@@ -49,7 +49,7 @@ from jobs.processes import group_alive
 from jobs.store import LocalStore, ObjectStore, S3Store, download_published, list_published, read_manifest
 from jobs.telemetry import decode_jsonl
 from tests.support.faulty_proxy import FaultyProxy
-from tests.support.processes import process_table, with_descendants
+from tests.support.processes import RunProcesses
 from tests.support.waiting import wait_until
 
 # `fault`: under CI=true a skip of any of these is a failure (tests/conftest.py).
@@ -61,29 +61,6 @@ TELEMETRY_STREAMS = ("metrics", "samples", "events", "proxy")
 
 
 # --- processes ------------------------------------------------------------------------------------------------------
-
-
-class RunProcesses:
-    """Every process a run's jobs ever had: group members and all their descendants, including children that
-    started their own session (a replica's engine). Snapshot often; `running()` lists those still alive."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.seen: dict[int, int] = {}  # pid -> start time (tells a reused pid apart)
-
-    def snapshot(self) -> None:
-        groups = {int(path.read_text()) for path in self.folder.glob("*/pgid")}
-        table = process_table()
-        members = with_descendants((pid for pid, process in table.items() if process.group in groups), table)
-        self.seen.update({pid: table[pid].started for pid in members})
-
-    def running(self) -> list[int]:
-        table = process_table()
-        return sorted(
-            pid
-            for pid, started in self.seen.items()
-            if pid in table and table[pid].started == started and not table[pid].exited
-        )
 
 
 class PanelProcess:

@@ -99,6 +99,8 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "compute.replica_flavor": ("compute", "Replica hardware"),
     "compute.replicas": ("compute", "Replicas"),
     "compute.timeout": ("compute", "Timeout"),
+    "compute.queue_timeout": ("compute", "Queue limit"),
+    "compute.startup_timeout": ("advanced", "Start-up limit"),
     "compute.replica_image": ("advanced", "Replica image"),
     "compute.trainer_image": ("advanced", "Trainer image"),
     "compute.engine": ("advanced", "Inference engine"),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -15,7 +17,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from backend.context import PanelContext
 from backend.db import Database
-from backend.launchers.base import LaunchError, RunSecrets
+from backend.launchers.base import REPLICA_PORT, JobHandle, LaunchError, RunSecrets
 from backend.launchers.hf_jobs import (
     HUB_TIMEOUT,
     HfJobsLauncher,
@@ -66,7 +68,10 @@ def test_a_demo_run_goes_end_to_end_through_hf_jobs(hub_panel, emulator, moto_se
     service = RunService(ctx, OWNER)
     service.create(spec, store_credential_id=keys_id, hf_credential_id=hf_id)
     started = time.monotonic()
-    service.launch("hub-demo", wait=True)
+    service.launch("hub-demo", wait=False)
+    # While the replicas start, the run says where each one is and for how long (issue 14: stages shown).
+    waiting = re.compile(r"^waiting for the jobs: replica-0 (queued|starting) \d+s \(limit [^)]+\); replica-1 ")
+    wait_until(lambda: waiting.search(service.get("hub-demo").status_message), 120, what="the replicas' stages")
     poller = Poller(ctx)
     run = follow_to_end(poller, service, "hub-demo", 900, 2)
     print(f"HF Jobs demo ({spec.grpo.max_steps} steps) through the emulator: {time.monotonic() - started:.0f}s")
@@ -216,6 +221,88 @@ def test_a_submission_whose_answer_never_comes_times_out_and_is_found_not_resubm
     wait_until(lambda: launcher.state(job).stage in ("canceled", "error"), 30)
 
 
+def test_a_submission_whose_connection_is_reset_is_found_not_resubmitted(emulator, moto_server, caplog):
+    """Issue 14: the Hub creates the job, then the connection is reset with no answer at all (an httpx2 transport
+    error, not an OSError): the retry finds the job by its submission label."""
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    launcher.retry = type(launcher.retry)(4, 0.05, 0.2)
+    emulator.inject("reset-after", count=1, methods=["POST"])
+    with caplog.at_level("WARNING", logger="backend.launchers.hf_jobs"):
+        job = launcher.start_job(hub_spec("hub-reset", "some-bucket", moto_server.url), "replica-0", RunSecrets(TOKEN))
+    assert [s.job_id for s in emulator.submissions if s.job_id is not None] == [job.job_id]
+    assert any("the Hub failed to start the replica-0 job" in record.getMessage() for record in caplog.records)
+    launcher.cancel(job)
+
+
+def test_a_429_with_only_the_ratelimit_header_is_waited_out_for_its_reset(emulator, moto_server, caplog):
+    """The Hub documents `RateLimit: "api";r=0;t=N`, not `Retry-After`: the wait is the header's reset, not the
+    generic back-off."""
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    launcher.retry = type(launcher.retry)(4, 0.05, 0.2)
+    emulator.inject("429-ratelimit", count=1, retry_after=2, methods=["POST"])
+    with caplog.at_level("WARNING", logger="backend.launchers.hf_jobs"):
+        job = launcher.start_job(
+            hub_spec("hub-ratelimit", "some-bucket", moto_server.url), "replica-0", RunSecrets(TOKEN)
+        )
+    (warning,) = [r.getMessage() for r in caplog.records if "the Hub failed to" in r.getMessage()]
+    assert warning.endswith("retry 1/3 in 2.0s"), warning
+    assert len([s for s in emulator.submissions if s.job_id is not None]) == 1
+    launcher.cancel(job)
+
+
+def test_cancelling_a_job_that_has_ended_is_not_an_error(emulator):
+    """The emulator refuses a cancel of an ended job (the real Hub's answer is undocumented; refusing is the harsher
+    guess): the launcher, which cancels everything of a run when it ends, takes an ended job as cancelled."""
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    info = launcher.api.run_job(image="python:3.12", command=[sys.executable, "-c", "pass"], namespace=OWNER)
+    job = JobHandle("hub-ended", "replica-0", info.id, "hf_jobs", url=info.url)
+    wait_until(lambda: launcher.state(job).stage == "completed", 30)
+    launcher.cancel(job)
+    assert launcher.state(job).stage == "completed"
+    with pytest.raises(HfHubHTTPError, match="is not running"):  # what the launcher was answered
+        launcher.api.cancel_job(job_id=job.job_id, namespace=OWNER)
+
+
+def fake_jobs(launcher: HfJobsLauncher, roles: list[str]) -> list[JobHandle]:
+    """Jobs that serve /health as soon as they run (a fake replica), so a test times only the queue."""
+    command = [sys.executable, "-m", "tests.support.fake_replica", "--port", str(REPLICA_PORT)]
+    handles = []
+    for role in roles:
+        info = launcher.api.run_job(
+            image="python:3.12", command=command, env={"PYTHONPATH": str(ROOT)}, expose=[REPLICA_PORT], namespace=OWNER
+        )
+        handles.append(JobHandle("hub-queue", role, info.id, "hf_jobs", url=info.url))
+    return handles
+
+
+def test_queueing_and_start_up_are_timed_apart_and_a_full_queue_says_so(emulator, moto_server):
+    """Issue 14: a busy flavor keeps replicas SCHEDULING for longer than their whole start-up limit; they then start
+    and answer at once, so the launch goes on. A queue longer than `compute.queue_timeout` fails the launch naming
+    that field (not the start-up), and the progress says which stage each job is in and for how long."""
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    launcher.poll_interval = 0.5
+    secrets = RunSecrets(hf_token=TOKEN, replica_token=TOKEN)
+    emulator.scheduling_delay = 6.0
+    patient = hub_spec("hub-queue", "some-bucket", moto_server.url, queue_timeout="60s", startup_timeout="4s")
+    replicas, progress = fake_jobs(launcher, ["replica-0", "replica-1"]), []
+    launcher.wait_ready(patient, replicas, secrets, lambda starts: progress.append("; ".join(map(str, starts))))
+    assert all(job.endpoint for job in replicas)
+    assert any(re.search(r"replica-0 queued [56]s \(limit 1m 00s\)", line) for line in progress), progress
+    assert progress[-1] == "replica-0 ready; replica-1 ready"
+    launcher.cancel_all(replicas)
+
+    # The trainer queues too, while the replicas bill: its wait is bounded the same way, naming its own flavor.
+    impatient = hub_spec("hub-queue", "some-bucket", moto_server.url, queue_timeout="2s")
+    trainer = fake_jobs(launcher, ["trainer"])
+    with pytest.raises(LaunchError) as raised:
+        launcher.wait_ready(impatient, trainer, secrets)
+    message = str(raised.value)
+    assert message.startswith("trainer waited 2s for a cpu-upgrade machine without starting")
+    assert "compute.queue_timeout: 2s" in message and message.endswith("choose another compute.trainer_flavor")
+    launcher.cancel_all(trainer)
+    wait_until(lambda: all(j.finished for j in emulator.jobs.values()), 30)
+
+
 @pytest.mark.parametrize(
     ("headers", "wait"),
     [
@@ -262,7 +349,7 @@ def test_local_launcher_submit_status_logs_cancel_and_no_orphans(tmp_path):
     secrets = RunSecrets()
     job = launcher.start_job(spec, "replica-0", secrets)
     assert launcher.state(job).stage == "running"
-    launcher.wait_healthy([job], secrets)
+    launcher.wait_ready(spec, [job], secrets)
     assert any(
         "sidecar" in line or "engine" in line or "listening" in line.lower() for line in launcher.logs(job, 200)
     ), launcher.logs(job, 50)
@@ -313,7 +400,7 @@ def test_a_killed_local_job_stays_an_error_when_cancelled_afterwards(tmp_path):
 def test_a_failed_launch_leaves_nothing_running(tmp_path):
     ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
     spec = demo_spec("local-f", f"file://{tmp_path / 'store'}", model={"id": "/nonexistent/model"})
-    ctx.local_launcher.health_deadline = 120
+    ctx.local_launcher.startup_deadline = 120
     with ctx.db.session() as session:
         session.add(
             Run(

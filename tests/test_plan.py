@@ -15,7 +15,10 @@ from pathlib import Path
 
 from backend.context import PanelContext
 from backend.db import Database
+from backend.plan import derived_values
 from backend.preflight import run_preflight
+from backend.services.runs import RunService
+from jobs.contract import parse_spec
 from jobs.demo.preset import demo_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,6 +96,31 @@ def test_the_demo_plans_local_processes_with_the_cpu_batch_shape(tmp_path):
     assert one[:3] == [sys.executable, "-m", "jobs.trainer"]
 
 
+def test_the_trainer_gpus_a_plan_shows_follow_the_hardware_on_both_branches():
+    """Locally the trainer uses one GPU per process when this machine has CUDA, none otherwise; on HF Jobs it uses
+    every GPU of its flavor (the CUDA branch cannot run here: the decision is a pure function, tested both ways)."""
+    local = demo_spec("plan-gpus", "file:///tmp/plan-gpus", compute={"trainer_processes": 2})
+    assert derived_values(local, trainer_cuda=True)["trainer"]["gpus"] == 2
+    assert derived_values(local, trainer_cuda=False)["trainer"]["gpus"] == 0
+    data = json.loads(local.to_json())
+    data["compute"] = {"backend": "hf_jobs", "namespace": "me", "trainer_flavor": "h200x4", "replica_flavor": "h200"}
+    data["storage"] = {"uri": "s3://some-bucket/runs", "region": "us-east-1"}
+    hub = parse_spec(data)
+    assert derived_values(hub, trainer_cuda=True)["trainer"]["gpus"] == 4
+
+
+def test_a_plan_writes_nothing(tmp_path):
+    """A dry run keeps no replica token for a run that has none yet (a launch creates and keeps it)."""
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    spec = demo_spec("plan-dry", f"file://{tmp_path / 'store'}")
+    RunService(ctx, "local").create(spec)
+    ctx.plan(RunService(ctx, "local").get("plan-dry"))
+    assert RunService(ctx, "local").get("plan-dry").replica_token_ciphertext is None
+    ctx.secrets_for(RunService(ctx, "local").get("plan-dry"))  # what a launch does
+    assert RunService(ctx, "local").get("plan-dry").replica_token_ciphertext is not None
+    ctx.db.close()
+
+
 def test_a_passing_check_carries_the_plan_launch_would_submit(tmp_path):
     ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
     spec = demo_spec("plan-check", f"file://{tmp_path / 'store'}", compute={"trainer_processes": 2})
@@ -109,7 +137,6 @@ def test_a_passing_check_carries_the_plan_launch_would_submit(tmp_path):
 def test_a_plan_names_the_secrets_a_launch_sends_and_holds_none_of_their_values(tmp_path):
     """With the run's credentials in the vault, the plan is the one Launch submits: every secret by name only."""
     from backend.services.runs import run_row
-    from jobs.contract import parse_spec
 
     ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
     token, secret = "hf_" + "x" * 34, "s3cret-" + "y" * 33  # made up, like the key below: valid nowhere

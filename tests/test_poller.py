@@ -499,6 +499,27 @@ def test_a_trainer_job_that_ended_ends_the_run_and_its_row_follows_the_launcher(
     assert run.status_message == f"the trainer job ended ({stage}: exit code {exit_code}) ValueError: boom"
 
 
+def test_a_trainer_that_finishes_during_a_pass_finishes_the_run(panel, tmp_path, monkeypatch):
+    """The trainer writes its final status, then its job ends. A pass that reads the store before seeing the job end
+    must not call the run failed: the job's end is observed first, so the final status is already there to read."""
+    store = LocalStore(tmp_path / "store")
+    add_run(panel, tmp_path / "store")
+    add_job(panel, "trainer", files={"started": "1700000000.0"})
+    write_status(store, "run-p", "trainer", {"phase": "training", "step": 7})
+    state = panel.local_launcher.state
+
+    def finishes_now(job):  # the trainer's last act, then its exit, at the moment the poller asks about the job
+        write_status(store, "run-p", "trainer", {"phase": "finished", "step": 8})
+        (panel.local_launcher.workdir / "run-p" / job.job_id / "exit").write_text("0")
+        return state(job)
+
+    monkeypatch.setattr(panel.local_launcher, "state", finishes_now)
+    Poller(panel).poll_run("run-p")
+    run = get_run(panel)
+    assert get_job(panel, "trainer").stage == "completed"
+    assert (run.status, run.status_message) == ("finished", "finished at step 8")
+
+
 def test_a_running_jobs_row_has_no_finish_time_whatever_the_launcher_reports(panel, tmp_path, monkeypatch):
     """`finished_at` is copied only for a job that ended: a finish time reported beside a running stage would stop
     the job's cost at that time while it still bills."""

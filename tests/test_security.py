@@ -749,6 +749,12 @@ def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_ne
     hub_form = {**form, "backend": "hf_jobs"}
     cost = page.estimate_cost({page.inputs[key]: hub_form[key] for key in KEYS}, bob)[0]
     assert "$—/h" in cost and f"no credential {owners.alice_hf} for this account" in cost
+    smoke_form = {**hub_form, "namespace": BOB, "trainer_flavor": "cpu-basic", "replica_flavor": "cpu-basic"}
+    smoke_values = {page.inputs[key]: smoke_form[key] for key in KEYS}
+    assert _fingerprint(smoke_form), "the form must be valid for the next check to mean anything"
+    assert "Press Check settings first" in page.smoke_test({**smoke_values, page.checked: ""}, bob)
+    smoke = page.smoke_test({**smoke_values, page.checked: _fingerprint(smoke_form)}, bob)  # as if the check passed
+    assert "Smoke test not started" in smoke and f"no credential {owners.alice_hf} for this account" in smoke
     assert [run.id for run in RunService(owners.ctx, BOB).list()] == ["bob-draft"]
 
 

@@ -27,9 +27,11 @@ from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# argv: store folder, step, then `store KEY REQUEST` (the main rank writes a stop request at that step) or `sigterm`
+# (the rank sends itself SIGTERM at that step, as a cancelled job's agent signals every rank, each at its own moment).
 RANK_STEPS = textwrap.dedent(
     """
-    import json, sys
+    import json, os, signal, sys
     from transformers import TrainerControl, TrainerState
     from jobs.store import LocalStore
     from jobs.trainer import ranks
@@ -37,11 +39,15 @@ RANK_STEPS = textwrap.dedent(
 
     ranks.join_process_group(cuda=False)
     stop = GracefulStop(LocalStore(sys.argv[1]), "ranks", check_every=0)
+    stop.install_signal_handler()
     state, control = TrainerState(), TrainerControl()
     for step in range(1, 9):
         state.global_step = step
-        if ranks.is_main_process() and step == int(sys.argv[2]):
-            stop.store.put_bytes(sys.argv[3], sys.argv[4].encode())
+        if step == int(sys.argv[2]):
+            if sys.argv[3] == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif ranks.is_main_process():
+                stop.store.put_bytes(sys.argv[4], sys.argv[5].encode())
         stop.on_step_end(None, state, control)
         if control.should_training_stop:
             break
@@ -50,14 +56,11 @@ RANK_STEPS = textwrap.dedent(
 )
 
 
-def test_every_rank_stops_at_the_step_the_main_process_decides(tmp_path):
-    """Rank 1's store already asks to stop; rank 0's is asked at step 3. Both stop after step 3, with a checkpoint:
-    only the main process looks, and its decision reaches every rank."""
-    request = StopRequest(reason="stopped from the test").model_dump_json()
-    key = layout.control_key("ranks", STOP)
-    LocalStore(tmp_path / "rank-1").put_bytes(key, request.encode())
+def run_ranks(tmp_path: Path, arguments: dict[int, list[str]]) -> list[dict]:
+    """Two ranks joined over gloo as torchrun starts them, each running RANK_STEPS with its arguments; what each
+    printed, once both exited 0."""
     port = free_port()
-    ranks = []
+    processes = []
     for rank in (0, 1):
         env = {
             **os.environ,
@@ -70,16 +73,37 @@ def test_every_rank_stops_at_the_step_the_main_process_decides(tmp_path):
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(ROOT),
         }
-        command = [sys.executable, "-c", RANK_STEPS, str(tmp_path / f"rank-{rank}"), "3", key, request]
-        ranks.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        command = [sys.executable, "-c", RANK_STEPS, str(tmp_path / f"rank-{rank}"), *arguments[rank]]
+        processes.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []
-    for process in ranks:
+    for process in processes:
         out, err = process.communicate(timeout=240)
         assert process.returncode == 0, err.decode()[-3000:]
         results.append(json.loads(out.decode().strip().splitlines()[-1]))
+    return results
+
+
+def test_every_rank_stops_at_the_step_the_main_process_decides(tmp_path):
+    """Rank 1's store already asks to stop; rank 0's is asked at step 3. Both stop after step 3, with a checkpoint:
+    only the main process looks, and its decision reaches every rank."""
+    request = StopRequest(reason="stopped from the test").model_dump_json()
+    key = layout.control_key("ranks", STOP)
+    LocalStore(tmp_path / "rank-1").put_bytes(key, request.encode())
+    results = run_ranks(tmp_path, {rank: ["3", "store", key, request] for rank in (0, 1)})
     assert results == [
         {"rank": 0, "step": 3, "reason": "stopped from the test", "save": True},
         {"rank": 1, "step": 3, "reason": "stopped from the test", "save": True},
+    ]
+
+
+def test_every_rank_survives_the_first_sigterm_and_stops_with_the_main_one(tmp_path):
+    """A cancelled job's ranks are signalled one by one: rank 1 at step 2, rank 0 at step 3. Rank 1 neither dies
+    (rank 0 would then hang in the next collective, with no checkpoint) nor stops alone: both stop after step 3,
+    with a checkpoint, and exit 0."""
+    results = run_ranks(tmp_path, {0: ["3", "sigterm"], 1: ["2", "sigterm"]})
+    assert results == [
+        {"rank": 0, "step": 3, "reason": "the job received SIGTERM", "save": True},
+        {"rank": 1, "step": 3, "reason": "the job received SIGTERM", "save": True},
     ]
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from jobs.contract import DatasetSpec, layout, parse_spec
+from jobs.store import LocalStore, publish_directory
 from jobs.telemetry import ChunkWriter, decode_jsonl, next_sequence
 from jobs.trainer import cpu_compat
 from jobs.trainer.audit import FAILING, MARGIN, VersionWeights, judge, lora_weights
@@ -359,6 +360,26 @@ def tiny_peft_model():
     )
     lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     return get_peft_model(LlamaForCausalLM(config), lora)
+
+
+def test_after_a_resume_the_version_before_is_read_back_from_the_store_as_it_was_published(tmp_path):
+    """The first audit after a resume has no v(N-1) in memory: it is read from the store, where the proxy published
+    it (`save_pretrained` of the same adapter), and scores exactly as v(N-1) did."""
+    model = tiny_peft_model().eval()
+    ids = torch.tensor([[1, 5, 9, 13]])
+    store = LocalStore(tmp_path / "store")
+    with torch.no_grad():
+        logits_v1 = model(input_ids=ids).logits
+    model.save_pretrained(tmp_path / "v1")
+    publish_directory(store, layout.adapter_prefix("resumed", 1), tmp_path / "v1", {"version": 1})
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.add_(0.5 * torch.randn_like(parameter))
+    resumed = VersionWeights()  # a fresh process: nothing kept
+    assert resumed.fetch(store, "resumed", 1) and not resumed.fetch(store, "resumed", 7)
+    with torch.no_grad(), resumed.loaded(model, 1):
+        assert torch.equal(model(input_ids=ids).logits, logits_v1)
 
 
 def test_the_weights_of_the_version_before_are_scored_then_the_trainers_own_restored_bit_for_bit():

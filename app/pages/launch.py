@@ -304,6 +304,12 @@ class LaunchPage:
                 1, 16, value=initial["replicas"], step=1, label="Inference replicas", elem_id="replicas"
             )
             i["timeout"] = gr.Textbox(initial["timeout"], label="Timeout", info="e.g. 90m, 4h")
+            i["queue_timeout"] = gr.Textbox(
+                initial["queue_timeout"],
+                label="Queue limit",
+                info="how long a replica may wait for its hardware",
+                visible=hf,
+            )
         self.cost = gr.HTML(self._cost_html(initial, None), elem_id="cost-estimate", padding=False)
         self._slot("compute")
 
@@ -365,6 +371,11 @@ class LaunchPage:
             with gr.Row():
                 i["trainer_image"] = gr.Textbox(initial["trainer_image"], label="Trainer image")
                 i["replica_image"] = gr.Textbox(initial["replica_image"], label="Replica image")
+                i["startup_timeout"] = gr.Textbox(
+                    initial["startup_timeout"],
+                    label="Start-up limit",
+                    info="from a replica's start to healthy; empty: 15m on HF Jobs, 5m here",
+                )
             self._slot("advanced")
 
         with gr.Column(elem_classes="gp-launch-bar"):
@@ -385,6 +396,18 @@ class LaunchPage:
                     "the hardware — the same as `python -m backend plan` prints."
                 )
                 self.plan = gr.HTML("", padding=False)
+            with gr.Accordion(
+                "Smoke test on HF Jobs (one cpu-basic job, about a minute, fractions of a cent)",
+                open=False,
+                elem_id="smoke-test",
+            ):
+                gr.Markdown(
+                    "Before renting GPUs: one cheap job with this run's image fetches our code from your bucket with "
+                    "its own secrets, writes and reads a probe object, and answers through its public URL; then it "
+                    "is cancelled. Each step is shown with its time. Same as `python -m backend smoke`."
+                )
+                self.smoke_button = gr.Button("Run the smoke test", elem_id="smoke-run", size="sm")
+                self.smoke_result = gr.HTML("", padding=False, elem_id="smoke-result")
         self.checked = gr.State("")  # the spec JSON of the last passing check
         self.rows = gr.State([])  # the dataset rows of the last preview
         assert set(self.inputs) == set(KEYS), set(KEYS) ^ set(self.inputs)
@@ -432,9 +455,9 @@ class LaunchPage:
         )
         i["code_enabled"].change(lambda on: gr.Group(visible=on), [i["code_enabled"]], [self.code_group])
         i["backend"].change(
-            lambda backend: [gr.update(visible=backend == "hf_jobs")] * 3,
+            lambda backend: [gr.update(visible=backend == "hf_jobs")] * 4,
             [i["backend"]],
-            [i["namespace"], i["trainer_flavor"], i["replica_flavor"]],
+            [i["namespace"], i["trainer_flavor"], i["replica_flavor"], i["queue_timeout"]],
         )
         cost_inputs = [
             i[k] for k in ("backend", "hf_credential", "trainer_flavor", "replica_flavor", "replicas", "timeout")
@@ -461,6 +484,7 @@ class LaunchPage:
             {*self._form_inputs(), self.rows, self.completion},
             [self.trials, self.slots["rewards_builtin"], self.slots["rewards_code"], self.rows, self.preview],
         )
+        self.smoke_button.click(self.smoke_test, {*self._form_inputs(), self.checked}, [self.smoke_result])
         self.test_connection_button.click(
             self.test_connection,
             {*self._form_inputs(), self.access_key, self.secret_key},
@@ -518,7 +542,7 @@ class LaunchPage:
                 values.append(
                     gr.update(value=form[key], placeholder=hint[2], interactive=kind in ("aws", "r2", "minio"))
                 )
-            elif key in ("namespace", "trainer_flavor", "replica_flavor"):
+            elif key in ("namespace", "trainer_flavor", "replica_flavor", "queue_timeout"):
                 values.append(gr.update(value=form[key], visible=form["backend"] == "hf_jobs"))
             elif key in ("format_tags", "length_target", "regex_pattern"):
                 values.append(gr.update(value=form[key], visible=key.split("_")[0] in form["builtin_rewards"]))
@@ -743,6 +767,23 @@ class LaunchPage:
         choices = credential_choices(services, "s3", "no keys")
         value = str(credential_id) if credential_id is not None and kind != "local" else NONE
         return [result, gr.Dropdown(choices=choices, value=value), "", ""]
+
+    def smoke_test(self, values: dict, profile: gr.OAuthProfile | None = None) -> str:
+        """Run the smoke test on the settings that passed the check (it submits a job: no unchecked settings)."""
+        services = self.panel.services(profile)
+        form = self._form(values)
+        checked = values[self.checked]
+        if form.get("backend") != "hf_jobs":
+            return cards.note("The smoke test runs on Hugging Face Jobs; choose it under Compute first.", "warn")
+        if not checked or checked != _fingerprint(form):
+            return cards.note("Press Check settings first: the smoke test runs the settings that passed it.", "warn")
+        store_credential, hf_credential = credentials(form)
+        spec = RunSpec.model_validate(json.loads(checked)["spec"])
+        try:
+            report = services.smoke_test(spec, store_credential, hf_credential)
+        except ValueError as error:  # a credential this owner does not hold, a bucket without keys
+            return cards.note(f"Smoke test not started: {error}", "bad")
+        return cards.smoke_report(report)
 
     def launch(self, values: dict, profile: gr.OAuthProfile | None = None) -> tuple[str | None, list]:
         """Create and start the run whose settings passed the check; returns its id (None if nothing launched)."""

@@ -21,8 +21,9 @@ from typing import Literal
 import requests
 
 from backend.plan import JobPlan, RunPlan, derived_values
-from jobs.contract import RunSpec, derived, layout
+from jobs.contract import RunSpec, derived, layout, timeout_seconds
 from jobs.contract.control import JOBS, UPSTREAMS, JobRef, JobsRecord, Upstream, UpstreamsRecord
+from jobs.contract.durations import duration
 from jobs.runtime import ENV_HF_TOKEN, ENV_REPLICA_TOKEN, ENV_UPSTREAM_TOKEN, spec_uri
 from jobs.store import ObjectStore, StoreCredentials
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 Stage = Literal["scheduling", "running", "completed", "error", "canceled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "error", "canceled"})
 REPLICA_PORT = 8000
+SMOKE_ROLE = "smoke"  # the one job of a smoke test (backend/services/smoke.py): a replica's image, port and flavor
 
 
 @dataclass
@@ -92,6 +94,8 @@ def job_module_args(spec: RunSpec, role: str, port: int | str = REPLICA_PORT, ho
         store_args += ["--store-region", spec.storage.region]
     if role == "trainer":
         return [*trainer_launcher(derived.trainer_processes(spec.compute)), "jobs.trainer", "--spec", uri, *store_args]
+    if role == SMOKE_ROLE:
+        return ["jobs.smoke", "--spec", uri, "--host", host, "--port", str(port), *store_args]
     index = role.removeprefix("replica-")
     return [
         "jobs.replica",
@@ -140,7 +144,7 @@ def trainer_launcher(processes: int) -> list[str]:
 
 class Launcher(ABC):
     backend: str
-    health_deadline: float = 900.0  # seconds for a replica to answer /health after it starts
+    startup_deadline: float = 900.0  # seconds from a replica's start to its /health, unless the spec sets one
     poll_interval: float = 2.0
 
     # --- what each backend implements ---------------------------------------------------------------------------
@@ -208,13 +212,16 @@ class Launcher(ABC):
         store: ObjectStore,
         on_started: Callable[[JobHandle], None] = lambda job: None,
         on_step: Callable[[str], None] = lambda step: None,
+        on_progress: Callable[[list[JobStart]], None] = lambda starts: None,
     ) -> list[JobHandle]:
-        """Start replicas, wait until they are healthy, publish their URLs, then start the trainer.
+        """Start replicas, wait until they are healthy, publish their URLs, then start the trainer and wait until it
+        has left the queue.
 
         Jobs of the run that are still alive (an interrupted launch started them) are taken over instead of started
         again. `on_started` sees each job as soon as it exists (or is found), so the panel can show it while the
         others start; `on_step` sees each step (preparing, replicas, healthy, trainer) as it begins, and may raise
-        LaunchInterrupted to give the launch up without cancelling anything.
+        LaunchInterrupted to give the launch up without cancelling anything; `on_progress` sees where each job is
+        while they start (see `wait_ready`).
         """
         on_step("preparing")
         self.prepare(spec, secrets, store)
@@ -230,7 +237,7 @@ class Launcher(ABC):
                     on_started(started[-1])
             replicas = [job for job in started if job.role != "trainer"]
             on_step("healthy")
-            self.wait_healthy(replicas, secrets)
+            self.wait_ready(spec, replicas, secrets, on_progress)
             upstreams = UpstreamsRecord(replicas=[Upstream(role=job.role, url=job.endpoint) for job in replicas])
             store.put_bytes(layout.control_key(spec.run_id, UPSTREAMS), upstreams.model_dump_json().encode())
             store.put_bytes(
@@ -240,6 +247,7 @@ class Launcher(ABC):
             if "trainer" not in alive:
                 started.append(self.start_job(spec, "trainer", secrets))
                 on_started(started[-1])
+            self.wait_ready(spec, [job for job in started if job.role == "trainer"], secrets, on_progress)
         except LaunchInterrupted:
             raise
         except BaseException:
@@ -247,32 +255,71 @@ class Launcher(ABC):
             raise
         return started
 
-    def wait_healthy(self, replicas: list[JobHandle], secrets: RunSecrets) -> None:
-        deadline = time.monotonic() + self.health_deadline
-        pending = list(replicas)
+    def wait_ready(
+        self,
+        spec: RunSpec,
+        jobs: list[JobHandle],
+        secrets: RunSecrets,
+        on_progress: Callable[[list[JobStart]], None] = lambda starts: None,
+    ) -> None:
+        """Wait until every job is ready — a replica answers `/health`, the trainer runs — timing each stage of each
+        job against its own limit.
+
+        Queueing for a flavor (SCHEDULING) and starting up (image pull, install, model load, health) are bounded
+        separately (`compute.queue_timeout`, `compute.startup_timeout`): a busy flavor must not use up the start-up
+        time of replicas that then load quickly, and a replica that takes long to load must not be blamed on the
+        queue. A trainer stuck in the queue is bounded too: the replicas bill meanwhile. `on_progress` sees where
+        each job is, at every poll.
+        """
+        limits = {"queued": timeout_seconds(spec.compute.queue_timeout), "starting": startup_seconds(spec, self)}
         headers = {"Authorization": f"Bearer {secrets.replica_token}"}
-        while pending:
-            for job in list(pending):
-                state = self.state(job)
+        starts = [JobStart(job, limit=limits["queued"]) for job in jobs]
+        while True:
+            for start in starts:
+                if start.stage == "ready":
+                    continue
+                job, state = start.job, self.state(start.job)
                 if state.stage in TERMINAL:
-                    tail = "\n".join(self.logs(job, 30))
                     raise LaunchError(
-                        f"{job.role} ended before it was ready ({state.stage}: {state.message})", job.role, tail
+                        f"{job.role} ended before it was ready ({state.stage}: {state.message})",
+                        job.role,
+                        "\n".join(self.logs(job, 30)),
                     )
-                job.endpoint = self.endpoint(job)
-                if job.endpoint and _healthy(job.endpoint, headers):
-                    log.info("%s is healthy at %s", job.role, job.endpoint)
-                    pending.remove(job)
-            if not pending:
+                if state.stage != "scheduling" and start.stage == "queued":
+                    start.enter("starting", limits["starting"])
+                if self._ready(job, state, headers):
+                    log.info("%s is ready%s", job.role, f" at {job.endpoint}" if job.endpoint else "")
+                    start.enter("ready", 0)
+                elif start.elapsed() > start.limit:
+                    raise self._overdue(spec, start)
+            on_progress(starts)
+            if all(start.stage == "ready" for start in starts):
                 return
-            if time.monotonic() > deadline:
-                job = pending[0]
-                raise LaunchError(
-                    f"{job.role} did not become healthy within {self.health_deadline:.0f}s",
-                    job.role,
-                    "\n".join(self.logs(job, 30)),
-                )
             time.sleep(self.poll_interval)
+
+    def _ready(self, job: JobHandle, state: JobState, headers: dict[str, str]) -> bool:
+        if job.role == "trainer":
+            return state.stage == "running"
+        job.endpoint = self.endpoint(job)
+        return bool(job.endpoint) and _healthy(job.endpoint, headers)
+
+    def _overdue(self, spec: RunSpec, start: JobStart) -> LaunchError:
+        role, waited = start.job.role, duration(start.elapsed())
+        flavor_field = "trainer_flavor" if role == "trainer" else "replica_flavor"
+        if start.stage == "queued":
+            message = (
+                f"{role} waited {waited} for a {getattr(spec.compute, flavor_field)} machine without starting "
+                f"(compute.queue_timeout: {spec.compute.queue_timeout}): the flavor is busy; raise "
+                f"compute.queue_timeout to wait longer, or choose another compute.{flavor_field}"
+            )
+        else:
+            message = (
+                f"{role} started but did not answer /health within {duration(start.limit)} (compute.startup_timeout: "
+                f"{spec.compute.startup_timeout or duration(start.limit)}): pulling the image, installing and loading "
+                "the model took too long or hung; its log's last lines follow. Raise compute.startup_timeout for a "
+                "large model"
+            )
+        return LaunchError(message, role, "\n".join(self.logs(start.job, 30)))
 
     def cancel_all(self, jobs: list[JobHandle]) -> None:
         for job in jobs:
@@ -280,6 +327,35 @@ class Launcher(ABC):
                 self.cancel(job)
             except Exception as error:  # keep cancelling the others
                 log.error("could not cancel %s (%s): %s", job.role, job.job_id, error)
+
+
+def startup_seconds(spec: RunSpec, launcher: Launcher) -> int:
+    """How long a replica may take from its start to answering /health: the spec's limit, else the backend's."""
+    if spec.compute.startup_timeout:
+        return timeout_seconds(spec.compute.startup_timeout)
+    return int(launcher.startup_deadline)
+
+
+@dataclass
+class JobStart:
+    """Where a job's start is — queued for a machine, starting up, ready — since when (this machine's clock), and
+    how long it may stay in that stage."""
+
+    job: JobHandle
+    stage: Literal["queued", "starting", "ready"] = "queued"
+    since: float = field(default_factory=time.monotonic)
+    limit: int = 0  # seconds
+
+    def enter(self, stage: Literal["starting", "ready"], limit: int) -> None:
+        self.stage, self.since, self.limit = stage, time.monotonic(), limit
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.since
+
+    def __str__(self) -> str:
+        if self.stage == "ready":
+            return f"{self.job.role} ready"
+        return f"{self.job.role} {self.stage} {duration(self.elapsed())} (limit {duration(self.limit)})"
 
 
 def _healthy(endpoint: str, headers: dict[str, str]) -> bool:

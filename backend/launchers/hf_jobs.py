@@ -45,6 +45,7 @@ from backend.launchers.base import (
 )
 from backend.plan import JobPlan
 from jobs.contract import RunSpec, derived, layout, parse_storage_uri, timeout_seconds
+from jobs.hub_jobs import cancel_unless_ended
 from jobs.retry import RetryPolicy
 from jobs.store import ObjectStore, S3Store
 
@@ -120,7 +121,7 @@ _bounded: float | None = None
 
 class HfJobsLauncher(Launcher):
     backend = "hf_jobs"
-    health_deadline = 900.0  # a cold vLLM image pull and model load take minutes
+    startup_deadline = 900.0  # a cold vLLM image pull and model load take minutes
     poll_interval = 5.0
 
     def __init__(self, token: str | None, endpoint: str | None = None, retry: RetryPolicy = RetryPolicy(6, 1.0, 30.0)):
@@ -320,5 +321,5 @@ class HfJobsLauncher(Launcher):
 
     def cancel(self, job: JobHandle) -> None:
         self._call(
-            lambda: self.api.cancel_job(job_id=job.job_id, namespace=self._namespace(job)), f"cancel the {job.role} job"
+            lambda: cancel_unless_ended(self.api, job.job_id, self._namespace(job)), f"cancel the {job.role} job"
         )

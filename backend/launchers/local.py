@@ -69,7 +69,7 @@ def free_port() -> int:
 
 class LocalLauncher(Launcher):
     backend = "local"
-    health_deadline = 300.0
+    startup_deadline = 300.0
     poll_interval = 0.5
 
     def __init__(self, workdir: str | os.PathLike):

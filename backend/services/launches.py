@@ -30,7 +30,7 @@ from sqlmodel import select
 
 from backend.context import PanelContext
 from backend.events import record_event
-from backend.launchers.base import JobHandle, LaunchError, LaunchInterrupted
+from backend.launchers.base import JobHandle, JobStart, LaunchError, LaunchInterrupted
 from backend.models import Job, Launch, Run
 from backend.services.costs import flavor_price_per_hour
 from jobs.contract import RunSpec
@@ -81,6 +81,7 @@ class Launches:
                 self.ctx.store_for(run),
                 on_started=self._recorder(run),
                 on_step=lambda step: self._step(run_id, step, renewal),
+                on_progress=lambda starts: self._progress(run_id, starts),
             )
         except LaunchInterrupted:
             log.warning("the launch of %s was taken over by another panel; leaving it to that one", run_id)
@@ -190,6 +191,17 @@ class Launches:
             session.commit()
         if not held or renewal.lost:
             raise LaunchInterrupted(f"the launch of {run_id} is held by another panel")
+
+    def _progress(self, run_id: str, starts: list[JobStart]) -> None:
+        """Show where each job's start is (queued, starting, ready, and for how long) as the run's message."""
+        text = "; ".join(str(start) for start in starts)
+        with self.ctx.db.session() as session:
+            session.execute(
+                update(Run)
+                .where(Run.id == run_id, Run.status == "launching")
+                .values(status_message=f"waiting for the jobs: {text}"[:2000])
+            )
+            session.commit()
 
     def renew(self, run_id: str) -> bool:
         """Renew this panel's lease on the launch; False once another panel holds it (or it ended)."""

@@ -128,7 +128,7 @@ class RunService:
             raise RunStateError(f"{role!r} is not a replica of run {run_id}")
         job, handle = self._start_attempt(run, role)
         launcher, store = self.ctx.launcher_for(run), self.ctx.store_for(run)
-        launcher.wait_healthy([handle], self.ctx.secrets_for(run))
+        launcher.wait_ready(spec, [handle], self.ctx.secrets_for(run))
         upstreams = UpstreamsRecord.model_validate_json(store.get_bytes(layout.control_key(run_id, UPSTREAMS)))
         upstreams.replicas = [u for u in upstreams.replicas if u.role != role] + [
             Upstream(role=role, url=handle.endpoint)

@@ -1,6 +1,7 @@
 """The one vocabulary shared by the panel and the jobs: the run spec, derived values and the store layout."""
 
 from jobs.contract import derived, layout
+from jobs.contract.durations import duration, timeout_seconds
 from jobs.contract.spec import (
     BUILTIN_REWARDS,
     DEMO_DATASET_ID,
@@ -18,7 +19,6 @@ from jobs.contract.spec import (
     SpecError,
     StorageSpec,
     parse_spec,
-    timeout_seconds,
 )
 from jobs.contract.storage_uri import StorageLocation, parse_storage_uri
 
@@ -40,6 +40,7 @@ __all__ = [
     "StorageLocation",
     "StorageSpec",
     "derived",
+    "duration",
     "layout",
     "parse_spec",
     "parse_storage_uri",

@@ -48,6 +48,13 @@ def spec_key(run_id: str) -> str:
     return run_prefix(run_id) + "spec.json"
 
 
+def smoke_probe_key(run_id: str, job_id: str) -> str:
+    """The object a smoke-test job writes and reads back (the panel checks it from its side, then deletes it)."""
+    if not re.fullmatch(r"[\w-]{1,64}", job_id):
+        raise ValueError("a job id holds only letters, digits, '_' and '-'")
+    return run_prefix(run_id) + f"smoke/probe-{job_id}.txt"
+
+
 def code_key(run_id: str, digest: str) -> str:
     if not re.fullmatch(r"[0-9a-f]{16,64}", digest):
         raise ValueError("code bundles are named by their hex digest")

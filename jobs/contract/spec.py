@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from jobs.contract.durations import timeout_seconds
 from jobs.contract.flavors import FLAVORS
 from jobs.contract.storage_uri import parse_storage_uri
 from jobs.secrets import find_secret
@@ -59,9 +60,7 @@ MAX_SYSTEM_PROMPT_CHARS = 100_000  # sent with every prompt: beyond this it crow
 MAX_STEPS = 10_000_000  # the panel records max_steps as a 64-bit integer; no run comes near this
 MAX_SEED = 2**32 - 1  # NumPy (seeded by the trainer through transformers.set_seed) refuses larger seeds
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 _NAMED_FIELD = re.compile(r"^([a-z_][\w.\[\]]*): (.+)$", re.S)
-_DURATION_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 class SpecError(ValueError):
@@ -295,6 +294,10 @@ class ComputeSpec(_Section):
     replica_flavor: str = "h200"
     replicas: int = 2
     timeout: str = "4h"
+    # How long a replica may wait for its flavor (SCHEDULING), and then take from its start to answering /health
+    # (None: the backend's default, 15 min on HF Jobs). Bounded apart: a busy flavor is not a broken replica.
+    queue_timeout: str = "30m"
+    startup_timeout: str | None = None
     replica_image: str = "vllm/vllm-openai:v0.27.1"
     trainer_image: str = "vllm/vllm-openai:v0.27.1"
     engine: Literal["auto", "vllm", "cpu"] = "auto"  # auto: vLLM where CUDA is present, else the CPU engine
@@ -309,10 +312,11 @@ class ComputeSpec(_Section):
             raise ValueError(f"{value} is out of range; use 1 to {MAX_REPLICAS} replicas")
         return value
 
-    @field_validator("timeout")
+    @field_validator("timeout", "queue_timeout", "startup_timeout")
     @classmethod
-    def _timeout(cls, value: str) -> str:
-        timeout_seconds(value)
+    def _timeout(cls, value: str | None) -> str | None:
+        if value is not None:
+            timeout_seconds(value)
         return value
 
     @field_validator("trainer_flavor", "replica_flavor", "namespace")
@@ -450,17 +454,6 @@ def parse_spec(data: dict[str, Any], stored: bool = False) -> RunSpec:
 def _new_input(info: ValidationInfo) -> bool:
     """Whether a refusal added after specs were first stored applies: to new input, not to a stored spec."""
     return not (info.context or {}).get("stored")
-
-
-def timeout_seconds(value: str | int | float) -> int:
-    """Seconds in a timeout written as 90, '90s', '30m', '2h' or '1d' (the forms HF Jobs accepts)."""
-    match = _DURATION.match(str(value).strip())
-    if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"{value!r} is not a duration; write e.g. '90s', '30m', '4h' or '1d'")
-    seconds = float(match.group(1)) * _DURATION_SECONDS[match.group(2)]
-    if seconds > 7 * 86400:
-        raise ValueError(f"{value!r} is longer than 7 days; jobs that long are not allowed")
-    return int(seconds)
 
 
 def _strings(data: Any, path: str = "") -> list[tuple[str, str]]:

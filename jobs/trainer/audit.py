@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import requests
@@ -33,7 +35,7 @@ import torch
 from transformers import TrainerCallback
 
 from jobs.contract import derived, layout
-from jobs.store import ObjectStore, StoreError
+from jobs.store import ObjectStore, StoreError, download_published
 from jobs.trainer.dataset import prompt_token_ids
 
 log = logging.getLogger(__name__)
@@ -138,8 +140,8 @@ def lora_weights(model) -> dict[str, torch.Tensor]:
 class VersionWeights:
     """The LoRA weights of the trainer's last two versions, kept at each sync so the audit of vN can score v(N-1).
 
-    The adapter is small (LoRA only), so two copies cost little. TRL keeps no earlier weights, and after a resume the
-    version before the first one is not here: that audit scores vN against the base only.
+    The adapter is small (LoRA only), so two copies cost little. TRL keeps no earlier weights: after a resume the
+    version before the first one is read back from the store, where it was published (`fetch`).
     """
 
     def __init__(self) -> None:
@@ -153,6 +155,21 @@ class VersionWeights:
 
     def has(self, version: int) -> bool:
         return version in self.kept
+
+    def fetch(self, store: ObjectStore, run_id: str, version: int) -> bool:
+        """Keep `version`'s weights as it was published (checked against its manifest); False if it cannot be read.
+
+        The published file is PEFT's `save_pretrained` of the same adapter, keyed as `lora_weights` keys it."""
+        from safetensors.torch import load_file
+
+        with tempfile.TemporaryDirectory() as folder:
+            try:
+                download_published(store, layout.adapter_prefix(run_id, version), Path(folder) / "adapter")
+                self.kept[version] = load_file(Path(folder) / "adapter" / "adapter_model.safetensors")
+            except (StoreError, OSError) as error:
+                log.warning("v%d's weights could not be read back for the audit: %s", version, error)
+                return False
+        return True
 
     @contextmanager
     def loaded(self, model, version: int) -> Iterator[None]:
@@ -262,6 +279,8 @@ class PolicyAudit:
             return {seq: trainer_log_probs(self.trainer, self.prompt_ids, list(seq)) for seq in sequences}
 
         scores = {"current": score()}
+        if version > 1 and not self.versions.has(version - 1):  # the first audit after a resume
+            self.versions.fetch(self.store, self.run_id, version - 1)
         if self.versions.has(version - 1):
             with self.versions.loaded(self._peft_model(), version - 1):
                 scores["previous"] = score()

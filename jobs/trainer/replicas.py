@@ -65,11 +65,13 @@ def cancel_hf_job(job_id: str, namespace: str | None) -> None:
     not keep the trainer from stopping its other replicas and exiting."""
     from huggingface_hub import HfApi
 
+    from jobs.hub_jobs import cancel_unless_ended
+
     errors: list[BaseException] = []
 
     def cancel() -> None:
         try:
-            HfApi(token=os.environ.get(ENV_HF_TOKEN)).cancel_job(job_id=job_id, namespace=namespace)
+            cancel_unless_ended(HfApi(token=os.environ.get(ENV_HF_TOKEN)), job_id, namespace)
         except BaseException as error:
             errors.append(error)
 

@@ -24,6 +24,9 @@ Constructor (all keyword arguments optional):
     keepalive          seconds between `: keep-alive` comments on a silent log stream (the Hub: 30). Keep it above
                        5 s: the client's non-follow log read ends on a 5 s silence, which a keep-alive would reset.
 
+Switches (attributes, settable per test): `scheduling_delay` (above); `cancel_finished_status` (default 400: a cancel
+of a job that has ended is refused with this status and "Job ... is not running"; None accepts it).
+
 Endpoints. Every known route demands `Authorization: Bearer <token>` (else 401 with `{"error": ...}` and
 `X-Error-Message`, as the Hub answers; the client raises `HfHubHTTPError`):
     GET  /api/whoami-v2                       user JSON (name, fullname, avatarUrl, type "user", ...)
@@ -31,7 +34,8 @@ Endpoints. Every known route demands `Authorization: Bearer <token>` (else 401 w
     POST /api/jobs/{ns}                       create and start a job (the raw body is kept in `submissions`)
     GET  /api/jobs/{ns}[?stage=S&label=k=v]   list; stages OR-ed, labels AND-ed; one page, no `Link` header
     GET  /api/jobs/{ns}/{id}                  job JSON
-    POST /api/jobs/{ns}/{id}/cancel           SIGTERM to the job's process group, SIGKILL after `kill_grace`
+    POST /api/jobs/{ns}/{id}/cancel           SIGTERM to the job's process group, SIGKILL after `kill_grace`; a job
+                                              that has ended: `cancel_finished_status` (below)
     GET  /api/jobs/{ns}/{id}/logs[?tail=N]    server-sent events `data: {"timestamp", "data"}`; the stream stays open
                                               while the job runs and closes once it is finished and fully replayed
     GET  /api/models/{repo}[/revision/{rev}]  model info (sha, siblings) of a repo in `repos`; else 404 RepoNotFound
@@ -70,11 +74,12 @@ to a route (by its name in `_ROUTES`) before it is handled, or with `after=True`
 answer is sent; `hold.arrived` is set when it waits, `hold.release()` lets it go on. A request held before it was
 handled whose client has gone by the release is dropped unhandled (the client died before sending it).
 
-Faults, for retry tests: `inject("5xx" | "429" | "5xx-after", count)` makes the next `count` known API requests
-(optionally only some methods) fail: "5xx" answers `status` (503) and "429" answers 429 with `Retry-After` and the
-Hub's `RateLimit` headers, both before looking at the request; "5xx-after" performs the request for real and then
-answers `status` (502) instead, so a job gets created but the caller never learns its id (the case that makes naive
-retries start a job twice).
+Faults, for retry tests: `inject("5xx" | "429" | "429-ratelimit" | "5xx-after" | "reset-after", count)` makes the
+next `count` known API requests (optionally only some methods) fail: "5xx" answers `status` (503), "429" answers 429
+with `Retry-After` and the Hub's `RateLimit` headers, "429-ratelimit" with the `RateLimit` headers only (as the Hub
+documents them), all before looking at the request; "5xx-after" performs the request for real and then answers
+`status` (502) instead, and "reset-after" performs it and resets the connection without any answer — either way a
+job gets created but the caller never learns its id (the case that makes naive retries start a job twice).
 
 Not emulated: retries of failed jobs (`attempts` is echoed as `retry`), SSH, network and resource groups (accepted,
 ignored), metrics, scheduled jobs, update_job_expose/labels, rerun. Secret values are never echoed: the job JSON lists
@@ -92,6 +97,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -113,7 +119,8 @@ log = logging.getLogger(__name__)
 
 TERMINAL_STAGES = frozenset({"COMPLETED", "ERROR", "CANCELED", "DELETED"})
 VOLUME_TYPES = frozenset({"bucket", "model", "dataset", "space"})
-FaultKind = Literal["5xx", "429", "5xx-after"]
+FaultKind = Literal["5xx", "429", "429-ratelimit", "5xx-after", "reset-after"]
+_AFTER = ("5xx-after", "reset-after")  # faults that let the request be carried out, then spoil its answer
 _POLL = 0.05  # how often a runner checks its process, its deadline and cancel requests
 _READER_JOIN = 5.0  # how long to wait for a dead job's output to drain
 
@@ -473,6 +480,9 @@ class HubEmulator:
         self.kill_grace = kill_grace
         self.default_timeout = default_timeout
         self.keepalive = keepalive
+        # The answer to cancelling a job that has ended (None: accept it, as if it were running). Whether the real Hub
+        # refuses is undocumented: refusing is the harsher guess, so it is the default.
+        self.cancel_finished_status: int | None = 400
         self._jobs: dict[str, EmulatedJob] = {}
         self.repos: dict[str, dict[str, bytes]] = {}  # model repos (created through the API, or by a test): id -> files
         self.repo_parameters: dict[str, int] = {}  # a model's parameter count, as model info's `safetensors` says
@@ -531,9 +541,9 @@ class HubEmulator:
         methods: Collection[str] = (),
     ) -> None:
         """Make the next `count` known API requests (of `methods`, if given) fail; see the module docstring."""
-        if kind not in ("5xx", "429", "5xx-after"):
+        if kind not in ("5xx", "429", "429-ratelimit", "5xx-after", "reset-after"):
             raise ValueError(f"unknown fault kind {kind!r}")
-        code = 429 if kind == "429" else status or (502 if kind == "5xx-after" else 503)
+        code = 429 if kind.startswith("429") else status or (502 if kind == "5xx-after" else 503)
         fault = _Fault(kind, code, retry_after, frozenset(method.upper() for method in methods))
         with self._lock:
             self._faults.extend([fault] * count)
@@ -779,7 +789,7 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
                 send_json(self, 404, {"error": "Sorry, we can't find the page you are looking for."})
                 return
             fault = emulator._take_fault(self.command)
-            if fault is not None and fault.kind != "5xx-after":
+            if fault is not None and fault.kind not in _AFTER:
                 self._send_fault(fault)
                 return
             if not self._authorized():
@@ -846,14 +856,20 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
             return False
 
         def _send_fault(self, fault: _Fault) -> None:
+            if fault.kind == "reset-after":  # no answer at all: the connection is reset (RST, not FIN)
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+                self.close_connection = True
+                return
             phrase = http.HTTPStatus(fault.status).phrase
             headers: dict[str, str] = {}
             if fault.status == 429:
                 headers = {
-                    "Retry-After": str(fault.retry_after),
                     "RateLimit": f'"api";r=0;t={fault.retry_after}',
                     "RateLimit-Policy": '"fixed window";"api";q=1000;w=300',
                 }
+                if fault.kind == "429":  # "429-ratelimit": the RateLimit headers only, as the Hub documents them
+                    headers["Retry-After"] = str(fault.retry_after)
             send_json(self, fault.status, {"error": f"{phrase} (injected)"}, headers)
 
         def _answer(self, name: str, match: re.Match[str], query: list[tuple[str, str]], body: bytes):
@@ -883,6 +899,8 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
             if job is None:
                 return 404, {"error": "Job not found"}
             if name == "cancel":
+                if job.finished and emulator.cancel_finished_status is not None:
+                    return emulator.cancel_finished_status, {"error": f"Job {job.id} is not running ({job.stage})"}
                 job.cancel()
             return 200, job.to_json()
 
