@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.context import PanelContext
+from backend.images import check_images
 from backend.launchers.base import LaunchError
 from backend.launchers.hf_jobs import bound_hub_calls
 from backend.models import Run
@@ -146,6 +147,9 @@ def _check_compute(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight
         if spec.compute.engine == "vllm":
             result.errors["compute.engine"] = "vLLM needs a GPU; use 'cpu' or 'auto' for local runs"
         return
+    images = check_images(spec)
+    result.errors.update(images.errors)
+    result.warnings.extend(images.warnings)
     if run.hf_credential_id is None:
         result.errors["compute.token"] = "HF Jobs need an HF token that may run Jobs; add it as a credential"
         return

@@ -2,9 +2,11 @@
 
 Runs tests/test_faults.py, the two fault rows tested elsewhere (a killed trainer resuming from its checkpoint in
 tests/test_e2e_demo.py; the Hub API answering 5xx/429 in tests/test_launchers.py), tests/test_launch_recovery.py (the
-panel killed at each step of a launch) and tests/test_bad_input.py. A small pytest plugin collects every test's
+panel killed at each step of a launch), tests/test_bad_input.py, and the tests that meet each real-service behaviour
+the emulators reproduce (REAL_SERVICES). A small pytest plugin collects every test's
 outcome and the figures the tests record with `record_property` (`fault`, `records_lost`, `orphans`; `launch_kill`).
-It prints one table row per fault of the matrix, one per launch step killed, and the bad-input totals; with --write it
+It prints one table row per fault of the matrix, one per launch step killed, the bad-input totals and one row per
+real-service behaviour; with --write it
 also puts them into docs/reliability.md, between the markers there, with the command that produced them.
 
     .venv/bin/python bench/reliability_report.py [--write] [-- extra pytest arguments]
@@ -49,6 +51,83 @@ ELSEWHERE = {
     "tests/test_e2e_demo.py::test_a_killed_trainer_resumes_from_its_checkpoint": "trainer SIGKILLed mid-run",
     "tests/test_launchers.py::test_hub_errors_are_retried_without_duplicate_jobs": "the Hub API answering 5xx or 429",
 }
+# How HF Jobs and buckets really behave (issue 14): the emulator's switch that reproduces each behaviour, the test that
+# meets it through the product, and what the product does (when that test passes).
+LAUNCHERS = "tests/test_launchers.py::"
+REAL_SERVICES = (
+    (
+        "a bucket gateway answers a GET with a 302 to a presigned CDN URL that refuses a second auth mechanism",
+        "`tests/support/bucket_gateway.py` (redirects clients it does not know)",
+        "tests/test_bootstrap.py::test_the_bundle_is_fetched_through_the_gateway_and_credentials_never_reach_the_cdn",
+        "survived: redirect followed without the signature",
+    ),
+    (
+        "the Hub creates a job and its answer never comes",
+        '`HubEmulator.hold("create", after=True)`',
+        LAUNCHERS + "test_a_submission_whose_answer_never_comes_times_out_and_is_found_not_resubmitted",
+        "survived: timed out, retried, found by its label; one job",
+    ),
+    (
+        "the connection is reset after the Hub carried the request out",
+        '`inject("reset-after")`',
+        LAUNCHERS + "test_a_submission_whose_connection_is_reset_is_found_not_resubmitted",
+        "survived: retried, found by its label; one job",
+    ),
+    (
+        "5xx; 429 with Retry-After; a 5xx after the job was created",
+        '`inject("5xx" | "429" | "5xx-after")`',
+        LAUNCHERS + "test_hub_errors_are_retried_without_duplicate_jobs",
+        "survived: retried; one job",
+    ),
+    (
+        "429 with only the `RateLimit` header",
+        '`inject("429-ratelimit")`',
+        LAUNCHERS + "test_a_429_with_only_the_ratelimit_header_is_waited_out_for_its_reset",
+        "survived: waited the header's reset",
+    ),
+    (
+        "a flavor queues jobs for longer than their start-up limit",
+        "`scheduling_delay`",
+        LAUNCHERS + "test_queueing_and_start_up_are_timed_apart_and_a_full_queue_says_so",
+        "survived; past `compute.queue_timeout`: a clear error naming it",
+    ),
+    (
+        "a flavor that never frees up, met by the smoke test",
+        "`scheduling_delay`",
+        "tests/test_smoke.py::test_a_flavor_that_never_comes_fails_the_smoke_test_at_the_queue_and_names_the_limit",
+        "clear error at the queue step; the job cancelled",
+    ),
+    (
+        "a cancel of a job that has already ended is refused",
+        "`cancel_finished_status` (400 by default)",
+        LAUNCHERS + "test_cancelling_a_job_that_has_ended_is_not_an_error",
+        "survived: an ended job counts as cancelled",
+    ),
+    (
+        "exposed ports served over HTTPS behind a bearer check",
+        "`tls=` (on in every HF Jobs test) and `BearerProxy`",
+        LAUNCHERS + "test_a_demo_run_goes_end_to_end_through_hf_jobs",
+        "survived: the demo trains end to end",
+    ),
+    (
+        "a token the Hub rejects; a flavor it does not offer",
+        "`tokens=`, `hardware=`",
+        LAUNCHERS + "test_a_rejected_token_and_an_unknown_flavor_fail_before_anything_is_submitted",
+        "clear error before anything is submitted",
+    ),
+    (
+        "a bucket in another region than the spec names",
+        "a moto bucket created in another region",
+        LAUNCHERS + "test_a_run_on_a_bucket_in_another_region_is_created_with_that_region",
+        "survived: the region is learnt and stored",
+    ),
+    (
+        "a bucket that stays unreachable for minutes",
+        "`FaultyProxy` in front of moto S3",
+        "tests/test_faults.py::test_a_bucket_that_stays_unreachable_stops_the_run_and_its_replicas",
+        "clear error: the run stops and cancels its replicas",
+    ),
+)
 DOC = PROJECT_ROOT / "docs" / "reliability.md"
 BEGIN, END = "<!-- reliability-report:begin -->", "<!-- reliability-report:end -->"
 
@@ -138,6 +217,7 @@ def render(results: dict[str, Result], command: str, wall: float) -> str:
     rejected = sum(r.outcome == "passed" for r in bad.values())
     lines.append(f"- **Bad inputs tried: {len(bad)}; rejected with a clear message, nothing submitted: {rejected}.**")
     lines += launch_kill_table(results)
+    lines += real_service_table(results)
     for node, result in sorted(known.items()):
         lines.append(f"- Known product bug (strict xfail) `{node}`: {result.reason}")
     for node, result in sorted(results.items()):
@@ -168,6 +248,24 @@ def launch_kill_table(results: dict[str, Result]) -> list[str]:
     return lines
 
 
+def real_service_table(results: dict[str, Result]) -> list[str]:
+    """Each way the real services behave that the emulators reproduce, and what the product did about it."""
+    lines = [
+        "",
+        "HF Jobs and buckets as they really behave, reproduced by the emulators (issue 14):",
+        "",
+        "| behaviour | emulator switch | outcome | test |",
+        "|---|---|---|---|",
+    ]
+    for behaviour, switch, node, expected in REAL_SERVICES:
+        result = results.get(node)
+        outcome = "not run" if result is None else expected if result.outcome == "passed" else result.outcome
+        lines.append(f"| {behaviour} | {switch} | {outcome} | `{node.split('::', 1)[1]}` |")
+    met = sum(results.get(node, Result("not run")).outcome == "passed" for _, _, node, _ in REAL_SERVICES)
+    lines += ["", f"- **Real-service behaviours reproduced: {len(REAL_SERVICES)}; handled as stated: {met}.**"]
+    return lines
+
+
 def _figure(value: int | None) -> str:
     return "—" if value is None else str(value)
 
@@ -184,7 +282,8 @@ def main() -> int:
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args()
     os.chdir(PROJECT_ROOT)
-    targets = [FAULTS_FILE, *ELSEWHERE, LAUNCH_FILE, BAD_INPUT_FILE]
+    extra = [node for _, _, node, _ in REAL_SERVICES if not node.startswith(FAULTS_FILE) and node not in ELSEWHERE]
+    targets = [FAULTS_FILE, *ELSEWHERE, LAUNCH_FILE, BAD_INPUT_FILE, *extra]
     collector = Collector()
     started = time.monotonic()
     code = pytest.main(["-q", "-p", "no:cacheprovider", *targets, *args.pytest_args], plugins=[collector])

@@ -250,6 +250,32 @@ def test_a_hub_model_whose_chat_template_trl_cannot_read(gate, refused, hub):
     refused(named, "model.id", "several named chat templates (tool_use)", hf_credential_id=hub["hf"])
 
 
+@row("job image that cannot run the jobs")
+@pytest.mark.parametrize(
+    ("role", "image", "flavor", "fix"),
+    [
+        ("replica", "alpine:3.20", "cpu-basic", "has no python3"),
+        ("trainer", "python:3.12-slim", "cpu-upgrade", "has no torch"),
+        ("replica", "pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime", "a10g-small", "replicas on GPUs serve with vLLM"),
+        ("replica", "docker.io/vllm/vllm-openai:v0.33.0", "a10g-small", "vLLM 0.22 to 0.31, not v0.33.0"),
+    ],
+    ids=["no python", "no torch", "gpu replica without vllm", "vllm too new"],
+)
+def test_a_job_image_that_cannot_run_the_jobs(gate, refused, hub, moto_server, role, image, flavor, fix):
+    """Images are not pulled here: what is known of them is checked before anything is submitted or billed."""
+    data = hub_spec(gate, moto_server.url, **{f"{role}_image": image, f"{role}_flavor": flavor})
+    refused(data, f"compute.{role}_image", fix, store_credential_id=hub["keys"], hf_credential_id=hub["hf"])
+
+
+def test_an_image_nothing_is_known_of_passes_with_a_warning_to_run_the_smoke_test(gate, hub, moto_server):
+    data = hub_spec(gate, moto_server.url, trainer_image="ghcr.io/acme/trainer:1.0")
+    result = gate.check(data, store_credential_id=hub["keys"], hf_credential_id=hub["hf"])
+    assert "compute.trainer_image" not in result.errors and "compute.replica_image" not in result.errors
+    (warning,) = [w for w in result.warnings if "acme" in w]
+    assert warning.startswith("ghcr.io/acme/trainer:1.0: cannot tell") and "run the smoke test" in warning
+    assert not any("vllm/vllm-openai" in w for w in result.warnings)  # the default image is known
+
+
 @row("model too large for the trainer flavor")
 def test_a_model_the_trainer_flavors_gpus_cannot_hold(gate, refused, hub, moto_server):
     """An 8 B model in float32 needs 32 GB on every GPU: an A10G (24 GB) cannot, an H200 can."""

@@ -61,11 +61,12 @@ KILL_POINTS = [
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory, moto_server):
     folder = tmp_path_factory.mktemp("launch-recovery")
-    emulator = start_emulator(folder)
-    panel = hub_panel(folder, emulator, moto_server)
-    yield emulator, panel
-    emulator.close()
-    panel.ctx.db.close()
+    with pytest.MonkeyPatch.context() as patch:  # the module's tests share the emulator and the trust in its edge
+        emulator = start_emulator(folder, patch)
+        panel = hub_panel(folder, emulator, moto_server)
+        yield emulator, panel
+        emulator.close()
+        panel.ctx.db.close()
 
 
 def create_run(panel: HubPanel, run_id: str, moto_url: str) -> None:

@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def emulator(tmp_path):
-    hub = start_emulator(tmp_path)
+def emulator(tmp_path, monkeypatch):
+    hub = start_emulator(tmp_path, monkeypatch)
     yield hub
     hub.close()
 
@@ -85,7 +85,7 @@ def test_a_demo_run_goes_end_to_end_through_hf_jobs(hub_panel, emulator, moto_se
     poller.poll_run("hub-demo")
     jobs = {j.role: j for j in QueryService(ctx, OWNER).jobs("hub-demo")}
     assert jobs["trainer"].url.startswith(emulator.url) and "Weight sync" in jobs["trainer"].log_tail
-    assert jobs["replica-0"].endpoint.startswith("http://127.0.0.1:")
+    assert jobs["replica-0"].endpoint.startswith("https://127.0.0.1:")  # behind the emulated HTTPS edge
     # The recorded job specs carry secrets under `secrets` only.
     secret_values = {TOKEN, moto_server.credentials.secret_access_key, moto_server.credentials.access_key_id}
     assert len(emulator.submissions) == 3

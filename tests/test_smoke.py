@@ -26,8 +26,8 @@ CLI_OWNER = "local"  # the owner `python -m backend` acts as
 
 
 @pytest.fixture
-def emulator(tmp_path):
-    hub = start_emulator(tmp_path)
+def emulator(tmp_path, monkeypatch):
+    hub = start_emulator(tmp_path, monkeypatch)
     yield hub
     hub.close()
 

@@ -3,13 +3,15 @@
 On Hugging Face, `https://<job_id>--<port>.hf.jobs` answers 401 unless the request carries `Authorization: Bearer
 <HF token>`; it forwards everything else to the container and streams the answer back (generation requests stay open
 for minutes). This proxy does the same on 127.0.0.1 so a client that forgets the header, or buffers a stream, fails
-here as it would there. The Authorization header is forwarded upstream unchanged, as the real proxy does.
+here as it would there. The Authorization header is forwarded upstream unchanged, as the real proxy does. With `tls`
+it speaks HTTPS, as the real edge does, so a client that cannot verify a certificate fails here too.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 from collections.abc import Callable, Collection
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -45,6 +47,7 @@ class BearerProxy:
         public: bool = False,
         is_up: Callable[[], bool] = lambda: True,
         read_timeout: float = 300.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.target_port = target_port
         proxy = self
@@ -67,9 +70,9 @@ class BearerProxy:
 
             do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = do_OPTIONS = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = _EdgeServer(("127.0.0.1", 0), Handler, tls)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.1,), daemon=True)
 
     def start(self) -> BearerProxy:
@@ -98,6 +101,22 @@ class BearerProxy:
             handler.close_connection = True
         finally:
             upstream.close()
+
+
+class _EdgeServer(ThreadingHTTPServer):
+    """Serves plain HTTP, or HTTPS with `tls` (the handshake in each connection's own thread, as an edge does)."""
+
+    def __init__(self, address, handler, tls: ssl.SSLContext | None) -> None:
+        self.tls = tls
+        super().__init__(address, handler)
+
+    def finish_request(self, request, client_address) -> None:
+        if self.tls is not None:
+            request = self.tls.wrap_socket(request, server_side=True)
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that fails the handshake or hangs up: its own business, as on the real edge
 
 
 def bearer_ok(header: str | None, tokens: Collection[str]) -> bool:

@@ -23,6 +23,8 @@ Constructor (all keyword arguments optional):
     default_timeout    timeout of a job submitted without `timeoutSeconds` (the Hub's default is 30 min)
     keepalive          seconds between `: keep-alive` comments on a silent log stream (the Hub: 30). Keep it above
                        5 s: the client's non-follow log read ends on a 5 s silence, which a keep-alive would reset.
+    tls                a server context: exposed ports are then served over HTTPS (`https://127.0.0.1:<port>`), as
+                       the real `*.hf.jobs` edge serves them; clients must trust its CA (tests/support/tls.py)
 
 Switches (attributes, settable per test): `scheduling_delay` (above); `cancel_finished_status` (default 400: a cancel
 of a job that has ended is refused with this status and "Job ... is not running"; None accepts it).
@@ -97,6 +99,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -281,7 +284,9 @@ class EmulatedJob:
         self.ports = {port: free_port() for port in expose.get("ports") or []}
         self.argv = rewrite_ports(spec["command"], self.ports)
         self._proxies = [
-            BearerProxy(local, emulator.tokens, public=port in public, is_up=lambda: self.stage == "RUNNING").start()
+            BearerProxy(
+                local, emulator.tokens, public=port in public, is_up=lambda: self.stage == "RUNNING", tls=emulator.tls
+            ).start()
             for port, local in self.ports.items()
         ]
         self._events: list[tuple[datetime, str]] = []
@@ -469,8 +474,10 @@ class HubEmulator:
         kill_grace: float = 5.0,
         default_timeout: float = 1800.0,
         keepalive: float = 30.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.workdir = Path(workdir)
+        self.tls = tls
         self.tokens = frozenset(tokens)
         self.namespace = namespace
         self.user_id = hashlib.sha256(namespace.encode()).hexdigest()[:24]

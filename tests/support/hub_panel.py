@@ -7,17 +7,24 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from backend.context import PanelContext
 from backend.db import Database
 from tests.support.hub_emulator import HubEmulator
 from tests.support.moto_s3 import MotoS3Server
+from tests.support.tls import make_server_tls
 
 TOKEN = "hf_emulatortoken0123456789abcdef"  # a made-up token the emulator accepts; valid nowhere else
 OWNER = "tester"
 
 
-def start_emulator(tmp_path: Path) -> HubEmulator:
-    """The emulator, running jobs with this interpreter and the tiny demo model's cache."""
+def start_emulator(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> HubEmulator:
+    """The emulator, running jobs with this interpreter and the tiny demo model's cache, its exposed ports behind an
+    HTTPS edge whose CA the jobs and this process (through `monkeypatch`, for `requests`) trust."""
+    (tmp_path / "edge-ca").mkdir(exist_ok=True)
+    tls, ca_file = make_server_tls(tmp_path / "edge-ca")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(ca_file))
     env = {
         "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
         "HOME": str(tmp_path / "home"),
@@ -25,9 +32,11 @@ def start_emulator(tmp_path: Path) -> HubEmulator:
         "GRPO_MODEL_CACHE": os.environ.get("GRPO_MODEL_CACHE", str(Path.home() / ".cache/grpo-panel/models")),
         "NO_PROXY": "127.0.0.1,localhost",
         "HF_HUB_DISABLE_TELEMETRY": "1",
+        "SSL_CERT_FILE": str(ca_file),  # Python's ssl (the trainer's proxy client)
+        "REQUESTS_CA_BUNDLE": str(ca_file),  # requests (the policy audit)
     }
     (tmp_path / "jobtmp").mkdir(exist_ok=True)
-    hub = HubEmulator(tmp_path / "hub", tokens=(TOKEN,), namespace=OWNER, base_env=env, scheduling_delay=0.2)
+    hub = HubEmulator(tmp_path / "hub", tokens=(TOKEN,), namespace=OWNER, base_env=env, scheduling_delay=0.2, tls=tls)
     hub.base_env["HF_ENDPOINT"] = hub.url  # the trainer job cancels its replicas through the same (emulated) Hub
     return hub.start()
 
