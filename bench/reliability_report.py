@@ -58,7 +58,8 @@ REAL_SERVICES = (
     (
         "a bucket gateway answers a GET with a 302 to a presigned CDN URL that refuses a second auth mechanism",
         "`tests/support/bucket_gateway.py` (redirects clients it does not know)",
-        "tests/test_bootstrap.py::test_the_bundle_is_fetched_through_the_gateway_and_credentials_never_reach_the_cdn",
+        "tests/test_bootstrap.py::test_the_bundle_is_fetched_through_the_gateway_and_credentials_never_reach_the_cdn"
+        "[redirected-to-cdn]",
         "survived: redirect followed without the signature",
     ),
     (
@@ -75,9 +76,15 @@ REAL_SERVICES = (
     ),
     (
         "5xx; 429 with Retry-After; a 5xx after the job was created",
-        '`inject("5xx" | "429" | "5xx-after")`',
+        '`inject("5xx")`, `inject("429")`, `inject("5xx-after")`',
         LAUNCHERS + "test_hub_errors_are_retried_without_duplicate_jobs",
         "survived: retried; one job",
+    ),
+    (
+        "the job list ignores a label filter",
+        "`label_filters = False`",
+        LAUNCHERS + "test_a_retry_never_mistakes_another_job_for_its_own_when_the_hub_ignores_label_filters",
+        "survived: the label is checked on what comes back",
     ),
     (
         "429 with only the `RateLimit` header",

@@ -1021,10 +1021,61 @@ def _stale():
     argv = list(getattr(sys, "orig_argv", ()))
     if "-m" in argv and argv[argv.index("-m") + 1] == "jobs.replica" and "--index" in argv:
         if "replica-" + argv[argv.index("--index") + 1] == __ROLE__:
-            os.environ["GRPO_FAULT_SERVE_PREVIOUS_ADAPTER"] = "1"
+            os.environ["GRPO_FAULT_SERVE_PREVIOUS_ADAPTER"] = __MODE__
 
 _stale()
 """
+
+
+def launch_with_a_stale_replica(run: FaultRun, tmp_path: Path, mode: str) -> None:
+    """Launch `run` with STALE_REPLICA's engine serving the version before (`mode`: the fault switch's value)."""
+    hook = tmp_path / "stale-hook"
+    hook.mkdir()
+    source = STALE_HOOK.replace("__ROLE__", repr(STALE_REPLICA)).replace("__MODE__", repr(mode))
+    (hook / "sitecustomize.py").write_text(source)
+    with pytest.MonkeyPatch.context() as patch:  # only the jobs started here get the hook
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+        run.launch()
+
+
+def audit_verdicts(store: ObjectStore, run_id: str) -> tuple[dict[int, dict], dict[int, dict[str, str]]]:
+    """(audit record per version, {version: {role: verdict}})."""
+    records = (json.loads(store.get_bytes(info.key)) for info in store.list(layout.audit_prefix(run_id)))
+    audits = {record["version"]: record for record in records}
+    return audits, {v: {role: r["verdict"] for role, r in a["replicas"].items()} for v, a in sorted(audits.items())}
+
+
+HEAL_STEPS = 12
+
+
+def test_a_stale_replica_that_heals_after_its_clean_reload_is_readmitted_and_the_run_finishes(
+    tmp_path, record_property
+):
+    """Issue 13: the failure ejects the replica; the proxy re-admits it only after a clean re-load (every adapter
+    unloaded, every live version loaded again), which here heals it. From then on it passes every audit it takes
+    part in, the run trains to the end on both replicas, and nothing stops it."""
+    spec = demo_spec(
+        "fault-heal", f"file://{tmp_path / 'store'}", grpo={"max_steps": HEAL_STEPS, "audit_every": 1, "seed": 0}
+    )
+    run = FaultRun(tmp_path, spec)
+    store = LocalStore(tmp_path / "store")
+    try:
+        launch_with_a_stale_replica(run, tmp_path, "until-emptied")
+        final = run.finish()
+        orphans = run.processes.running()
+        report(record_property, "a replica serving v(N-1) under vN's name", orphans=len(orphans))
+        audits, verdicts = audit_verdicts(store, run.run_id)
+        print(f"healing replica: verdicts per version {verdicts}")
+        assert verdicts[2][STALE_REPLICA] == "stale" and "ejected_at" in audits[2]["replicas"][STALE_REPLICA]
+        after = [v for v in verdicts if v > 2 and STALE_REPLICA in verdicts[v]]
+        assert after and all(verdicts[v][STALE_REPLICA] == "match" for v in after), verdicts
+        assert all(by_role["replica-0"] == "match" for v, by_role in verdicts.items() if v > 1), verdicts
+        assert final.status == "finished", final.status_message
+        last = last_proxy_snapshot(store, run.run_id)
+        assert replica_stats(last, STALE_REPLICA)["ejections"] == 1
+        assert orphans == []
+    finally:
+        run.close()
 
 
 def test_a_replica_serving_the_previous_version_is_ejected_at_its_first_audit_and_stops_the_run_if_it_persists(
@@ -1032,26 +1083,17 @@ def test_a_replica_serving_the_previous_version_is_ejected_at_its_first_audit_an
 ):
     from jobs.trainer.audit import FAILURES_TO_STOP
 
-    hook = tmp_path / "stale-hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(STALE_HOOK.replace("__ROLE__", repr(STALE_REPLICA)))
     spec = demo_spec(
         "fault-stale", f"file://{tmp_path / 'store'}", grpo={"max_steps": STALE_MAX_STEPS, "audit_every": 1, "seed": 0}
     )
     run = FaultRun(tmp_path, spec)
     store = LocalStore(tmp_path / "store")
     try:
-        with pytest.MonkeyPatch.context() as patch:  # only the jobs started here get the hook
-            patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
-            run.launch()
+        launch_with_a_stale_replica(run, tmp_path, "1")
         final = run.finish()
         orphans = run.processes.running()
         report(record_property, "a replica serving v(N-1) under vN's name", orphans=len(orphans))
-        audits = {
-            a["version"]: a
-            for a in (json.loads(store.get_bytes(i.key)) for i in store.list(layout.audit_prefix(run.run_id)))
-        }
-        verdicts = {v: {role: r["verdict"] for role, r in a["replicas"].items()} for v, a in sorted(audits.items())}
+        audits, verdicts = audit_verdicts(store, run.run_id)
         print(f"stale replica: verdicts per version {verdicts}")
         # v1 is served honestly (the fault starts at the second load) and equals the base model (LoRA B starts at 0):
         # nothing tells them apart, and the record says so rather than passing or failing it.

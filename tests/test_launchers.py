@@ -234,6 +234,22 @@ def test_a_submission_whose_connection_is_reset_is_found_not_resubmitted(emulato
     launcher.cancel(job)
 
 
+def test_a_retry_never_mistakes_another_job_for_its_own_when_the_hub_ignores_label_filters(emulator, moto_server):
+    """The lost-answer retry looks its job up by a submission label. A Hub that ignored the label filter would list
+    every job of the namespace: the label is checked on what comes back, so the retry submits again instead of
+    taking another job (here an earlier replica's) for this one."""
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    launcher.retry = type(launcher.retry)(4, 0.05, 0.2)
+    spec = hub_spec("hub-labels", "some-bucket", moto_server.url)
+    earlier = launcher.start_job(spec, "replica-0", RunSecrets(TOKEN))
+    emulator.label_filters = False
+    emulator.inject("5xx", count=1, methods=["POST"])  # refused before it is created: nothing of it to find
+    job = launcher.start_job(spec, "replica-1", RunSecrets(TOKEN))
+    assert job.job_id != earlier.job_id
+    assert len([s for s in emulator.submissions if s.job_id is not None]) == 2
+    launcher.cancel_all([earlier, job])
+
+
 def test_a_429_with_only_the_ratelimit_header_is_waited_out_for_its_reset(emulator, moto_server, caplog):
     """The Hub documents `RateLimit: "api";r=0;t=N`, not `Retry-After`: the wait is the header's reset, not the
     generic back-off."""

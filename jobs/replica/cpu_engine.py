@@ -16,8 +16,10 @@ prefix cache across requests, so `/reset_prefix_cache` has nothing to do.
 
 Fault injection (tests only): with `GRPO_FAULT_SERVE_PREVIOUS_ADAPTER=1` in its environment the engine answers every
 adapter load with success but loads the adapter it was asked to load *before* (the first load is honest), so it keeps
-serving v(N-1) under vN's name: the stale replica the trainer's policy audit must catch (tests/test_faults.py). Only
-this engine reads the switch; vLLM replicas and the other jobs ignore it.
+serving v(N-1) under vN's name: the stale replica the trainer's policy audit must catch (tests/test_faults.py). With
+`GRPO_FAULT_SERVE_PREVIOUS_ADAPTER=until-emptied` the fault heals once every adapter has been unloaded (the proxy's
+clean re-load of an ejected replica does that; ordinary unloads of old versions never empty it). Only this engine
+reads the switch; vLLM replicas and the other jobs ignore it.
 """
 
 from __future__ import annotations
@@ -75,13 +77,21 @@ class ServedModel:
 class CpuEngineServer:
     """The HTTP routes; everything that touches the model goes through `BatchEngine`."""
 
-    def __init__(self, engine: BatchEngine, tokenizer: Any, served: ServedModel, serve_previous: bool = False):
+    def __init__(
+        self,
+        engine: BatchEngine,
+        tokenizer: Any,
+        served: ServedModel,
+        serve_previous: bool = False,
+        heal_when_emptied: bool = False,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.served = served
         self.started = int(time.time())
         self._token_texts: dict[int, str] = {}
         self.serve_previous = serve_previous  # the stale-replica fault (tests only): see the module docstring
+        self.heal_when_emptied = heal_when_emptied
         self._last_requested: Path | None = None
 
     def token_text(self, token: int) -> str:
@@ -273,6 +283,9 @@ class CpuEngineServer:
         if not self.engine.unload_adapter(name):
             return error_response(404, f"The lora adapter '{name}' cannot be found.")
         log.info("unloaded LoRA adapter %s", name)
+        if self.serve_previous and self.heal_when_emptied and not self.engine.adapters():
+            self.serve_previous = False
+            log.warning("fault injection (%s): healed, every adapter unloaded", ENV_FAULT_SERVE_PREVIOUS)
         return success_text(f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ---- generation ------------------------------------------------------------------------------------------
@@ -616,7 +629,9 @@ async def serve(args: argparse.Namespace) -> None:
         prefill_sharing=not args.no_prefill_sharing,
     )
     engine.start()
-    server = CpuEngineServer(engine, tokenizer, served, serve_previous=os.environ.get(ENV_FAULT_SERVE_PREVIOUS) == "1")
+    fault = os.environ.get(ENV_FAULT_SERVE_PREVIOUS)
+    stale, heals = fault in ("1", "until-emptied"), fault == "until-emptied"
+    server = CpuEngineServer(engine, tokenizer, served, serve_previous=stale, heal_when_emptied=heals)
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -27,7 +27,8 @@ Constructor (all keyword arguments optional):
                        the real `*.hf.jobs` edge serves them; clients must trust its CA (tests/support/tls.py)
 
 Switches (attributes, settable per test): `scheduling_delay` (above); `cancel_finished_status` (default 400: a cancel
-of a job that has ended is refused with this status and "Job ... is not running"; None accepts it).
+of a job that has ended is refused with this status and "Job ... is not running"; None accepts it); `label_filters`
+(False: `?label=` filters are ignored and the whole namespace is listed).
 
 Endpoints. Every known route demands `Authorization: Bearer <token>` (else 401 with `{"error": ...}` and
 `X-Error-Message`, as the Hub answers; the client raises `HfHubHTTPError`):
@@ -490,6 +491,9 @@ class HubEmulator:
         # The answer to cancelling a job that has ended (None: accept it, as if it were running). Whether the real Hub
         # refuses is undocumented: refusing is the harsher guess, so it is the default.
         self.cancel_finished_status: int | None = 400
+        # Whether `?label=k=v` filters the job list. The filter is undocumented server behaviour: with it off, a
+        # client that trusts it mistakes any job for the one it looks for.
+        self.label_filters = True
         self._jobs: dict[str, EmulatedJob] = {}
         self.repos: dict[str, dict[str, bytes]] = {}  # model repos (created through the API, or by a test): id -> files
         self.repo_parameters: dict[str, int] = {}  # a model's parameter count, as model info's `safetensors` says
@@ -673,7 +677,9 @@ class HubEmulator:
             job.to_json()
             for job in jobs
             if (not stages or job.stage in stages)
-            and all((job.spec.get("labels") or {}).get(key) == value for key, value in labels)
+            and (
+                not self.label_filters or all((job.spec.get("labels") or {}).get(key) == value for key, value in labels)
+            )
         ]
 
     def find_job(self, namespace: str, job_id: str) -> EmulatedJob | None:
