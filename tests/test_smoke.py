@@ -106,6 +106,19 @@ def test_a_rejected_token_fails_before_any_job_is_submitted(panel, emulator, mot
     assert emulator.submissions == [] and report.cost_usd is None
 
 
+def test_wrong_bucket_keys_fail_the_first_step_saying_so_and_submit_nothing(panel, emulator, moto_server):
+    keys = moto_server.credentials
+    wrong = panel.ctx.vault.save(
+        OWNER, "wrong", "s3", {"access_key_id": keys.access_key_id, "secret_access_key": "not-the-secret-0000"}
+    )
+    spec = hub_demo_spec("smoke-keys", panel.bucket, moto_server.url, OWNER)
+    report = SmokeTest(panel.ctx, OWNER).run(spec, wrong.id, panel.hf_credential_id)
+    assert [step.ok for step in report.steps] == [False]
+    assert report.failed.name == "upload the spec and the code bundle"
+    assert "not-the-secret" not in report.failed.detail and report.failed.detail, report.failed.detail
+    assert emulator.submissions == []
+
+
 def test_the_smoke_command_prints_each_step_and_passes(tmp_path, emulator, moto_server):
     """What a user runs first on their own account: `python -m backend smoke` with credentials saved by name."""
     data = tmp_path / "cli"
