@@ -8,12 +8,15 @@ Chromium) turns CI red rather than green with less tested.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
 from jobs.contract import parse_storage_uri
 from jobs.secrets import install_log_redaction
 from jobs.store import LocalStore, S3Store
+from tests.support.hub_emulator import HubEmulator
+from tests.support.hub_panel import start_emulator
 from tests.support.moto_s3 import MotoS3Server
 from tests.support.proxy_harness import start_harness, write_adapter
 
@@ -72,6 +75,14 @@ def moto_server():
     server = MotoS3Server().start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def emulator(tmp_path, monkeypatch) -> Iterator[HubEmulator]:
+    """The Hub Jobs emulator running jobs with this interpreter, its exposed ports behind an HTTPS edge."""
+    hub = start_emulator(tmp_path, monkeypatch)
+    yield hub
+    hub.close()
 
 
 @pytest.fixture

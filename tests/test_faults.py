@@ -28,7 +28,9 @@ import sys
 import sysconfig
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -1027,15 +1029,41 @@ _stale()
 """
 
 
-def launch_with_a_stale_replica(run: FaultRun, tmp_path: Path, mode: str) -> None:
-    """Launch `run` with STALE_REPLICA's engine serving the version before (`mode`: the fault switch's value)."""
+@dataclass
+class StaleRun:
+    """What a run with a stale replica left: its final row, its store, the processes left, and its audits."""
+
+    run_id: str
+    final: Run
+    store: LocalStore
+    orphans: list[int]
+    audits: dict[int, dict]
+    verdicts: dict[int, dict[str, str]]
+
+
+@contextmanager
+def stale_replica_run(tmp_path: Path, run_id: str, steps: int, mode: str, record_property) -> Iterator[StaleRun]:
+    """Run the demo to its end with STALE_REPLICA's engine serving the version before (`mode`: the fault switch's
+    value), auditing every version; what it left, recorded for the reliability report."""
     hook = tmp_path / "stale-hook"
     hook.mkdir()
     source = STALE_HOOK.replace("__ROLE__", repr(STALE_REPLICA)).replace("__MODE__", repr(mode))
     (hook / "sitecustomize.py").write_text(source)
-    with pytest.MonkeyPatch.context() as patch:  # only the jobs started here get the hook
-        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
-        run.launch()
+    spec = demo_spec(run_id, f"file://{tmp_path / 'store'}", grpo={"max_steps": steps, "audit_every": 1, "seed": 0})
+    run = FaultRun(tmp_path, spec)
+    store = LocalStore(tmp_path / "store")
+    try:
+        with pytest.MonkeyPatch.context() as patch:  # only the jobs started here get the hook
+            patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
+            run.launch()
+        final = run.finish()
+        orphans = run.processes.running()
+        report(record_property, "a replica serving v(N-1) under vN's name", orphans=len(orphans))
+        audits, verdicts = audit_verdicts(store, run_id)
+        print(f"{run_id}: verdicts per version {verdicts}")
+        yield StaleRun(run_id, final, store, orphans, audits, verdicts)
+    finally:
+        run.close()
 
 
 def audit_verdicts(store: ObjectStore, run_id: str) -> tuple[dict[int, dict], dict[int, dict[str, str]]]:
@@ -1054,28 +1082,16 @@ def test_a_stale_replica_that_heals_after_its_clean_reload_is_readmitted_and_the
     """Issue 13: the failure ejects the replica; the proxy re-admits it only after a clean re-load (every adapter
     unloaded, every live version loaded again), which here heals it. From then on it passes every audit it takes
     part in, the run trains to the end on both replicas, and nothing stops it."""
-    spec = demo_spec(
-        "fault-heal", f"file://{tmp_path / 'store'}", grpo={"max_steps": HEAL_STEPS, "audit_every": 1, "seed": 0}
-    )
-    run = FaultRun(tmp_path, spec)
-    store = LocalStore(tmp_path / "store")
-    try:
-        launch_with_a_stale_replica(run, tmp_path, "until-emptied")
-        final = run.finish()
-        orphans = run.processes.running()
-        report(record_property, "a replica serving v(N-1) under vN's name", orphans=len(orphans))
-        audits, verdicts = audit_verdicts(store, run.run_id)
-        print(f"healing replica: verdicts per version {verdicts}")
-        assert verdicts[2][STALE_REPLICA] == "stale" and "ejected_at" in audits[2]["replicas"][STALE_REPLICA]
+    with stale_replica_run(tmp_path, "fault-heal", HEAL_STEPS, "until-emptied", record_property) as seen:
+        verdicts, stale = seen.verdicts, seen.audits[2]["replicas"][STALE_REPLICA]
+        assert verdicts[2][STALE_REPLICA] == "stale" and "ejected_at" in stale
         after = [v for v in verdicts if v > 2 and STALE_REPLICA in verdicts[v]]
         assert after and all(verdicts[v][STALE_REPLICA] == "match" for v in after), verdicts
         assert all(by_role["replica-0"] == "match" for v, by_role in verdicts.items() if v > 1), verdicts
-        assert final.status == "finished", final.status_message
-        last = last_proxy_snapshot(store, run.run_id)
+        assert seen.final.status == "finished", seen.final.status_message
+        last = last_proxy_snapshot(seen.store, seen.run_id)
         assert replica_stats(last, STALE_REPLICA)["ejections"] == 1
-        assert orphans == []
-    finally:
-        run.close()
+        assert seen.orphans == []
 
 
 def test_a_replica_serving_the_previous_version_is_ejected_at_its_first_audit_and_stops_the_run_if_it_persists(
@@ -1083,18 +1099,8 @@ def test_a_replica_serving_the_previous_version_is_ejected_at_its_first_audit_an
 ):
     from jobs.trainer.audit import FAILURES_TO_STOP
 
-    spec = demo_spec(
-        "fault-stale", f"file://{tmp_path / 'store'}", grpo={"max_steps": STALE_MAX_STEPS, "audit_every": 1, "seed": 0}
-    )
-    run = FaultRun(tmp_path, spec)
-    store = LocalStore(tmp_path / "store")
-    try:
-        launch_with_a_stale_replica(run, tmp_path, "1")
-        final = run.finish()
-        orphans = run.processes.running()
-        report(record_property, "a replica serving v(N-1) under vN's name", orphans=len(orphans))
-        audits, verdicts = audit_verdicts(store, run.run_id)
-        print(f"stale replica: verdicts per version {verdicts}")
+    with stale_replica_run(tmp_path, "fault-stale", STALE_MAX_STEPS, "1", record_property) as seen:
+        final, store, orphans, audits, verdicts = seen.final, seen.store, seen.orphans, seen.audits, seen.verdicts
         # v1 is served honestly (the fault starts at the second load) and equals the base model (LoRA B starts at 0):
         # nothing tells them apart, and the record says so rather than passing or failing it.
         assert verdicts[1] == {"replica-0": "inconclusive", STALE_REPLICA: "inconclusive"}
@@ -1103,7 +1109,7 @@ def test_a_replica_serving_the_previous_version_is_ejected_at_its_first_audit_an
         assert first["verdict"] == "stale" and "serves v1 under v2's name" in first["why"], first
         assert first["distance"]["previous"] <= audits[2]["tolerance"] < first["distance"]["current"]
         assert "ejected_at" in first, first
-        published = read_manifest(store, layout.adapter_prefix(run.run_id, 2)).created
+        published = read_manifest(store, layout.adapter_prefix(seen.run_id, 2)).created
         to_ejection = first["ejected_at"] - published
         record_property("stale_to_ejection_s", round(to_ejection, 2))
         print(f"stale replica: v2 published -> {STALE_REPLICA} ejected in {to_ejection:.1f}s")
@@ -1120,20 +1126,18 @@ def test_a_replica_serving_the_previous_version_is_ejected_at_its_first_audit_an
         giving_up = failed[FAILURES_TO_STOP - 1]
         assert len(failed) in (FAILURES_TO_STOP, FAILURES_TO_STOP + 1) and max(audits) <= giving_up + 1, verdicts
         assert audits[giving_up]["step"] >= audits[failed[0]]["step"] + FAILURES_TO_STOP - 1
-        last = last_proxy_snapshot(store, run.run_id)
+        last = last_proxy_snapshot(store, seen.run_id)
         assert replica_stats(last, STALE_REPLICA)["ejections"] == len(failed)
         assert replica_stats(last, "replica-0")["ejections"] == 0
         # ... then stopped with a checkpoint and failed, saying which replica and why.
         assert final.status == "failed"
         assert f"{STALE_REPLICA} failed the policy audit {FAILURES_TO_STOP} times in a row" in final.status_message
         assert f"serves v{giving_up - 1} under v{giving_up}'s name" in final.status_message
-        steps = [layout.parse_checkpoint_dir(n) for n in list_published(store, layout.checkpoints_prefix(run.run_id))]
+        steps = [layout.parse_checkpoint_dir(n) for n in list_published(store, layout.checkpoints_prefix(seen.run_id))]
         assert max(filter(None, steps), default=0) >= audits[giving_up]["step"] + 1
-        events = stream_records(store, run.run_id, "events")
+        events = stream_records(store, seen.run_id, "events")
         ejections = [e for e in events if e["kind"] == "replica_ejected"]
         assert [e["version"] for e in ejections] == failed and all(e["role"] == STALE_REPLICA for e in ejections)
-        trainer = json.loads(store.get_bytes(layout.status_key(run.run_id, "trainer")))
+        trainer = json.loads(store.get_bytes(layout.status_key(seen.run_id, "trainer")))
         assert trainer["phase"] == "failed" and sorted(trainer["replicas_stopped"]) == ["replica-0", "replica-1"]
         assert orphans == []
-    finally:
-        run.close()

@@ -36,19 +36,12 @@ from jobs.contract import layout, parse_spec
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import S3Store, list_published, open_store
-from tests.support.hub_panel import OWNER, TOKEN, start_emulator
+from tests.support.hub_panel import OWNER, TOKEN
 from tests.support.hub_panel import hub_panel as hub_panel_of
 from tests.support.runs import follow_to_end, hub_demo_spec
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def emulator(tmp_path, monkeypatch):
-    hub = start_emulator(tmp_path, monkeypatch)
-    yield hub
-    hub.close()
 
 
 @pytest.fixture

@@ -16,20 +16,13 @@ from backend.db import Database
 from backend.services.smoke import SmokeTest
 from jobs.contract import layout, parse_storage_uri
 from jobs.store import open_store
-from tests.support.hub_panel import OWNER, TOKEN, start_emulator
+from tests.support.hub_panel import OWNER, TOKEN
 from tests.support.hub_panel import hub_panel as hub_panel_of
 from tests.support.runs import hub_demo_spec
 from tests.support.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI_OWNER = "local"  # the owner `python -m backend` acts as
-
-
-@pytest.fixture
-def emulator(tmp_path, monkeypatch):
-    hub = start_emulator(tmp_path, monkeypatch)
-    yield hub
-    hub.close()
 
 
 @pytest.fixture
@@ -98,7 +91,8 @@ def test_a_flavor_that_never_comes_fails_the_smoke_test_at_the_queue_and_names_t
 
 
 def test_a_rejected_token_fails_before_any_job_is_submitted(panel, emulator, moto_server):
-    bad = panel.ctx.vault.save(OWNER, "stale", "hf_token", "hf_revokedtoken000000000000000000")
+    revoked = "hf_revokedtoken000000000000000000"  # made up: a token the emulator does not accept, valid nowhere
+    bad = panel.ctx.vault.save(OWNER, "stale", "hf_token", revoked)
     spec = hub_demo_spec("smoke-token", panel.bucket, moto_server.url, OWNER)
     report = SmokeTest(panel.ctx, OWNER).run(spec, panel.store_credential_id, bad.id)
     assert [step.ok for step in report.steps] == [False]
