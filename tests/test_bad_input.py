@@ -86,7 +86,7 @@ class Gate:
     def check(self, data: dict[str, Any], **credentials: int | None) -> Preflight:
         return run_preflight(self.ctx, OWNER, data, sandbox=SANDBOX, **credentials)
 
-    def assert_nothing_submitted(self, children_before: set[int]) -> None:
+    def assert_nothing_submitted(self, children_before: dict[int, str]) -> None:
         with self.ctx.db.session() as session:
             assert session.exec(select(Run)).all() == [], "a run was recorded"
             assert session.exec(select(Job)).all() == [], "a job was recorded"
@@ -98,15 +98,35 @@ class Gate:
         if self.bucket is not None:
             listed = self.bucket_client.list_objects_v2(Bucket=self.bucket).get("Contents", [])
             assert [item["Key"] for item in listed] == [], "something was left in the bucket"
-        assert live_children() - children_before == set(), "a process was left running"
+        assert started_since(children_before) == {}, "a process was left running"
 
 
-def live_children() -> set[int]:
-    alive = set()
-    for child in psutil.Process().children(recursive=True):
+def live_children() -> dict[int, str]:
+    """This test process's live children, by pid, with their command lines (to say which one was left)."""
+    return _alive(psutil.Process().children())
+
+
+def started_since(children_before: dict[int, str]) -> dict[int, str]:
+    """The live processes this test process started since `children_before` was taken, with their descendants.
+
+    Descendants of older children are not counted: the browser tests' panel and Chromium live for the whole session
+    and start and end processes of their own at any moment."""
+    new = [child for child in psutil.Process().children() if child.pid not in children_before]
+    descendants = []
+    for child in new:
         try:
-            if child.status() != psutil.STATUS_ZOMBIE:
-                alive.add(child.pid)
+            descendants.extend(child.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+    return _alive([*new, *descendants])
+
+
+def _alive(processes: list[psutil.Process]) -> dict[int, str]:
+    alive = {}
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive[process.pid] = " ".join(process.cmdline())
         except psutil.NoSuchProcess:
             pass
     return alive

@@ -30,7 +30,9 @@ def screenshot(page: Page, name: str) -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
     time.sleep(0.5)  # let plotly finish its transitions
-    page.screenshot(path=str(path), full_page=True)
+    # A long page redrawn every second, beside a training run on two cores, can take longer to capture than an
+    # interaction is given; still frames (no CSS animations) and a longer limit keep the artifact from failing a test.
+    page.screenshot(path=str(path), full_page=True, animations="disabled", timeout=3 * TIMEOUT_MS)
     return path
 
 
