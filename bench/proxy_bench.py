@@ -1,7 +1,8 @@
 """Proxy benchmark: routing quality measured at the replicas, added latency, throughput, adapter sync.
 
-    .venv/bin/python bench/proxy_bench.py            # everything, ~5 minutes on 2 cores
+    .venv/bin/python bench/proxy_bench.py            # everything, ~10 minutes on 2 cores
     .venv/bin/python bench/proxy_bench.py --only routing,sync --json figures.json
+    .venv/bin/python bench/proxy_bench.py --only throughput --baseline <git revision>
 
 Every part runs real processes on loopback: simulated replicas (tests/support/fake_replica.py: a vLLM-shaped prefix
 cache, prefill charged per uncached prompt token, decode per generated token), `python -m jobs.proxy`, and a client
@@ -11,13 +12,15 @@ in this process that speaks to them with aiohttp, as TRL's rollout worker does.
    math problems (60-400 tokens), admitted the way TRL 1.16's rollout worker admits them (each rollout takes the next
    free slot on its own), an adapter version change every 4 x 128 completions (pause, load, resume, unload as TRL
    does). Prompt tokens the replicas computed are compared with the minimum: what one replica with an unbounded
-   prefix cache would compute for the same request sequence, a lower bound for any routing. Run with the proxy's
-   default rule and with the public recipe's strict imbalance rule (--group-allowance 0), for 2 and 3 replicas at
-   128 and 384 requests in flight.
+   prefix cache would compute for the same request sequence, a lower bound for any routing. Two workloads: "grpo"
+   (completions of 20-200 tokens, ~1,000 a second) and "short" (16-token completions that last a few milliseconds,
+   as fast as client and proxy can drive them). Run with the proxy's default rule and with the public recipe's
+   strict imbalance rule (--group-allowance 0 --lead-over least), for 2 and 3 replicas at 128 and 384 in flight.
 2. Added latency of one hop, against sending straight to a replica: at 1 in flight (zero-cost replica) and at 384 in
    flight with service times of 0.2-1.6 s (each request's time derived from its seed, so both paths get the same).
 3. Throughput with a zero-cost replica at 128 in flight, proxied vs direct, and the proxy's CPU time per request;
-   beside them a bare relay (no parsing, no routing) on the same asyncio transports, the floor for any Python relay.
+   beside them the same proxy on asyncio's own loop instead of uvloop, the proxy of an earlier git revision
+   (--baseline), and a bare relay (no parsing, no routing) on asyncio transports, the floor for a Python relay.
 4. Adapter sync: publish a 10 MB adapter and broadcast it to 3 replicas that fetch it from a moto S3 server; 50 syncs.
 
 Direct and proxied runs alternate in short rounds because this machine's CPU speed drifts by up to 2x over minutes.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -74,9 +78,9 @@ class Processes:
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
         self.children: list[subprocess.Popen] = []
 
-    def start(self, *args: str, log: Path) -> subprocess.Popen:
+    def start(self, *args: str, log: Path, cwd: Path = ROOT) -> subprocess.Popen:
         handle = open(log, "w")  # noqa: SIM115 - closed with the process
-        process = subprocess.Popen([sys.executable, *args], cwd=ROOT, env=self.env, stdout=handle, stderr=handle)
+        process = subprocess.Popen([sys.executable, *args], cwd=cwd, env=self.env, stdout=handle, stderr=handle)
         self.children.append(process)
         return process
 
@@ -126,6 +130,43 @@ class Cluster:
     urls: list[str]
     proxy_process: subprocess.Popen
     replica_processes: list[subprocess.Popen]
+    processes: Processes
+    spec_uri: str
+    workdir: Path
+
+    def start_proxy(self, name: str, program: tuple[str, ...] = ("-m", "jobs.proxy"), cwd: Path = ROOT):
+        """Another proxy in front of the same replicas (a variant to compare): its URL and process."""
+        return start_proxy(self.processes, self.workdir, self.spec_uri, self.urls, [], name, program, cwd)
+
+
+def start_proxy(
+    processes: Processes,
+    workdir: Path,
+    spec_uri: str,
+    urls: list[str],
+    proxy_args: list[str],
+    name: str = "proxy",
+    program: tuple[str, ...] = ("-m", "jobs.proxy"),
+    cwd: Path = ROOT,
+) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    upstreams = [arg for url in urls for arg in ("--upstream", url)]
+    process = processes.start(
+        *program,
+        "--spec",
+        spec_uri,
+        "--port",
+        str(port),
+        "--stats-period",
+        "3600",
+        *upstreams,
+        *proxy_args,
+        log=workdir / f"{name.replace(' ', '-')}.log",
+        cwd=cwd,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url + "/health")
+    return url, process
 
 
 @contextmanager
@@ -154,24 +195,8 @@ def cluster(workdir: Path, replicas: int, replica_args: list[str], proxy_args: l
             run_id = "bench-" + os.urandom(3).hex()
             store.put_bytes(layout.spec_key(run_id), RunSpec(run_id=run_id).to_json().encode())
             spec_uri = f"file://{store.root}/{layout.spec_key(run_id)}"
-        port = free_port()
-        upstreams = [arg for url in urls for arg in ("--upstream", url)]
-        proxy = processes.start(
-            "-m",
-            "jobs.proxy",
-            "--spec",
-            spec_uri,
-            "--port",
-            str(port),
-            "--stats-period",
-            "3600",
-            *upstreams,
-            *proxy_args,
-            log=workdir / "proxy.log",
-        )
-        proxy_url = f"http://127.0.0.1:{port}"
-        wait_ready(proxy_url + "/health")
-        yield Cluster(proxy_url, urls, proxy, children)
+        proxy_url, proxy = start_proxy(processes, workdir, spec_uri, urls, proxy_args)
+        yield Cluster(proxy_url, urls, proxy, children, processes, spec_uri, workdir)
     finally:
         processes.stop()
 
@@ -206,7 +231,29 @@ def minimum_computed(issued: list[tuple[int, int]], prompts: list[list[int]]) ->
     return computed, cached
 
 
-async def grpo_epoch(proxy: str, inflight: int, prompts: list[list[int]], adapter: Path) -> list[tuple[int, int]]:
+@dataclass(frozen=True)
+class Workload:
+    """How long completions are and what the simulated replicas charge for them."""
+
+    name: str
+    completion_tokens: tuple[int, int]  # drawn uniformly per request
+
+    def replica_args(self, inflight: int) -> list[str]:
+        if self.name == "short":
+            # A request lasts a few milliseconds: the rate is as high as the client and proxy can drive, and
+            # in-flight counts turn over many times while one GRPO group is being admitted.
+            return ["--prefill-s", "0.000002", "--decode-s", "0.0002", "--cache-blocks", "16384"]
+        # ~1,000 completions/s whatever the concurrency: mean service = in flight / 1000 s.
+        decode = inflight / 1000 / 110
+        return ["--prefill-s", "0.00002", "--decode-s", f"{decode:.6f}", "--cache-blocks", "16384"]
+
+
+WORKLOADS = (Workload("grpo", (20, 200)), Workload("short", (16, 16)))
+
+
+async def grpo_epoch(
+    proxy: str, inflight: int, prompts: list[list[int]], adapter: Path, workload: Workload = WORKLOADS[0]
+) -> list[tuple[int, int]]:
     """Replay one epoch the way TRL's rollout worker admits rollouts; returns (version, prompt) in issue order."""
     rng = random.Random(1)
     rollouts = iter([(index, k) for index in range(len(prompts)) for k in range(GENERATIONS)])
@@ -233,7 +280,7 @@ async def grpo_epoch(proxy: str, inflight: int, prompts: list[list[int]], adapte
             body = {
                 "model": f"trl-policy-v{version}",
                 "prompt": prompts[index],
-                "max_tokens": rng.randint(20, 200),
+                "max_tokens": rng.randint(*workload.completion_tokens),
                 "temperature": 1.0,
                 "top_p": 1.0,
                 "top_k": 0,
@@ -280,49 +327,54 @@ def bench_routing(workdir: Path, quick: bool) -> list[dict]:
         prompts = prompts[:300]
     adapter = write_adapter(workdir / "adapter")
     results = []
-    for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384)):
-        for rule, args in (("proxy", []), ("recipe rule", ["--group-allowance", "0"])):
-            # ~1,000 completions/s whatever the concurrency: mean service = in flight / 1000 s.
-            decode = inflight / 1000 / 110
-            replica_args = ["--prefill-s", "0.00002", "--decode-s", f"{decode:.6f}", "--cache-blocks", "16384"]
-            with cluster(workdir, replicas, replica_args, args) as running:
-                started, cpu = time.monotonic(), cpu_seconds(running.proxy_process.pid)
-                issued = asyncio.run(grpo_epoch(running.proxy, inflight, prompts, adapter))
-                elapsed, cpu = time.monotonic() - started, cpu_seconds(running.proxy_process.pid) - cpu
-                counters = [http_json("GET", url + "/fake/stats") for url in running.urls]
-                routing = http_json("GET", running.proxy + "/proxy/stats")["routing"]
-            computed = sum(counter["computed_tokens"] for counter in counters)
-            cached = sum(counter["cached_requests"] for counter in counters)
-            requests = sum(counter["requests"] for counter in counters)
-            least, least_cached = minimum_computed(issued, prompts)
-            per_replica = [counter["requests"] for counter in counters]
-            results.append(
-                {
-                    "replicas": replicas,
-                    "inflight": inflight,
-                    "rule": rule,
-                    "requests": requests,
-                    "prompt_tokens": sum(counter["prompt_tokens"] for counter in counters),
-                    "computed_tokens": computed,
-                    "minimum_tokens": least,
-                    "above_minimum_pct": 100 * (computed - least) / least,
-                    "cached_share_pct": 100 * cached / requests,
-                    "ideal_cached_share_pct": 100 * least_cached / requests,
-                    "spilled_pct": 100 * routing["spilled"] / routing["routed"],
-                    "proxy_affinity_pct": 100 * routing["affinity"] / routing["routed"],
-                    "proxy_unmatched_pct": 100 * routing["unmatched"] / routing["routed"],
-                    "balance": max(per_replica) / min(per_replica),
-                    "seconds": elapsed,
-                    "proxy_cpu_us_per_request": 1e6 * cpu / requests,
-                }
-            )
-            print(_routing_line(results[-1]), flush=True)
+    grid = [
+        (workload, replicas, inflight, rule)
+        for workload in WORKLOADS
+        for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384))
+        for rule in ("proxy", "recipe rule")
+    ]
+    for workload, replicas, inflight, rule in grid:
+        args = ["--group-allowance", "0", "--lead-over", "least"] if rule == "recipe rule" else []
+        with cluster(workdir, replicas, workload.replica_args(inflight), args) as running:
+            started, cpu = time.monotonic(), cpu_seconds(running.proxy_process.pid)
+            issued = asyncio.run(grpo_epoch(running.proxy, inflight, prompts, adapter, workload))
+            elapsed, cpu = time.monotonic() - started, cpu_seconds(running.proxy_process.pid) - cpu
+            counters = [http_json("GET", url + "/fake/stats") for url in running.urls]
+            routing = http_json("GET", running.proxy + "/proxy/stats")["routing"]
+        computed = sum(counter["computed_tokens"] for counter in counters)
+        cached = sum(counter["cached_requests"] for counter in counters)
+        requests = sum(counter["requests"] for counter in counters)
+        least, least_cached = minimum_computed(issued, prompts)
+        per_replica = [counter["requests"] for counter in counters]
+        results.append(
+            {
+                "workload": workload.name,
+                "replicas": replicas,
+                "inflight": inflight,
+                "rule": rule,
+                "requests": requests,
+                "prompt_tokens": sum(counter["prompt_tokens"] for counter in counters),
+                "computed_tokens": computed,
+                "minimum_tokens": least,
+                "above_minimum_pct": 100 * (computed - least) / least,
+                "cached_share_pct": 100 * cached / requests,
+                "ideal_cached_share_pct": 100 * least_cached / requests,
+                "spilled_pct": 100 * routing["spilled"] / routing["routed"],
+                "proxy_affinity_pct": 100 * routing["affinity"] / routing["routed"],
+                "proxy_unmatched_pct": 100 * routing["unmatched"] / routing["routed"],
+                "balance": max(per_replica) / min(per_replica),
+                "seconds": elapsed,
+                "proxy_cpu_us_per_request": 1e6 * cpu / requests,
+            }
+        )
+        print(_routing_line(results[-1]), flush=True)
     return results
 
 
 def _routing_line(row: dict) -> str:
     return (
-        f"  {row['replicas']} replicas, {row['inflight']:>3} in flight, {row['rule']:<11}: computed "
+        f"  {row['workload']:<5} {row['replicas']} replicas, {row['inflight']:>3} in flight, {row['rule']:<11}: "
+        "computed "
         f"{row['above_minimum_pct']:5.2f}% above minimum, prompt cached for {row['cached_share_pct']:.1f}% "
         f"(ideal {row['ideal_cached_share_pct']:.1f}%), spilled {row['spilled_pct']:.2f}%, "
         f"balance {row['balance']:.3f}, {row['seconds']:.0f}s"
@@ -474,31 +526,50 @@ def _latency_line(what: str, row: dict) -> str:
     )
 
 
-def bench_throughput(workdir: Path, quick: bool) -> dict:
+# Run as a program: the proxy with uvloop made unimportable, so it runs on asyncio's own loop.
+_WITHOUT_UVLOOP = (
+    "-c",
+    "import runpy, sys; sys.modules['uvloop'] = None; "
+    "runpy.run_module('jobs.proxy', run_name='__main__', alter_sys=True)",
+)
+
+
+def bench_throughput(workdir: Path, quick: bool, baseline: str | None = None) -> dict:
+    """Proxied vs direct at 128 in flight. Beside today's proxy: the same on asyncio's loop instead of uvloop, the
+    proxy of git revision `baseline` (if given) and a bare relay, each a process in front of the same replica."""
     prompts = make_prompts()
     rng = random.Random(3)
     adapter = write_adapter(workdir / "adapter")
     rounds, count = (3, 2000) if quick else (6, 4000)
     with cluster(workdir, 1, [], []) as running:
         proxy, replica = running.proxy, running.urls[0]
-        http_json("POST", proxy + "/v1/load_lora_adapter", {"lora_name": "trl-policy-v1", "lora_path": str(adapter)})
-        served = next(item["id"] for item in http_json("GET", replica + "/v1/models")["data"] if item["parent"])
+        served = None
         relay_port = free_port()
         relay = subprocess.Popen(
             [sys.executable, __file__, "--bare-relay", str(relay_port), replica.rsplit(":", 1)[1]], cwd=ROOT
         )
         try:
+            proxies = [("proxied", proxy, running.proxy_process)]
+            proxies.append(("proxied, asyncio loop", *running.start_proxy("asyncio loop", _WITHOUT_UVLOOP)))
+            if baseline:
+                proxies.append((f"proxied at {baseline}", *running.start_proxy("baseline", cwd=checkout(baseline))))
+            for _, url, _ in proxies:
+                http_json(
+                    "POST", url + "/v1/load_lora_adapter", {"lora_name": "trl-policy-v1", "lora_path": str(adapter)}
+                )
+            served = next(item["id"] for item in http_json("GET", replica + "/v1/models")["data"] if item["parent"])
             wait_port(relay_port)
             modes = (
                 ("direct", replica, served, None),
-                ("proxied", proxy, "trl-policy-v1", running.proxy_process),
+                *((name, url, "trl-policy-v1", process) for name, url, process in proxies),
                 ("bare relay", f"http://127.0.0.1:{relay_port}", served, relay),
             )
             # Rollouts come 8 to a prompt, as in GRPO (the proxy remembers a prompt's block hashes).
             for _, url, model, _ in modes:  # warm up
                 asyncio.run(timed_requests(url, [_body(rng, model, p) for p in prompts[:50] for _ in range(8)], 64))
             rates: dict[str, list[float]] = {mode: [] for mode, *_ in modes}
-            cpu: dict[str, list[float]] = {"client": [], "replica": [], "proxied": [], "bare relay": []}
+            cpu: dict[str, list[float]] = {"client": [], "replica": []}
+            cpu.update({mode: [] for mode, _, _, child in modes if child})
             for _ in range(rounds):
                 chosen = [p for p in rng.sample(prompts, count // 8) for _ in range(GENERATIONS)]
                 for mode, url, model, child in modes:
@@ -516,31 +587,45 @@ def bench_throughput(workdir: Path, quick: bool) -> dict:
         finally:
             relay.terminate()
             relay.wait(timeout=10)
-    ratios = [p / d for p, d in zip(rates["proxied"], rates["direct"], strict=True)]
-    bare = [b / d for b, d in zip(rates["bare relay"], rates["direct"], strict=True)]
     costs = {name: statistics.median(values) for name, values in cpu.items()}
+    direct = _two_core_rate(costs["client"], costs["replica"])
     result = {
-        "ratio_median": statistics.median(ratios),
-        "ratios": ratios,
-        "bare_relay_ratio_median": statistics.median(bare),
         "direct_rps_median": statistics.median(rates["direct"]),
-        "proxied_rps_median": statistics.median(rates["proxied"]),
         "cpu_us_per_request": costs,
-        # What the CPU costs alone predict on 2 cores, free of the drift of wall-clock rates on a shared machine.
-        "ratio_from_cpu": _two_core_rate(costs["client"], costs["replica"], costs["proxied"])
-        / _two_core_rate(costs["client"], costs["replica"]),
-        "bare_relay_ratio_from_cpu": _two_core_rate(costs["client"], costs["replica"], costs["bare relay"])
-        / _two_core_rate(costs["client"], costs["replica"]),
+        "variants": {
+            mode: {
+                "ratio_median": statistics.median(p / d for p, d in zip(rates[mode], rates["direct"], strict=True)),
+                "rps_median": statistics.median(rates[mode]),
+                # What the CPU costs alone predict on 2 cores, free of the drift of wall-clock rates on a shared
+                # machine.
+                "ratio_from_cpu": _two_core_rate(costs["client"], costs["replica"], costs[mode]) / direct,
+            }
+            for mode in rates
+            if mode != "direct"
+        },
     }
+    # Kept under their former names, which docs/benchmarks/proxy.md and earlier JSON files use.
+    result["ratio_median"] = result["variants"]["proxied"]["ratio_median"]
+    result["ratio_from_cpu"] = result["variants"]["proxied"]["ratio_from_cpu"]
     print(
-        f"  throughput at 128 in flight, zero-cost replica: proxied/direct {result['ratio_median']:.2f} "
-        f"(rounds {', '.join(f'{r:.2f}' for r in ratios)}; {result['direct_rps_median']:.0f} vs "
-        f"{result['proxied_rps_median']:.0f} req/s), {result['ratio_from_cpu']:.2f} from CPU costs; "
-        f"a bare relay {result['bare_relay_ratio_median']:.2f} ({result['bare_relay_ratio_from_cpu']:.2f} from CPU). "
-        "CPU µs/request: " + ", ".join(f"{name} {value:.0f}" for name, value in costs.items()),
+        f"  throughput at 128 in flight, zero-cost replica ({result['direct_rps_median']:.0f} req/s direct): "
+        + "; ".join(
+            f"{mode} {row['ratio_median']:.2f} of direct ({row['ratio_from_cpu']:.2f} from CPU costs)"
+            for mode, row in result["variants"].items()
+        )
+        + ". CPU µs/request: "
+        + ", ".join(f"{name} {value:.0f}" for name, value in costs.items()),
         flush=True,
     )
     return result
+
+
+def checkout(revision: str) -> Path:
+    """The project's jobs/ package at git `revision`, in a folder of its own (to run an earlier proxy from)."""
+    folder = Path(tempfile.mkdtemp(prefix="proxy-baseline-"))
+    archive = subprocess.run(["git", "archive", revision, "jobs"], cwd=ROOT, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
 
 
 def _two_core_rate(*costs_us: float) -> float:
@@ -678,12 +763,20 @@ def main() -> None:
     parser.add_argument("--only", default="routing,latency,throughput,sync", help="comma-separated parts to run")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
+    parser.add_argument(
+        "--baseline", default=None, help="a git revision whose proxy to measure beside today's in the throughput part"
+    )
     parser.add_argument("--bare-relay", nargs=2, type=int, metavar=("PORT", "UPSTREAM_PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_relay:
         serve_bare_relay(*args.bare_relay)
         return
-    parts = {"routing": bench_routing, "latency": bench_latency, "throughput": bench_throughput, "sync": bench_sync}
+    parts = {
+        "routing": bench_routing,
+        "latency": bench_latency,
+        "throughput": functools.partial(bench_throughput, baseline=args.baseline),
+        "sync": bench_sync,
+    }
     chosen = [part.strip() for part in args.only.split(",") if part.strip()]
     unknown = set(chosen) - set(parts)
     if unknown:

@@ -64,7 +64,7 @@ def restart_held_in_replay(harness: Harness, index: int) -> Gate:
 def test_a_load_whose_answer_was_lost_is_retried_to_success(harness, tmp_path):
     """The replica loaded the version but the proxy never got the answer: the retry must find it loaded (the sidecar
     answers a repeated identical load with 200), so the sync succeeds instead of being rolled back and ending TRL."""
-    # Two answers lost: the first and any one re-send by the HTTP client, so the proxy's own retry is needed.
+    # Two answers lost: the HTTP client never re-sends a load, so both repeats are the proxy's own retries.
     harness.replicas[1].lose_load_answers = 2
     response = harness.load(1, write_adapter(tmp_path / "v1"))
     assert response.status_code == 200, response.text
@@ -74,6 +74,18 @@ def test_a_load_whose_answer_was_lost_is_retried_to_success(harness, tmp_path):
     stats = adapters_stats(harness)
     assert stats["load_retries"] >= 1
     assert (stats["loads_ok"], stats["loads_failed"], stats["rolled_back"], stats["live"]) == (1, 0, 0, [1])
+    assert [harness.state(0), harness.state(1)] == ["healthy", "healthy"]
+
+
+def test_an_unload_whose_answer_was_lost_is_retried_and_its_404_counts_as_done(harness, tmp_path):
+    """The HTTP client never re-sends an unload (its bytes may have arrived); the proxy's retry does, and the
+    replica's 404 then means the lost attempt did it: TRL's unload succeeds, the replica stays in rotation."""
+    assert harness.load(1, write_adapter(tmp_path / "v1")).status_code == 200
+    harness.replicas[1].lose_unload_answers = 1
+    response = harness.post("/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"})
+    assert response.status_code == 200, response.text
+    assert [held(harness, 0), held(harness, 1)] == [set(), set()]
+    assert harness.replicas[1].counters.unloads == 1  # unloaded once; the retry found nothing left to unload
     assert [harness.state(0), harness.state(1)] == ["healthy", "healthy"]
 
 

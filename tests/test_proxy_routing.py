@@ -93,7 +93,7 @@ def _release(harness, threads: list[threading.Thread]) -> None:
 
 
 def test_spill_past_the_imbalance_limit(make_harness):
-    harness = make_harness(imbalance=2, group_allowance=0)  # the public recipe's strict rule
+    harness = make_harness(imbalance=2, group_allowance=0, lead_over="least")  # the public recipe's strict rule
     threads = _hold_and_fill(harness, 3)
     loads = sorted(replica.inflight for replica in harness.proxy.membership.routable)
     assert loads == [0, 3]  # at the limit: 3 - 0 > 2 would be next

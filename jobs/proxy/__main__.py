@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from jobs.contract import RunSpec
 from jobs.proxy.app import Proxy
@@ -35,6 +36,18 @@ async def serve(config: ProxyConfig, spec: RunSpec, store: ObjectStore, upstream
     finally:
         log.info("stopping")
         await proxy.stop()
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (the vLLM job image and requirements.txt bring it), else asyncio's.
+
+    It takes about an eighth off the proxy's CPU time per relayed request (bench/proxy_bench.py measures both side
+    by side); nothing in the proxy depends on which loop runs it."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     if token is None:
         log.warning("%s is not set: upstream requests carry no Authorization header", ENV_UPSTREAM_TOKEN)
     try:
-        asyncio.run(serve(config, context.spec, context.store, token))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(serve(config, context.spec, context.store, token))
     except OSError as error:
         log.error("cannot listen on 127.0.0.1:%d: %s", config.port, error.strerror or error)
         return 1

@@ -308,15 +308,24 @@ class AdapterSync:
         return text_response(200, f"Success: LoRA adapter '{trl_name}' removed successfully.")
 
     async def _unload_on(self, replica: Replica, version: int) -> str | None:
-        """Unload a version from one replica; None on success, else what went wrong."""
+        """Unload a version from one replica; None on success, else what went wrong.
+
+        The HTTP client never re-sends an unload, so a connection lost before the answer is retried here, a few
+        times: if the lost attempt had unloaded it, the retry's 404 (vLLM's "cannot be found") means done. A replica
+        that does not answer within `control_timeout` is not asked again: it is hung, not briefly unreachable."""
         body = json.dumps({"lora_name": derived.replica_adapter_name(self.run_id, version)}).encode()
-        try:
-            response = await self._post(replica, "/v1/unload_lora_adapter", body, self.control_timeout)
-        except UpstreamError as error:
-            self.membership.suspect(replica, error)
-            return str(error)
+        for attempt in range(1, _TRANSPORT_RETRY.attempts + 1):
+            try:
+                response = await self._post(replica, "/v1/unload_lora_adapter", body, self.control_timeout)
+                break
+            except UpstreamError as error:
+                self.stats.count_error(f"upstream_{error.kind}")
+                if error.kind == "timeout" or attempt == _TRANSPORT_RETRY.attempts:
+                    self.membership.suspect(replica, error)
+                    return str(error)
+                await asyncio.sleep(_TRANSPORT_RETRY.delay(attempt))
         replica.loaded.discard(version)  # on an error too: a replica that refuses an unload does not serve it
-        if response.status == 200:
+        if response.status == 200 or (response.status == 404 and attempt > 1):
             return None
         return f"{response.status} {self.names.restore_in_text(response.text.strip())[:300]}"
 

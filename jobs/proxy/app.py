@@ -68,7 +68,9 @@ class Proxy:
         allowance = config.group_allowance
         if allowance is None:
             allowance = spec.grpo.num_generations - 1
-        self.router = Router(config.block_size, config.imbalance, allowance, config.max_tracked_blocks)
+        self.router = Router(
+            config.block_size, config.imbalance, allowance, config.max_tracked_blocks, config.lead_over
+        )
         self.names = AdapterNames(spec.run_id)
         self.stats = Stats()
         self.client = HttpClient(config.connect_timeout)
@@ -414,6 +416,7 @@ class Proxy:
                 "retried": self.stats.retried,
                 "block_size": self.router.block_size,
                 "imbalance": self.router.imbalance,
+                "lead_over": self.router.lead_over,
                 "group_allowance": self.router.group_allowance,
             },
             "adapters": {

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from jobs.proxy.http_client import Origin
+from jobs.proxy.router import LEAD_OVER
 
 _SECONDS = (
     "load_retry_interval",
@@ -25,7 +26,8 @@ class ProxyConfig:
     upstreams: list[str] = field(default_factory=list)
     min_healthy: int = 1
     block_size: int = 16  # vLLM's prefix-cache block
-    imbalance: int = 8  # max in-flight lead of an affinity pick over the least loaded replica
+    imbalance: int = 8  # max in-flight lead of an affinity pick over the mean (or least) load
+    lead_over: str = "mean"  # "least": the public recipe's rule (see jobs/proxy/router.py)
     group_allowance: int | None = None  # in-flight siblings not counted in that lead; None: num_generations - 1
     max_tracked_blocks: int = 200_000  # routing table LRU cap (~250 bytes a block)
     load_retry_interval: float = 0.5  # re-send a load to a replica that cannot see the version yet
@@ -45,6 +47,8 @@ class ProxyConfig:
             raise ValueError("--min-healthy must be at least 1")
         if self.block_size < 1 or self.imbalance < 0 or self.max_tracked_blocks < 1:
             raise ValueError("--block-size and --max-tracked-blocks must be positive, --imbalance not negative")
+        if self.lead_over not in LEAD_OVER:
+            raise ValueError(f"--lead-over must be one of {', '.join(LEAD_OVER)}")
         if self.group_allowance is not None and self.group_allowance < 0:
             raise ValueError("--group-allowance cannot be negative")
         for url in self.upstreams:
@@ -62,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--min-healthy", type=int, default=defaults.min_healthy, help="/health is 200 with this many healthy")
     add("--block-size", type=int, default=defaults.block_size, help="tokens per prefix block")
     add("--imbalance", type=int, default=defaults.imbalance, help="max in-flight lead for an affinity pick")
+    add(
+        "--lead-over",
+        choices=LEAD_OVER,
+        default=defaults.lead_over,
+        help="what the affinity pick's lead is measured over: the replicas' mean load, or the least loaded replica "
+        "(the public recipe's rule)",
+    )
     add(
         "--group-allowance",
         type=int,
@@ -87,6 +98,7 @@ def from_arguments(args: argparse.Namespace) -> ProxyConfig:
         min_healthy=args.min_healthy,
         block_size=args.block_size,
         imbalance=args.imbalance,
+        lead_over=args.lead_over,
         group_allowance=args.group_allowance,
         max_tracked_blocks=args.max_tracked_blocks,
         load_retry_interval=args.load_retry_interval,

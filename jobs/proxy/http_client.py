@@ -1,14 +1,14 @@
 """A lean HTTP/1.1 client with a keep-alive pool per upstream, for relaying to replicas (HTTP or HTTPS).
 
-It exists for the same reason as `http_server`: the relay path must cost little CPU. It also makes the failure the
-router cares about explicit: `UpstreamError.before_response` says whether any byte of an answer arrived, which is
-what decides if a request may be retried on another replica.
+It exists for the same reason as `http_server`: the relay path must cost little CPU. Answers are parsed by llhttp
+(httptools). It also makes the failure the router cares about explicit: `UpstreamError.before_response` says whether
+any byte of an answer arrived, which is what decides if a request may be retried on another replica.
 
 Timeouts: connecting is bounded by `connect_timeout`; reading by `read_timeout` of *inactivity* (a non-streamed
 generation sends nothing until it is done, so this is also the longest generation allowed), checked every second.
-Idle pooled connections are dropped after `_POOL_IDLE_S`, below uvicorn's (vLLM's server) 5 s keep-alive, and a
-request that fails on a reused connection before any answer byte is sent once more on a fresh one (the server closed
-it while idle).
+Idle pooled connections are dropped after `_POOL_IDLE_S`, below uvicorn's (vLLM's server) 5 s keep-alive. A GET or
+HEAD that fails on a reused connection before any answer byte is sent once more on a fresh one (the server closed it
+while idle); no other request is ever re-sent by the transport, since its bytes may have reached the upstream.
 """
 
 from __future__ import annotations
@@ -19,9 +19,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+import httptools
+
 _POOL_IDLE_S = 4.0
 _SWEEP_S = 1.0  # read timeouts are checked this often (one timer for all requests, not one per request)
 _MAX_HEAD_BYTES = 64 * 1024
+# Requests the transport may send twice. Anything else (a completion, an adapter load or unload, pause, resume) is
+# never re-sent once written: the caller decides, knowing what the request does (see jobs/proxy/adapters.py).
+_IDEMPOTENT = frozenset({"GET", "HEAD"})
 
 
 class UpstreamError(Exception):
@@ -71,6 +76,10 @@ class Origin:
         )
 
 
+def _oversized_head() -> UpstreamError:
+    return UpstreamError("protocol", f"the upstream sent headers over {_MAX_HEAD_BYTES // 1024} KiB", False)
+
+
 class ClientResponse:
     __slots__ = ("body", "headers", "status")
 
@@ -85,7 +94,8 @@ class ClientResponse:
 
 
 class _Connection(asyncio.Protocol):
-    """One upstream connection; one request at a time. Decodes the response body as it arrives."""
+    """One upstream connection; one request at a time. The answer is parsed by llhttp (httptools), whose `on_*`
+    callbacks below run inside `feed_data` and make the body available as it arrives."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, busy: set[_Connection]):
         self.loop = loop
@@ -94,16 +104,18 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self.idle_since = 0.0
-        self._buffer = bytearray()
+        self._parser: httptools.HttpResponseParser | None = None
         self._waiter: asyncio.Future | None = None
         self._error: UpstreamError | None = None
         self._received_any = False
         self._head_method = False
+        self._head_bytes = 0  # of the header lines received whole
+        self._head_wire = 0  # of everything received while the head is incomplete (interim answers included)
         self._status = 0
+        self._header_list: list[tuple[str, str]] = []
         self._headers: list[tuple[str, str]] | None = None
         self._keep_alive = True
-        self._length: int | None = None  # None: chunked or until close
-        self._chunked = False
+        self._until_close = False  # the body ends when the upstream closes (no length, not chunked)
         self._body = bytearray()
         self._complete = False
         self._last_data = 0.0
@@ -117,11 +129,26 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._received_any = True
         self._last_data = self.loop.time()
-        self._buffer += data
+        if self._parser is None or self._complete:
+            # Bytes nobody asked for (a second answer, or noise on an idle connection): it cannot be reused.
+            self._fail(UpstreamError("protocol", "the upstream sent more than one answer", False))
+            return
         try:
-            self._parse()
+            self._parser.feed_data(data)
+            if self._headers is None:
+                self._head_wire += len(data)  # the head may not end at all
+                if self._head_wire > 2 * _MAX_HEAD_BYTES:
+                    raise _oversized_head()
         except UpstreamError as error:
             self._fail(error)
+            return
+        except httptools.HttpParserCallbackError as error:
+            if isinstance(error.__context__, UpstreamError):
+                self._fail(error.__context__)
+                return
+            raise
+        except httptools.HttpParserError as error:
+            self._fail(UpstreamError("protocol", f"the upstream sent a malformed answer: {error}", False))
             return
         self._wake()
 
@@ -130,9 +157,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._headers is not None and self._length is None and not self._chunked and not self._complete:
-            self._complete = True  # body delimited by the connection closing
-            self._keep_alive = False
+        if self._until_close and not self._complete and self._error is None:
+            self._complete = True
             self._wake()
             return
         if not self._complete:
@@ -143,18 +169,55 @@ class _Connection(asyncio.Protocol):
                 )
             )
 
+    # -- parser callbacks (from inside feed_data) ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            raise UpstreamError("protocol", "the upstream sent more than one answer", False)
+        self._header_list = []
+        self._head_bytes = 0
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value) + 4
+        if self._head_bytes > _MAX_HEAD_BYTES:
+            raise _oversized_head()
+        self._header_list.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue): the real one follows
+        self._status = status
+        self._headers = self._header_list
+        self._keep_alive = self._parser.should_keep_alive()
+        names = {name.lower() for name, _ in self._header_list}
+        if self._head_method:
+            # llhttp cannot be told that a HEAD answer has no body: this one is complete here, and the connection
+            # is not reused (a body the upstream might still send would be read as the next answer).
+            self._complete = True
+            self._keep_alive = False
+        elif "content-length" not in names and "transfer-encoding" not in names and status not in (204, 304):
+            self._until_close = True
+
+    def on_body(self, part: bytes) -> None:
+        self._body += part
+
+    def on_message_complete(self) -> None:
+        if self._headers is not None:
+            self._complete = True
+
     # -- request lifecycle -----------------------------------------------------------------------------------------
 
     def send(self, data: bytes, head_method: bool, timeout: float) -> None:
-        self._buffer.clear()
+        self._parser = httptools.HttpResponseParser(self)
         self._error = None
         self._received_any = False
         self._head_method = head_method
+        self._head_bytes = self._head_wire = 0
         self._status = 0
         self._headers = None
         self._keep_alive = True
-        self._length = None
-        self._chunked = False
+        self._until_close = False
         self._body = bytearray()
         self._complete = False
         self._timeout = timeout
@@ -199,7 +262,7 @@ class _Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return self._complete and self._keep_alive and not self.closed and not self._buffer
+        return self._complete and self._keep_alive and not self._until_close and not self.closed
 
     def finish(self) -> None:
         self._busy.discard(self)
@@ -219,103 +282,6 @@ class _Connection(asyncio.Protocol):
         self._busy.discard(self)
         self._wake()
         self.close()
-
-    # -- response parsing ------------------------------------------------------------------------------------------
-
-    def _parse(self) -> None:
-        buffer = self._buffer
-        while self._headers is None:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > _MAX_HEAD_BYTES:
-                    raise UpstreamError("protocol", "the upstream sent oversized headers", False)
-                return
-            self._parse_head(bytes(buffer[:end]))
-            del buffer[: end + 4]
-        if self._complete:
-            if buffer:
-                raise UpstreamError("protocol", "the upstream sent more than one answer", False)
-            return
-        if self._chunked:
-            self._parse_chunks()
-        elif self._length is not None:
-            take = min(len(buffer), self._length - len(self._body))
-            self._body += buffer[:take]
-            del buffer[:take]
-            if len(self._body) == self._length:
-                self._complete = True
-        else:
-            self._body += buffer
-            buffer.clear()
-
-    def _parse_head(self, head: bytes) -> None:
-        try:
-            status_line, *lines = head.decode("latin-1").split("\r\n")
-            protocol, status_text, *_ = status_line.split(" ", 2)
-            status = int(status_text)
-        except ValueError:
-            raise UpstreamError("protocol", "the upstream sent a malformed status line", False) from None
-        if not protocol.startswith("HTTP/1."):
-            raise UpstreamError("protocol", f"the upstream speaks {protocol[:20]!r}, not HTTP/1.x", False)
-        if 100 <= status < 200:
-            return  # interim answer (100 Continue): the real one follows
-        headers = []
-        length = None
-        chunked = False
-        keep_alive = protocol == "HTTP/1.1"
-        for line in lines:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise UpstreamError("protocol", "the upstream sent a malformed header", False)
-            value = value.strip()
-            lower = name.lower()
-            if lower == "content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    raise UpstreamError("protocol", "the upstream sent an invalid content-length", False) from None
-            elif lower == "transfer-encoding":
-                chunked = "chunked" in value.lower()
-            elif lower == "connection":
-                keep_alive = "close" not in value.lower() if keep_alive else "keep-alive" in value.lower()
-            headers.append((name, value))
-        self._status = status
-        self._headers = headers
-        self._keep_alive = keep_alive
-        if self._head_method or status in (204, 304):
-            self._length = 0
-            self._complete = True
-        elif chunked:
-            self._chunked = True
-        else:
-            self._length = length
-            if length == 0:
-                self._complete = True
-            elif length is None:
-                self._keep_alive = False  # read until the upstream closes
-
-    def _parse_chunks(self) -> None:
-        buffer = self._buffer
-        while not self._complete:
-            line_end = buffer.find(b"\r\n")
-            if line_end < 0:
-                return
-            try:
-                size = int(bytes(buffer[:line_end]).split(b";", 1)[0], 16)
-            except ValueError:
-                raise UpstreamError("protocol", "the upstream sent a malformed chunk", False) from None
-            if size == 0:
-                end = buffer.find(b"\r\n\r\n", line_end)
-                if end < 0:
-                    return
-                del buffer[: end + 4]
-                self._complete = True
-                return
-            if len(buffer) < line_end + 2 + size + 2:
-                return
-            start = line_end + 2
-            self._body += buffer[start : start + size]
-            del buffer[: start + size + 2]
 
 
 class Exchange:
@@ -389,9 +355,11 @@ class HttpClient:
         try:
             return await self._exchange(origin, connection, data, method == "HEAD", timeout)
         except UpstreamError as error:
-            if not (connection.reused and error.before_response and error.kind == "disconnected"):
+            stale = connection.reused and error.before_response and error.kind == "disconnected"
+            if not (stale and method in _IDEMPOTENT):
                 raise
-        # The pooled connection had been closed by the upstream while idle: once more, on a fresh connection.
+        # The pooled connection had most likely been closed by the upstream while idle, but the request was written
+        # to it and may have arrived: only a request that may be repeated is sent once more, on a fresh connection.
         connection = await self._connect(origin)
         return await self._exchange(origin, connection, data, method == "HEAD", timeout)
 
@@ -431,7 +399,8 @@ class HttpClient:
             now = asyncio.get_running_loop().time()
             while pool:
                 connection = pool.pop()
-                if not connection.closed and now - connection.idle_since < _POOL_IDLE_S:
+                alive = not (connection.closed or connection.transport.is_closing())
+                if alive and now - connection.idle_since < _POOL_IDLE_S:
                     connection.reused = True
                     return connection
                 connection.close()

@@ -2,13 +2,16 @@
 
 Why not aiohttp's server: on this project's 2-core reference machine an aiohttp proxy (server + client session) spends
 150-200 µs of CPU per relayed completion, so it relays at ~0.45x the rate a replica is reached directly; the public
-recipe measured 0.43. Parsing and writing the few shapes of request the trainer sends directly on the transport costs
-a fraction of that (see docs/benchmarks/proxy.md). The parser is strict and small on purpose:
+recipe measured 0.43. Requests are parsed by llhttp (Node's parser, through httptools, as uvicorn does), and the few
+shapes of answer the proxy sends are written directly on the transport (see docs/benchmarks/proxy.md):
 
 - HTTP/1.1 and 1.0, keep-alive (1.1 default), `Connection: close`, pipelined requests answered in order;
-- request bodies by `Content-Length` or `Transfer-Encoding: chunked`; `Expect: 100-continue` is answered;
+- request bodies by `Content-Length` or `Transfer-Encoding: chunked` (extensions and trailers accepted, ignored);
+  `Expect: 100-continue` is answered;
 - responses either whole (`Content-Length`) or streamed (`Transfer-Encoding: chunked`) with write back-pressure;
-- limits on header and body size (431 / 413), 400 on anything malformed, an idle timeout per connection;
+- limits on the head (431) and the body (413, checked as it arrives, whatever its framing), 400 on anything llhttp
+  refuses, 505 for other HTTP versions, 501 for other transfer codings; each of these closes the connection;
+  an idle timeout per connection;
 - a client that disconnects cancels its request's handler, so upstream work stops too.
 """
 
@@ -16,8 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+
+import httptools
 
 log = logging.getLogger(__name__)
 
@@ -128,25 +134,38 @@ def encode_response(response: Response, keep_alive: bool, head_only: bool = Fals
 
 
 class _ServerProtocol(asyncio.Protocol):
-    """One client connection: parse requests, run the handler for one at a time, write answers in order."""
+    """One client connection: parse requests (llhttp, through httptools), serve one at a time, answer in order.
+
+    httptools calls the `on_*` methods below from inside `feed_data`. A request is served once its whole body is in;
+    requests pipelined behind it wait in `_pending`, and reading pauses until they are answered. Anything llhttp
+    refuses, and anything over a limit, is answered with its status and the connection closed: after a framing
+    error nothing later on the connection can be trusted to start where it seems to.
+    """
 
     def __init__(self, server: HttpServer):
         self._server = server
         self._loop = server.loop
         self._transport: asyncio.Transport | None = None
-        self._buffer = bytearray()
+        self._parser = httptools.HttpRequestParser(self)
+        self._pending: deque[Request] = deque()
         self._task: asyncio.Task | None = None
         self._closed = False
+        self._failed = False
         self._paused_reading = False
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._last_activity = 0.0
         self._idle_handle: asyncio.TimerHandle | None = None
-        # Partially parsed request: (method, target, headers, keep_alive).
-        self._head: tuple[str, str, dict[str, str], bool] | None = None
-        self._length = 0
-        self._chunked = False
-        self._chunks = bytearray()
+        # The request being parsed.
+        self._fail_after: tuple[int, str] | None = None  # an error to answer once the request being served is answered
+        self._heads_begun = 0
+        self._in_head = False
+        self._head_bytes = 0  # of the head's complete parts (target, header lines)
+        self._head_wire = 0  # bytes received while the head stayed incomplete (one header may never end)
+        self._target = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._body_size = 0
 
     # -- transport callbacks ---------------------------------------------------------------------------------------
 
@@ -157,14 +176,31 @@ class _ServerProtocol(asyncio.Protocol):
         self._idle_handle = self._loop.call_later(self._server.idle_timeout, self._check_idle)
 
     def data_received(self, data: bytes) -> None:
-        self._buffer += data
+        if self._failed:
+            return
         self._last_activity = self._loop.time()
-        if self._task is None:
-            self._parse()
-        elif len(self._buffer) > MAX_HEAD_BYTES and not self._paused_reading:
-            # A pipelining client is far ahead of us: stop reading until the current answer is out.
-            self._paused_reading = True
-            self._transport.pause_reading()
+        in_head_before, heads_begun = self._in_head, self._heads_begun
+        try:
+            self._parser.feed_data(data)
+            if self._in_head:
+                # Counted only while one head spans several reads, so a read that also ends the previous request
+                # does not count against the next one.
+                same_head = in_head_before and heads_begun == self._heads_begun
+                self._head_wire = self._head_wire + len(data) if same_head else 0
+                if self._head_wire > MAX_HEAD_BYTES:
+                    raise _BadRequest(431, "request headers are too large")
+        except _BadRequest as error:
+            self._fail(error.status, str(error))
+        except httptools.HttpParserCallbackError as error:
+            if isinstance(error.__context__, _BadRequest):
+                self._fail(error.__context__.status, str(error.__context__))
+            else:
+                raise
+        except httptools.HttpParserUpgrade:  # CONNECT, or an upgrade llhttp saw before the head was complete
+            self._fail(400, "protocol upgrades are not supported; send plain HTTP/1.1 requests")
+        except httptools.HttpParserError as error:
+            self._fail(400, f"malformed request: {error}")
+        self._serve_next()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -180,6 +216,73 @@ class _ServerProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._can_write.set()
+
+    # -- parser callbacks (from inside feed_data) ------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._heads_begun += 1
+        self._in_head = True
+        self._head_bytes = self._head_wire = 0
+        self._target = b""
+        self._headers = {}
+        self._body = []
+        self._body_size = 0
+
+    def on_url(self, part: bytes) -> None:
+        self._target += part
+        self._count_head(len(part))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
+        key = name.decode("latin-1").lower()
+        text = value.decode("latin-1")
+        headers = self._headers
+        headers[key] = f"{headers[key]}, {text}" if key in headers else text
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self._parser.get_http_version() not in ("1.1", "1.0"):
+            raise _BadRequest(505, "only HTTP/1.0 and HTTP/1.1 are served")
+        if not self._target.startswith(b"/"):
+            raise _BadRequest(400, "the request target must be a path starting with '/'")
+        if self._parser.should_upgrade():
+            raise _BadRequest(400, "protocol upgrades are not supported; send plain HTTP/1.1 requests")
+        headers = self._headers
+        encoding = headers.get("transfer-encoding")
+        if encoding is not None and encoding.lower() != "chunked":
+            raise _BadRequest(501, f"unsupported transfer-encoding {encoding[:100]!r}; send chunked or Content-Length")
+        length = headers.get("content-length")
+        if length is not None and int(length) > self._server.max_body:
+            raise _BadRequest(413, f"request body larger than {self._server.max_body} bytes")
+        if headers.get("expect", "").lower() == "100-continue":
+            self.write(_CONTINUE)
+
+    def on_body(self, part: bytes) -> None:
+        self._body_size += len(part)
+        if self._body_size > self._server.max_body:
+            raise _BadRequest(413, f"request body larger than {self._server.max_body} bytes")
+        self._body.append(part)
+
+    def on_message_complete(self) -> None:
+        parser = self._parser
+        request = Request(
+            parser.get_method().decode("ascii"),
+            self._target.decode("latin-1"),
+            self._headers,
+            b"".join(self._body),
+            parser.should_keep_alive(),
+        )
+        self._body = []
+        self._pending.append(request)
+        if self._task is not None and not self._paused_reading:
+            # A pipelining client is ahead of us: stop reading until what it sent is answered.
+            self._paused_reading = True
+            self._transport.pause_reading()
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _BadRequest(431, "request headers are too large")
 
     # -- writing ---------------------------------------------------------------------------------------------------
 
@@ -211,118 +314,23 @@ class _ServerProtocol(asyncio.Protocol):
             return
         self._idle_handle = self._loop.call_later(max(self._server.idle_timeout - idle_for, 1.0), self._check_idle)
 
-    # -- parsing ---------------------------------------------------------------------------------------------------
-
-    def _parse(self) -> None:
-        try:
-            request = self._next_request()
-        except _BadRequest as error:
-            self._fail(error.status, str(error))
-            return
-        if request is not None:
-            self._task = self._loop.create_task(self._serve(request))
-
-    def _next_request(self) -> Request | None:
-        buffer = self._buffer
-        if self._head is None:
-            end = buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buffer) > MAX_HEAD_BYTES:
-                    raise _BadRequest(431, "request headers are too large")
-                return None
-            if end > MAX_HEAD_BYTES:
-                raise _BadRequest(431, "request headers are too large")
-            self._head = self._parse_head(bytes(buffer[:end]))
-            del buffer[: end + 4]
-        method, target, headers, keep_alive = self._head
-        if self._chunked:
-            if not self._read_chunks():
-                return None
-            body = bytes(self._chunks)
-            self._chunks = bytearray()
-        else:
-            if len(buffer) < self._length:
-                return None
-            body = bytes(buffer[: self._length])
-            del buffer[: self._length]
-        self._head = None
-        self._chunked = False
-        return Request(method, target, headers, body, keep_alive)
-
-    def _parse_head(self, head: bytes) -> tuple[str, str, dict[str, str], bool]:
-        try:
-            text = head.decode("latin-1")
-            request_line, *lines = text.split("\r\n")
-            method, target, protocol = request_line.split(" ")
-        except ValueError:
-            raise _BadRequest(400, "malformed request line") from None
-        if protocol not in ("HTTP/1.1", "HTTP/1.0") or not target.startswith("/"):
-            raise _BadRequest(400, f"unsupported request line {request_line[:100]!r}")
-        headers: dict[str, str] = {}
-        for line in lines:
-            name, sep, value = line.partition(":")
-            if not sep or not name or name != name.strip():
-                raise _BadRequest(400, "malformed header line")
-            name = name.lower()
-            value = value.strip()
-            headers[name] = f"{headers[name]}, {value}" if name in headers else value
-        version = protocol[5:]
-        connection = headers.get("connection", "").lower()
-        keep_alive = "close" not in connection if version == "1.1" else "keep-alive" in connection
-        encoding = headers.get("transfer-encoding", "").lower()
-        if encoding:
-            if encoding != "chunked" or "content-length" in headers:
-                raise _BadRequest(400, f"unsupported transfer-encoding {encoding!r}")
-            self._chunked = True
-            self._length = 0
-        else:
-            try:
-                self._length = int(headers.get("content-length", "0"))
-            except ValueError:
-                raise _BadRequest(400, "invalid content-length") from None
-            if self._length < 0:
-                raise _BadRequest(400, "invalid content-length")
-            if self._length > self._server.max_body:
-                raise _BadRequest(413, f"request body larger than {self._server.max_body} bytes")
-        if headers.get("expect", "").lower() == "100-continue":
-            self.write(_CONTINUE)
-        return method, target, headers, keep_alive
-
-    def _read_chunks(self) -> bool:
-        """Move complete chunks from the buffer into the body; True once the last chunk and trailers are in."""
-        buffer = self._buffer
-        while True:
-            line_end = buffer.find(b"\r\n")
-            if line_end < 0:
-                if len(buffer) > 1024:
-                    raise _BadRequest(400, "malformed chunk size line")
-                return False
-            try:
-                size = int(bytes(buffer[:line_end]).split(b";", 1)[0], 16)
-            except ValueError:
-                raise _BadRequest(400, "malformed chunk size line") from None
-            if size == 0:
-                trailers_end = buffer.find(b"\r\n\r\n", line_end)
-                if trailers_end == line_end:
-                    del buffer[: line_end + 4]
-                    return True
-                if trailers_end < 0:
-                    return False
-                del buffer[: trailers_end + 4]
-                return True
-            if len(buffer) < line_end + 2 + size + 2:
-                return False
-            start = line_end + 2
-            self._chunks += buffer[start : start + size]
-            if len(self._chunks) > self._server.max_body:
-                raise _BadRequest(413, f"request body larger than {self._server.max_body} bytes")
-            del buffer[: start + size + 2]
+    # -- serving ---------------------------------------------------------------------------------------------------
 
     def _fail(self, status: int, message: str) -> None:
+        """Answer a request that cannot be served, then close: whatever follows it on the wire is not trusted."""
+        self._failed = True
+        if self._task is None and not self._pending:
+            self._answer_error_and_close(status, message)
+        else:  # the complete requests before it still get their answers first
+            self._fail_after = (status, message)
+
+    def _answer_error_and_close(self, status: int, message: str) -> None:
         self.write(encode_response(Response(status, message.encode(), [("Content-Type", "text/plain")]), False))
         self.close()
 
-    # -- serving ---------------------------------------------------------------------------------------------------
+    def _serve_next(self) -> None:
+        if self._task is None and self._pending and not self._closed:
+            self._task = self._loop.create_task(self._serve(self._pending.popleft()))
 
     async def _serve(self, request: Request) -> None:
         exchange = Exchange(self, request)
@@ -348,12 +356,13 @@ class _ServerProtocol(asyncio.Protocol):
         self._touch()
         if not request.keep_alive:
             self.close()
-            return
-        if self._paused_reading:
+        elif self._pending:
+            self._serve_next()
+        elif self._fail_after is not None:
+            self._answer_error_and_close(*self._fail_after)
+        elif self._paused_reading:
             self._paused_reading = False
             self._transport.resume_reading()
-        if self._buffer:
-            self._parse()
 
 
 class HttpServer:

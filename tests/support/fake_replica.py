@@ -15,9 +15,9 @@ Switches (attributes; all but `raw_response`, `load_gate` and `unload_gate` also
 JSON object of them) make it misbehave: `healthy` (False: /health answers 503), `lag_loads` (the next N load attempts
 answer "No adapter found"), `transient_loads` (the next N answer 503, as a sidecar does when the store does not
 answer), `fail_loads` / `fail_unloads` / `fail_pause` (an HTTP status to answer with), `fail_resumes` (the next N
-/resume answer 500 and leave it paused), `lose_load_answers` (the next N load attempts are carried out, then the
-connection is dropped without an answer), `lose_pause_answers` (the next N /pause are carried out, then the connection
-is cut after the status line: an answer cut short, which the proxy's HTTP client does not re-send by itself),
+/resume answer 500 and leave it paused), `lose_load_answers` / `lose_unload_answers` (the next N load / unload
+attempts are carried out, then the connection is dropped without an answer), `lose_pause_answers` (the next N /pause
+are carried out, then the connection is cut after the status line: an answer cut short),
 `idempotent_loads` (False: a repeated load of a loaded name is vLLM's 400 "already been loaded" even with the same
 `store:` reference, as vLLM without the sidecar answers), `raw_response` (bytes returned verbatim by generations),
 `load_gate` (a `Gate`: loads that get past the repeat check wait there until the test releases them, and the test
@@ -186,6 +186,7 @@ class FakeReplica:
     fail_pause: int = 0
     fail_resumes: int = 0
     lose_load_answers: int = 0
+    lose_unload_answers: int = 0
     lose_pause_answers: int = 0
     idempotent_loads: bool = True
     load_gate: Gate | None = None
@@ -382,6 +383,9 @@ class FakeReplica:
         self._sources.pop(name, None)
         shutil.rmtree(self._workdir / name, ignore_errors=True)
         self.counters.unloads += 1
+        if self.lose_unload_answers > 0:
+            self.lose_unload_answers -= 1
+            request.transport.close()  # unloaded all the same; the answer never reaches the caller
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
@@ -486,6 +490,7 @@ _SWITCHES = {
     "fail_pause",
     "fail_resumes",
     "lose_load_answers",
+    "lose_unload_answers",
     "lose_pause_answers",
     "idempotent_loads",
     "prefill_s",
