@@ -19,8 +19,9 @@ from backend.sandbox import RewardTrial, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
 from backend.services.runs import RunService, run_row
-from backend.services.smoke import SmokeReport, SmokeStep, SmokeTest
+from backend.services.smoke import SmokeReport, SmokeTest
 from jobs.contract import RewardSpec, RunSpec, layout, parse_storage_uri
+from jobs.smoke import Step
 from jobs.store import StoreAccessError, open_store
 
 
@@ -66,7 +67,7 @@ class PanelServices:
         spec: RunSpec,
         store_credential_id: int | None,
         hf_credential_id: int | None,
-        on_step: Callable[[SmokeStep], None] = lambda step: None,
+        on_step: Callable[[Step], None] = lambda step: None,
     ) -> SmokeReport:
         """One cpu-basic job on HF Jobs proving the bucket, the code bundle and the job's URL (services/smoke.py)."""
         return SmokeTest(self.ctx, self.owner, on_step).run(spec, store_credential_id, hf_credential_id)

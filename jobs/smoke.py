@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
 
-from jobs.contract import layout
+from jobs.contract import duration, layout
 from jobs.runtime import open_run, setup_logging
 
 log = logging.getLogger("jobs.smoke")
@@ -31,10 +31,16 @@ CHECKED_PACKAGES = ("torch", "transformers", "trl", "peft", "vllm")
 
 @dataclass
 class Step:
+    """One step of the smoke test, the job's or the panel's (both report in this shape)."""
+
     name: str
     seconds: float
     ok: bool
-    detail: str
+    detail: str = ""
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else "FAIL"
+        return f"{mark} {self.name:<52} {duration(self.seconds):>8}  {self.detail}".rstrip()
 
 
 def run_steps(args: argparse.Namespace, job_id: str) -> list[Step]:

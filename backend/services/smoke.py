@@ -23,6 +23,7 @@ from backend.context import PanelContext
 from backend.launchers.base import SMOKE_ROLE, TERMINAL, JobHandle, JobStart, LaunchError
 from backend.services.runs import run_row
 from jobs.contract import RunSpec, duration, layout
+from jobs.smoke import Step
 from jobs.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -33,20 +34,8 @@ T = TypeVar("T")
 
 
 @dataclass
-class SmokeStep:
-    name: str
-    seconds: float
-    ok: bool
-    detail: str = ""
-
-    def line(self) -> str:
-        mark = "ok  " if self.ok else "FAIL"
-        return f"{mark} {self.name:<52} {duration(self.seconds):>8}  {self.detail}".rstrip()
-
-
-@dataclass
 class SmokeReport:
-    steps: list[SmokeStep] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
     cost_usd: float | None = None
     job_url: str | None = None
 
@@ -55,7 +44,7 @@ class SmokeReport:
         return bool(self.steps) and all(step.ok for step in self.steps)
 
     @property
-    def failed(self) -> SmokeStep | None:
+    def failed(self) -> Step | None:
         return next((step for step in self.steps if not step.ok), None)
 
     def summary(self) -> str:
@@ -73,7 +62,7 @@ class _Failed(Exception):
 class SmokeTest:
     """Runs the smoke test for one owner, with that owner's credentials; `on_step` sees each step as it ends."""
 
-    def __init__(self, ctx: PanelContext, owner: str, on_step: Callable[[SmokeStep], None] = lambda step: None):
+    def __init__(self, ctx: PanelContext, owner: str, on_step: Callable[[Step], None] = lambda step: None):
         self.ctx, self.owner, self.on_step = ctx, owner, on_step
 
     def run(self, spec: RunSpec, store_credential_id: int | None, hf_credential_id: int | None) -> SmokeReport:
@@ -92,7 +81,7 @@ class SmokeTest:
             self._wait_ready(report, launcher, probe, job, secrets)
             steps = self._step(report, "read the job's report through its URL", lambda: _job_report(job, secrets))
             for step in steps:
-                self._record(report, SmokeStep(f"job: {step['name']}", step["seconds"], step["ok"], step["detail"]))
+                self._record(report, Step(f"job: {step['name']}", step["seconds"], step["ok"], step["detail"]))
             if not all(step["ok"] for step in steps):
                 raise _Failed
             key = layout.smoke_probe_key(probe.run_id, job.job_id)
@@ -119,15 +108,15 @@ class SmokeTest:
             launcher.wait_ready(probe, [job], secrets, note)
         except LaunchError as error:
             if not started:
-                self._record(report, SmokeStep(queue, time.monotonic() - submitted, False, _why(error)))
+                self._record(report, Step(queue, time.monotonic() - submitted, False, _why(error)))
             else:
-                self._record(report, SmokeStep(queue, started[0] - submitted, True))
-                self._record(report, SmokeStep(start, time.monotonic() - started[0], False, _why(error)))
+                self._record(report, Step(queue, started[0] - submitted, True))
+                self._record(report, Step(start, time.monotonic() - started[0], False, _why(error)))
             raise _Failed from None
         healthy = time.monotonic()
         began = started[0] if started else healthy
-        self._record(report, SmokeStep(queue, began - submitted, True))
-        self._record(report, SmokeStep(start, healthy - began, True, job.endpoint or ""))
+        self._record(report, Step(queue, began - submitted, True))
+        self._record(report, Step(start, healthy - began, True, job.endpoint or ""))
 
     def _cancel(self, report: SmokeReport, launcher, job: JobHandle) -> None:
         def cancel() -> str:
@@ -155,13 +144,13 @@ class SmokeTest:
         try:
             result = action()
         except (LaunchError, StoreError, ValueError, requests.RequestException) as error:
-            self._record(report, SmokeStep(name, time.monotonic() - started, False, _why(error)))
+            self._record(report, Step(name, time.monotonic() - started, False, _why(error)))
             raise _Failed from None
         detail = result if isinstance(result, str) else ""
-        self._record(report, SmokeStep(name, time.monotonic() - started, True, detail))
+        self._record(report, Step(name, time.monotonic() - started, True, detail))
         return result
 
-    def _record(self, report: SmokeReport, step: SmokeStep) -> None:
+    def _record(self, report: SmokeReport, step: Step) -> None:
         report.steps.append(step)
         self.on_step(step)
 
