@@ -225,7 +225,8 @@ def test_a_publish_the_store_refuses_is_a_500_naming_the_publish(make_harness, l
 
 def test_an_unload_a_replica_never_answers_fails_after_the_read_timeout(make_harness, tmp_path):
     """Every request to a replica has a timeout: an unload that one replica accepts and never answers must fail the
-    call after about --read-timeout (TRL would otherwise hang forever), well within this test's 10 s client timeout."""
+    call once its few tries have each waited --read-timeout (TRL would otherwise hang forever), well within this
+    test's 10 s client timeout."""
     harness = make_harness(with_version=True, read_timeout=1.0)
     gate = harness.replicas[1].unload_gate = Gate()
     try:

@@ -308,26 +308,33 @@ class AdapterSync:
         return text_response(200, f"Success: LoRA adapter '{trl_name}' removed successfully.")
 
     async def _unload_on(self, replica: Replica, version: int) -> str | None:
-        """Unload a version from one replica; None on success, else what went wrong.
-
-        The HTTP client never re-sends an unload, so a connection lost before the answer is retried here, a few
-        times: if the lost attempt had unloaded it, the retry's 404 (vLLM's "cannot be found") means done. A replica
-        that does not answer within `control_timeout` is not asked again: it is hung, not briefly unreachable."""
+        """Unload a version from one replica; None on success, else what went wrong. An unload sent again after its
+        answer was lost finds nothing to unload: its 404 (vLLM's "cannot be found") then means the lost one did it."""
         body = json.dumps({"lora_name": derived.replica_adapter_name(self.run_id, version)}).encode()
-        for attempt in range(1, _TRANSPORT_RETRY.attempts + 1):
-            try:
-                response = await self._post(replica, "/v1/unload_lora_adapter", body, self.control_timeout)
-                break
-            except UpstreamError as error:
-                self.stats.count_error(f"upstream_{error.kind}")
-                if error.kind == "timeout" or attempt == _TRANSPORT_RETRY.attempts:
-                    self.membership.suspect(replica, error)
-                    return str(error)
-                await asyncio.sleep(_TRANSPORT_RETRY.delay(attempt))
+        try:
+            response, tries = await self._post_retrying(replica, "/v1/unload_lora_adapter", body)
+        except UpstreamError as error:
+            self.membership.suspect(replica, error)
+            return str(error)
         replica.loaded.discard(version)  # on an error too: a replica that refuses an unload does not serve it
-        if response.status == 200 or (response.status == 404 and attempt > 1):
+        if response.status == 200 or (response.status == 404 and tries > 1):
             return None
         return f"{response.status} {self.names.restore_in_text(response.text.strip())[:300]}"
+
+    async def _post_retrying(self, replica: Replica, target: str, body: bytes) -> tuple[ClientResponse, int]:
+        """POST a control request (unload, pause, resume, ...) and its number of tries. The HTTP client never sends
+        one twice, since its bytes may have reached the replica; these requests may be repeated, so a transport
+        failure is retried here, a few times with backoff. Raises the last UpstreamError."""
+        attempt = 1
+        while True:
+            try:
+                return await self._post(replica, target, body, self.control_timeout), attempt
+            except UpstreamError as error:
+                self.stats.count_error(f"upstream_{error.kind}")
+                if attempt == _TRANSPORT_RETRY.attempts:
+                    raise
+            await asyncio.sleep(_TRANSPORT_RETRY.delay(attempt))
+            attempt += 1
 
     # -- pause, resume, reset_prefix_cache -------------------------------------------------------------------------
 
@@ -385,15 +392,10 @@ class AdapterSync:
 
     async def _control_on(self, replica: Replica, target: str) -> tuple[str, Any]:
         """("ok", response) on 200, ("failed", what it answered) or ("unreachable", the transport error)."""
-        for attempt in range(1, _TRANSPORT_RETRY.attempts + 1):
-            try:
-                response = await self._post(replica, target, b"", self.control_timeout)
-                break
-            except UpstreamError as error:
-                self.stats.count_error(f"upstream_{error.kind}")
-                if attempt == _TRANSPORT_RETRY.attempts:
-                    return "unreachable", str(error)
-                await asyncio.sleep(_TRANSPORT_RETRY.delay(attempt))
+        try:
+            response, _ = await self._post_retrying(replica, target, b"")
+        except UpstreamError as error:
+            return "unreachable", str(error)
         if response.status != 200:
             return "failed", f"{response.status} {response.text.strip()[:300]}"
         return "ok", response
