@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import re
 import socket
 from types import SimpleNamespace
 
 import pytest
 
+from jobs.proxy.config import ProxyConfig, add_arguments, from_arguments
 from jobs.proxy.names import (
     AdapterNames,
     BadJson,
@@ -227,3 +231,54 @@ def test_expect_100_continue_is_honoured(proxy_port):
         assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
         sock.sendall(b'{"step": 2}')
         assert sock.recv(1024).startswith(b"HTTP/1.1 200 OK")
+
+
+# -- the command line -------------------------------------------------------------------------------------------
+
+
+def parse_proxy_flags(argv: list[str]) -> ProxyConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return from_arguments(parser.parse_args(argv))
+
+
+def test_every_config_field_is_a_flag_with_the_same_default():
+    assert parse_proxy_flags([]) == ProxyConfig()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    destinations = {action.dest for action in parser._actions} - {"help"}
+    assert destinations == {knob.name for knob in dataclasses.fields(ProxyConfig)}
+
+
+def test_flags_are_read_with_their_types():
+    config = parse_proxy_flags(
+        [
+            "--upstream",
+            "http://a:1",
+            "--upstream",
+            "http://b:2",
+            "--max-body",
+            "1024",
+            "--lead-over",
+            "least",
+            "--read-timeout",
+            "2.5",
+            "--group-allowance",
+            "0",
+        ]
+    )
+    assert config.upstreams == ["http://a:1", "http://b:2"]
+    assert (config.max_body, config.lead_over, config.read_timeout, config.group_allowance) == (1024, "least", 2.5, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--read-timeout", "0"], "--read-timeout must be a positive number of seconds"),
+        (["--max-body", "0"], "--max-body must be positive"),
+        (["--upstream", "ftp://x"], "is not an http(s) URL"),
+    ],
+)
+def test_bad_flags_say_which(argv, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        parse_proxy_flags(argv)
