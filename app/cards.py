@@ -52,6 +52,11 @@ def note(message: str, tone: str = "info") -> str:
     return f'<div class="gp-note gp-note-{tone}">{escape(message)}</div>'
 
 
+def cost_line(price: str, detail: str) -> str:
+    """The Launch page's cost line: a price, then where it comes from (which may quote the Hub or a typed flavor)."""
+    return f'<div class="gp-cost">{escape(price)} <span class="gp-meta">{escape(detail)}</span></div>'
+
+
 def json_block(data: Any) -> str:
     """`data` as indented JSON in a scrollable block, every line in the page (a code editor would render only the
     lines in view)."""

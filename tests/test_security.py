@@ -939,3 +939,16 @@ def test_the_vault_key_and_database_are_out_of_reach(tmp_path, monkeypatch):
     assert trial.error is None and trial.scores == [0.0, 0.0], (
         f"reward code read the vault key or the database: {trial}"
     )
+
+
+def test_a_typed_flavor_and_a_hub_error_are_escaped_on_the_launch_page(tmp_path):
+    """The cost line quotes what the user typed and what the Hub answered: as text, never as markup."""
+    panel = Panel(PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path / "panel"), space=False)
+    page = LaunchPage(panel)
+    markup = '<img src=x onerror="alert(1)">'
+    form = {"backend": "hf_jobs", "trainer_flavor": markup, "replica_flavor": "cpu-basic", "replicas": 1}
+    unknown_flavor = page._cost_html(form, {"cpu-basic": 0.01})
+    hub_error = page._cost_html(form, None, f"Could not read prices from the Hub: {markup}")
+    for html in (unknown_flavor, hub_error):
+        assert "<img" not in html and "&lt;img src=x" in html
+    panel.ctx.db.close()

@@ -599,23 +599,23 @@ class LaunchPage:
 
     def _cost_html(self, form: dict[str, Any], prices: dict[str, float] | None, problem: str = "") -> str:
         if form.get("backend") != "hf_jobs":
-            return '<div class="gp-cost">$0.00/h <span class="gp-meta">— runs on this machine\'s CPU</span></div>'
+            return cards.cost_line("$0.00/h", "— runs on this machine's CPU")
         if prices is None:
-            return f'<div class="gp-cost">$—/h <span class="gp-meta">{problem}</span></div>'
+            return cards.cost_line("$—/h", problem)
         trainer, replica = form.get("trainer_flavor"), form.get("replica_flavor")
         count = int(form.get("replicas") or 1)
         if trainer not in prices or replica not in prices:
             unknown = trainer if trainer not in prices else replica
-            return f'<div class="gp-cost">$—/h <span class="gp-meta">the Hub has no flavor {unknown!r}</span></div>'
+            return cards.cost_line("$—/h", f"the Hub has no flavor {unknown!r}")
         total = prices[trainer] + count * prices[replica]
         try:
             cap = f" · at most {money(total * timeout_seconds(form.get('timeout') or '4h') / 3600)} for the timeout"
         except ValueError:
             cap = ""
-        return (
-            f'<div class="gp-cost">{money(total, per_hour=True)} <span class="gp-meta">trainer {trainer} '
-            f"{money(prices[trainer], per_hour=True)} + {count} × {replica} {money(prices[replica], per_hour=True)}"
-            f"{cap}</span></div>"
+        return cards.cost_line(
+            money(total, per_hour=True),
+            f"trainer {trainer} {money(prices[trainer], per_hour=True)} + {count} × {replica} "
+            f"{money(prices[replica], per_hour=True)}{cap}",
         )
 
     def estimate_cost(self, values: dict, profile: gr.OAuthProfile | None = None) -> list:
@@ -681,8 +681,7 @@ class LaunchPage:
     def _cost_total(self, form: dict[str, Any], result) -> str:
         if form.get("backend") != "hf_jobs":
             return self._cost_html(form, None)
-        price = money(result.cost_per_hour, per_hour=True)
-        return f'<div class="gp-cost">{price} <span class="gp-meta">at the Hub\'s current prices</span></div>'
+        return cards.cost_line(money(result.cost_per_hour, per_hour=True), "at the Hub's current prices")
 
     def test_rewards(self, values: dict, profile: gr.OAuthProfile | None = None) -> list:
         """Score sample rows with the rewards on screen, in the sandbox; each error goes next to its reward."""
