@@ -348,9 +348,12 @@ class ScriptedUpstream:
         self._listener.close()
 
 
-def request(port: int, method: str = "POST", requests: int = 1, read_timeout: float = 10.0) -> list[object]:
-    """Send `requests` requests one after another through one HttpClient; each result is (status, body) or the
-    UpstreamError it raised."""
+def request(
+    loop: LoopThread, port: int, method: str = "POST", requests: int = 1, read_timeout: float = 10.0
+) -> list[object]:
+    """Send `requests` requests one after another through one HttpClient on `loop` (not `asyncio.run`: the browser
+    tests' Playwright keeps an event loop running in the main thread for the whole session); each result is
+    (status, body) or the UpstreamError it raised."""
 
     async def go() -> list[object]:
         client = HttpClient(connect_timeout=2.0)
@@ -368,7 +371,7 @@ def request(port: int, method: str = "POST", requests: int = 1, read_timeout: fl
             await client.close()
         return results
 
-    return asyncio.run(go())
+    return loop.run(go())
 
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -388,11 +391,11 @@ BROKEN_ANSWERS = {
 
 
 @pytest.mark.parametrize("reply", BROKEN_ANSWERS.values(), ids=list(BROKEN_ANSWERS))
-def test_a_malformed_answer_is_a_protocol_error_at_once(reply):
+def test_a_malformed_answer_is_a_protocol_error_at_once(loop, reply):
     upstream = ScriptedUpstream(lambda n: (reply, False))
     try:
         started = time.monotonic()
-        (result,) = request(upstream.port)
+        (result,) = request(loop, upstream.port)
     finally:
         upstream.close()
     assert isinstance(result, UpstreamError), result
@@ -401,10 +404,10 @@ def test_a_malformed_answer_is_a_protocol_error_at_once(reply):
     assert len(upstream.requests) == 1
 
 
-def test_an_answer_cut_short_is_an_error_after_the_head():
+def test_an_answer_cut_short_is_an_error_after_the_head(loop):
     upstream = ScriptedUpstream(lambda n: (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", True))
     try:
-        (result,) = request(upstream.port)
+        (result,) = request(loop, upstream.port)
     finally:
         upstream.close()
     assert isinstance(result, UpstreamError) and result.kind == "disconnected"
@@ -426,20 +429,20 @@ ANSWERS = {
 
 
 @pytest.mark.parametrize("reply, close, body, connections", ANSWERS.values(), ids=list(ANSWERS))
-def test_valid_answers_are_read_and_the_connection_reused_only_when_clean(reply, close, body, connections):
+def test_valid_answers_are_read_and_the_connection_reused_only_when_clean(loop, reply, close, body, connections):
     upstream = ScriptedUpstream(lambda n: (reply, close))
     try:
-        results = request(upstream.port, requests=2)
+        results = request(loop, upstream.port, requests=2)
     finally:
         upstream.close()
     assert results == [(200, body), (200, body)]
     assert upstream.connections == connections
 
 
-def test_a_head_answer_has_no_body_whatever_its_length():
+def test_a_head_answer_has_no_body_whatever_its_length(loop):
     upstream = ScriptedUpstream(lambda n: (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", False))
     try:
-        (result,) = request(upstream.port, method="HEAD")
+        (result,) = request(loop, upstream.port, method="HEAD")
     finally:
         upstream.close()
     assert result == (200, b"")
@@ -451,10 +454,10 @@ def _closes_on_the_second_request(n: int) -> tuple[bytes, bool]:
     return (b"", True) if n == 2 else (OK, False)
 
 
-def test_a_post_that_may_have_arrived_is_not_sent_again():
+def test_a_post_that_may_have_arrived_is_not_sent_again(loop):
     upstream = ScriptedUpstream(_closes_on_the_second_request)
     try:
-        first, second = request(upstream.port, method="POST", requests=2)
+        first, second = request(loop, upstream.port, method="POST", requests=2)
     finally:
         upstream.close()
     assert first == (200, b"ok")
@@ -462,10 +465,10 @@ def test_a_post_that_may_have_arrived_is_not_sent_again():
     assert len(upstream.requests) == 2  # the second was not re-sent on a fresh connection
 
 
-def test_a_get_that_failed_on_a_reused_connection_is_sent_once_more():
+def test_a_get_that_failed_on_a_reused_connection_is_sent_once_more(loop):
     upstream = ScriptedUpstream(_closes_on_the_second_request)
     try:
-        results = request(upstream.port, method="GET", requests=2)
+        results = request(loop, upstream.port, method="GET", requests=2)
     finally:
         upstream.close()
     assert results == [(200, b"ok"), (200, b"ok")]
