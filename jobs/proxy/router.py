@@ -30,8 +30,9 @@ Decision for one request (only whole blocks count):
 Why the mean and not the least loaded replica (the public recipe's rule, `lead_over="least"`): the least of several
 in-flight counts is their noisiest figure. When completions are short and requests turn over fast, one replica dips
 for a moment many times a second, and every dip spilled a prompt that then had to be computed again elsewhere
-(bench/proxy_bench.py, short workload: 0.04-0.13 % spilled and 0.5-0.9 % more prompt tokens against the least loaded;
-0.01-0.05 % and 0.2-0.4 % against the mean). A holder that is truly overloaded is ahead of the mean as well.
+(`bench/proxy_bench.py --only routing`, short workload: 0.04-0.13 % spilled and 0.46-0.87 % more prompt tokens
+against the least loaded; 0.02-0.03 % and 0.22-0.33 % against the mean; docs/benchmarks/proxy.md, runs D and E).
+A holder that is truly overloaded is ahead of the mean as well.
 """
 
 from __future__ import annotations
