@@ -73,7 +73,7 @@ ADVANCED = {
     "grpo.top_k", "grpo.weight_sync_steps", "grpo.max_inflight", "grpo.queue_size", "grpo.token_budget",
     "grpo.gradient_checkpointing", "grpo.save_steps", "grpo.seed", "grpo.adam_beta2", "grpo.epsilon",
     "grpo.audit_every", "compute.trainer_image", "compute.replica_image", "compute.engine", "compute.cost_cap_usd",
-    "compute.trainer_processes", "compute.startup_timeout",
+    "compute.trainer_processes", "compute.trainer_sharding", "compute.startup_timeout",
 }  # fmt: skip
 # The human label of every field an error can name (tests/test_form_errors.py checks that each RunSpec field has one).
 LABELS = {
@@ -91,7 +91,8 @@ LABELS = {
     "compute.replica_flavor": "Replica hardware", "compute.replicas": "Replicas", "compute.timeout": "Timeout",
     "compute.queue_timeout": "Queue limit", "compute.startup_timeout": "Start-up limit",
     "compute.engine": "Inference engine", "compute.cost_cap_usd": "Cost cap",
-    "compute.trainer_processes": "Trainer processes", "compute.trainer_image": "Trainer image",
+    "compute.trainer_processes": "Trainer processes", "compute.trainer_sharding": "Trainer sharding",
+    "compute.trainer_image": "Trainer image",
     "compute.replica_image": "Replica image",
     "lora": "LoRA", "lora.rank": "LoRA rank", "lora.alpha": "LoRA alpha", "lora.target_modules": "Target modules",
     "lora.dropout": "LoRA dropout",

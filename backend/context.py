@@ -98,17 +98,18 @@ class PanelContext:
                 self._hf_launchers[key] = HfJobsLauncher(token, endpoint=self.hub_endpoint)
             return self._hf_launchers[key]
 
-    def plan(self, run: Run) -> RunPlan:
+    def plan(self, run: Run, parameters: int | None = None) -> RunPlan:
         """Every job launching `run` submits (see backend/plan.py).
 
         With the run's credentials the plan names exactly the secrets a launch sends. Without them (a plan printed
         before any were entered) it names the ones a launch of this spec needs; a plan never holds a secret's value.
-        A plan is a dry run: it writes nothing (not even the replica token a launch would keep).
+        A plan is a dry run: it writes nothing (not even the replica token a launch would keep). `parameters`, the
+        model's size where preflight read it, resolves an "auto" sharding.
         """
         spec = self.spec(run)
         secrets = self._credentials(run)
         if run.backend == "local":
-            return self.local_launcher.plan(spec, secrets)
+            return self.local_launcher.plan(spec, secrets, parameters)
         from backend.launchers.hf_jobs import HfJobsLauncher
 
         launcher = (
@@ -117,7 +118,7 @@ class PanelContext:
         secrets.hf_token = secrets.hf_token or UNSET
         if secrets.store is None and not spec.storage.uri.startswith("file://"):
             secrets.store = StoreCredentials(UNSET, UNSET)
-        return launcher.plan(spec, secrets)
+        return launcher.plan(spec, secrets, parameters)
 
     @staticmethod
     def handle(job: Job) -> JobHandle:

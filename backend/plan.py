@@ -70,19 +70,23 @@ class RunPlan:
         }
 
 
-def derived_values(spec: RunSpec, trainer_cuda: bool) -> dict[str, Any]:
-    """How the run uses its hardware, as the jobs will compute it (jobs/contract/derived.py)."""
+def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = None) -> dict[str, Any]:
+    """How the run uses its hardware, as the jobs will compute it (jobs/contract/derived.py), for a model of
+    `parameters` where known."""
     compute, grpo = spec.compute, spec.grpo
     processes = derived.trainer_processes(compute)
     per_device, accumulation = derived.batch_shape(grpo, processes, trainer_cuda)
     weights, autocast = derived.trainer_precision(trainer_cuda)
     hub = compute.backend == "hf_jobs"
+    gpu_memory_gb = flavor(compute.trainer_flavor).gpu_memory_gb if hub else 0.0
     return {
         "trainer": {
             # On HF Jobs the flavor's GPUs; locally one per process when this machine has CUDA.
             "gpus": derived.trainer_gpus(compute) if hub else (processes if trainer_cuda else 0),
-            "gpu_memory_gb": flavor(compute.trainer_flavor).gpu_memory_gb if hub else 0.0,
+            "gpu_memory_gb": gpu_memory_gb,
             "processes": processes,
+            "sharding": _sharding(compute.trainer_sharding, processes, parameters, gpu_memory_gb),
+            "model_parameters": parameters,
             "per_device_train_batch_size": per_device,
             "gradient_accumulation_steps": accumulation,
             "completions_per_step": grpo.completions_per_step,
@@ -107,6 +111,14 @@ def derived_values(spec: RunSpec, trainer_cuda: bool) -> dict[str, Any]:
             "max_inflight": grpo.max_inflight,
         },
     }
+
+
+def _sharding(requested: str, processes: int, parameters: int | None, gpu_memory_gb: float) -> str:
+    """The trainer's sharding as the job will decide it; "auto" while the model's size is unknown (the trainer then
+    decides from it at start; preflight's plan, which has read it from the Hub, shows the decision)."""
+    if requested == "auto" and processes > 1 and parameters is None and gpu_memory_gb:
+        return "auto"
+    return derived.trainer_sharding(requested, processes, parameters, gpu_memory_gb)
 
 
 def _shown(arg: str) -> str:

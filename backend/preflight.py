@@ -48,6 +48,7 @@ class Preflight:
     trials: list[RewardTrial] = field(default_factory=list)
     cost_per_hour: float | None = None
     plan: dict[str, Any] | None = None  # what Launch would submit (backend/plan.py), once every check passed
+    parameters: int | None = None  # the model's parameter count, where the Hub said it (it decides the sharding)
 
     @property
     def ok(self) -> bool:
@@ -92,7 +93,7 @@ def run_preflight(
     if rows:
         _check_rewards(spec, rows, result, sandbox)
     if not result.errors:
-        result.plan = ctx.plan(probe).to_json()
+        result.plan = ctx.plan(probe, result.parameters).to_json()
     return result
 
 
@@ -205,6 +206,7 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
     else:
         _check_chat_template(template, model, result)
         if info.safetensors is not None and spec.compute.backend == "hf_jobs":
+            result.parameters = info.safetensors.total
             _check_trainer_memory(info.safetensors.total, spec, result)
         if heads and spec.compute.backend == "hf_jobs":
             _check_tensor_parallel(heads, spec, result)
@@ -227,15 +229,30 @@ def _check_tensor_parallel(heads: int, spec: RunSpec, result: Preflight) -> None
 
 
 def _check_trainer_memory(parameters: int, spec: RunSpec, result: Preflight) -> None:
-    """Every trainer process holds the whole model in float32 (DDP): refuse a flavor whose GPUs cannot."""
+    """Every trainer process holds the model's float32 weights, whole (DDP) or its share of them (FSDP): refuse a
+    flavor whose GPUs cannot."""
     gpu = flavor(spec.compute.trainer_flavor)
-    if gpu.gpus and not derived.trainer_fits(parameters, gpu.gpu_memory_gb):
-        result.errors["compute.trainer_flavor"] = (
-            f"{spec.model.id} has {parameters / 1e9:.1f} B parameters: the trainer keeps a float32 copy on every GPU "
-            f"({derived.trainer_weights_gb(parameters):.0f} GB), more than {derived.TRAINER_WEIGHT_SHARE:.0%} of the "
-            f"{gpu.gpu_memory_gb:g} GB each GPU of {gpu.name} has; choose a flavor with more memory per GPU (sharding "
-            "the model over GPUs is not supported yet)"
-        )
+    processes = derived.trainer_processes(spec.compute)
+    sharding = derived.trainer_sharding(spec.compute.trainer_sharding, processes, parameters, gpu.gpu_memory_gb)
+    shards = processes if sharding == "fsdp" else 1
+    if not gpu.gpus or derived.trainer_fits(parameters, gpu.gpu_memory_gb, shards):
+        return
+    held = (
+        f"a 1/{shards} share of the float32 weights on each of its GPUs (FSDP)"
+        if shards > 1
+        else ("a whole float32 copy on every GPU")
+    )
+    fix = (
+        "choose a flavor with more GPUs or more memory per GPU"
+        if sharding == "fsdp"
+        else "shard it over the GPUs (compute.trainer_sharding: fsdp or auto, with several GPUs) or choose a flavor "
+        "with more memory per GPU"
+    )
+    result.errors["compute.trainer_flavor"] = (
+        f"{spec.model.id} has {parameters / 1e9:.1f} B parameters: the trainer keeps {held} "
+        f"({derived.trainer_weights_gb(parameters, shards):.0f} GB), more than {derived.TRAINER_WEIGHT_SHARE:.0%} of "
+        f"the {gpu.gpu_memory_gb:g} GB each GPU of {gpu.name} has; {fix}"
+    )
 
 
 def _check_chat_template(template: str | dict | None, model: str, result: Preflight) -> None:

@@ -2,10 +2,12 @@
 
     .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 30 40
     .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --trainer-processes 1 2   # DDP vs one process
+    .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --trainer-processes 1 2 --sharding ddp fsdp
 
 With several `--trainer-processes` each seed runs once per count, one after the other, so the rows compare the same
 seed under the same load: the 2-process rows are the trainer under `accelerate launch` (2 ranks over gloo), each
-rank taking half of every step's completions.
+rank taking half of every step's completions, each holding the model whole (DDP) or, with `--sharding fsdp`, half of
+every weight (FSDP2); with several shardings each multi-process count runs once per sharding.
 
 Each run is the real thing `python -m backend demo` does (trainer + proxy + 2 CPU replicas as processes, a local folder
 as the bucket), in a fresh data folder. The load average is printed with each run: on a shared 2-core machine it
@@ -32,13 +34,14 @@ from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.demo.preset import demo_spec
 
 
-def run_demo(steps: int, seed: int, processes: int = 1) -> dict:
+def run_demo(steps: int, seed: int, processes: int = 1, sharding: str = "auto") -> dict:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         ctx = PanelContext(Database(root / "panel.sqlite3"), root)
-        run_id = f"bench-{steps}-{seed}-{processes}"
+        run_id = f"bench-{steps}-{seed}-{processes}-{sharding}"
         service = RunService(ctx, "bench")
-        grpo, compute = {"max_steps": steps, "seed": seed}, {"trainer_processes": processes}
+        grpo = {"max_steps": steps, "seed": seed}
+        compute = {"trainer_processes": processes, "trainer_sharding": sharding}
         service.create(demo_spec(run_id, f"file://{root / 'store'}", grpo=grpo, compute=compute))
         started = time.monotonic()
         service.launch(run_id, wait=True)
@@ -57,7 +60,7 @@ def run_demo(steps: int, seed: int, processes: int = 1) -> dict:
         return {
             "steps": steps,
             "seed": seed,
-            "processes": processes,
+            "processes": processes if processes == 1 else f"{processes} ({sharding})",
             "status": summary.run.status,
             "wall_s": wall,
             "steps_per_min": steps / wall * 60,
@@ -76,6 +79,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, nargs="+", default=[30, 40])
     parser.add_argument("--trainer-processes", type=int, nargs="+", default=[1])
+    parser.add_argument("--sharding", nargs="+", choices=["ddp", "fsdp"], default=["ddp"])
     args = parser.parse_args()
     print(
         "| steps | seed | trainer processes | status | wall | steps/min | reward first 5 → last 5 | sync p50 "
@@ -84,8 +88,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for seed in args.seeds:
-            for processes in args.trainer_processes:
-                r = run_demo(steps, seed, processes)
+            layouts = [(n, sharding) for n in args.trainer_processes for sharding in ([] if n == 1 else args.sharding)]
+            for processes, sharding in [(1, "auto")] * (1 in args.trainer_processes) + layouts:
+                r = run_demo(steps, seed, processes, sharding)
                 print(
                     f"| {r['steps']} | {r['seed']} | {r['processes']} | {r['status']} | {r['wall_s']:.0f} s "
                     f"| {r['steps_per_min']:.1f} "

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import struct
+from pathlib import Path
+
 from jobs.contract import DEMO_MODEL_ID, ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 def resolve_model(model: ModelSpec) -> str:
@@ -28,3 +35,37 @@ def eos_token_ids(model_path: str, tokenizer_eos: int | None, revision: str | No
         listed = None
     listed = listed if isinstance(listed, list) else [listed]
     return sorted({tokenizer_eos, *listed} - {None})
+
+
+def parameter_count(model_path: str, revision: str | None = None) -> int | None:
+    """The model's parameter count from its safetensors headers (no weight is read), or None when it cannot be told.
+
+    A local folder's files are read directly; a Hub model's headers are fetched with ranged requests (the job's token
+    from the environment, as the model itself will be downloaded).
+    """
+    folder = Path(model_path)
+    try:
+        if folder.is_dir():
+            files = sorted(folder.glob("*.safetensors"))
+            return sum(_safetensors_parameters(path) for path in files) if files else None
+        from huggingface_hub import get_safetensors_metadata
+
+        return sum(get_safetensors_metadata(model_path, revision=revision).parameter_count.values())
+    except Exception as error:  # the size only picks the sharding; training itself reports a missing model
+        log.warning("could not count %s's parameters (%s: %s)", model_path, type(error).__name__, error)
+        return None
+
+
+def _safetensors_parameters(path: Path) -> int:
+    """Parameters in one safetensors file: the product of every tensor's shape, from its JSON header."""
+    with path.open("rb") as file:
+        (size,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(size))
+    total = 0
+    for name, tensor in header.items():
+        if name != "__metadata__":
+            count = 1
+            for dimension in tensor["shape"]:
+                count *= dimension
+            total += count
+    return total

@@ -309,6 +309,28 @@ def test_a_model_the_trainer_flavors_gpus_cannot_hold(gate, refused, hub, moto_s
     assert "compute.trainer_flavor" not in roomy.errors, roomy.errors
 
 
+@row("model too large for the trainer flavor even sharded")
+def test_a_model_the_trainer_shards_over_its_gpus_or_refuses_when_even_its_share_is_too_large(
+    gate, refused, hub, moto_server
+):
+    """A 32 B model in float32 (128 GB) fits no GPU whole: h200x2 shards it (FSDP, 64 GB each of 141 GB) and the
+    plan says so; a forced DDP is refused with the fix; 4 x 24 GB (a10g-largex4) cannot hold even a quarter."""
+    gate.emulator.repos["acme/thirty-two-b"] = model_files("qwen2.5-math-1.5b.json")
+    gate.emulator.repo_parameters["acme/thirty-two-b"] = 32_000_000_000
+    data = {**hub_spec(gate, moto_server.url, trainer_flavor="h200x2"), "model": {"id": "acme/thirty-two-b"}}
+    credentials = {"store_credential_id": hub["keys"], "hf_credential_id": hub["hf"]}
+    sharded = gate.check(data, **credentials)
+    assert "compute.trainer_flavor" not in sharded.errors, sharded.errors
+    assert sharded.plan["derived"]["trainer"]["sharding"] == "fsdp"
+    assert sharded.plan["derived"]["trainer"]["model_parameters"] == 32_000_000_000
+    ddp = {**data, "compute": {**data["compute"], "trainer_sharding": "ddp"}}
+    message = refused(ddp, "compute.trainer_flavor", "shard it over the GPUs (compute.trainer_sharding", **credentials)
+    assert "a whole float32 copy on every GPU (128 GB)" in message
+    small = {**data, "compute": {**data["compute"], "trainer_flavor": "a10g-largex4"}}
+    message = refused(small, "compute.trainer_flavor", "choose a flavor with more GPUs or more memory", **credentials)
+    assert "a 1/4 share of the float32 weights on each of its GPUs (FSDP) (32 GB)" in message
+
+
 @row("replica flavor vLLM cannot split the model over")
 def test_a_replica_flavor_whose_gpus_do_not_divide_the_attention_heads(gate, refused, hub, moto_server):
     """Qwen2.5-1.5B has 12 attention heads: vLLM can spread it over 1, 2, 3, 4 or 6 GPUs, not the 8 of h200x8."""

@@ -202,14 +202,16 @@ def stored(store, run_id: str, stream: str) -> list[dict]:
     ]
 
 
-def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys):
-    """Issue 13: the trainer under `accelerate launch` with 2 CPU ranks (gloo), through the local launcher. It trains
-    to the end and the reward rises as with one process; only rank 0 reports (each step once), publishes (each
-    version once) and audits; a checkpoint holds both ranks' parts, and a relaunch after the whole trainer job is
-    killed resumes from it; no process of the run survives it."""
-    run_id = "demo-ddp"
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys, sharding):
+    """Issue 13: the trainer under `accelerate launch` with 2 CPU ranks (gloo), through the local launcher, holding
+    the model whole on each rank (DDP) or sharded over them (FSDP2: what a model too large for one GPU gets). It
+    trains to the end and the reward rises as with one process; only rank 0 reports (each step once) and publishes
+    (each version once); every audit passes (under FSDP every rank scores); a checkpoint holds both ranks' parts, and
+    a relaunch after the whole trainer job is killed resumes from it; no process of the run survives it."""
+    run_id = f"demo-{sharding}"
     started = time.monotonic()
-    ctx, poller = start_demo(tmp_path, run_id, STEPS, compute={"trainer_processes": 2})
+    ctx, poller = start_demo(tmp_path, run_id, STEPS, compute={"trainer_processes": 2, "trainer_sharding": sharding})
     store = LocalStore(tmp_path / "store")
     processes = RunProcesses(ctx.local_launcher.workdir / run_id)
     service = RunService(ctx, OWNER)
@@ -238,8 +240,8 @@ def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys
         first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
         with capsys.disabled():
             print(
-                f"\n2 trainer processes: {STEPS} steps in {wall:.0f}s (a kill and a resume included), reward first 5 "
-                f"{first:.3f} -> last 5 {last:.3f}"
+                f"\n2 trainer processes ({sharding}): {STEPS} steps in {wall:.0f}s (a kill and a resume included), "
+                f"reward first 5 {first:.3f} -> last 5 {last:.3f}"
             )
         assert last - first > REWARD_MARGIN
 
@@ -268,7 +270,9 @@ def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys
 
         # Checkpoints hold both ranks' parts; adapter versions are published once each and every audit passes.
         manifest = read_manifest(store, layout.checkpoint_prefix(run_id, resumed_from))
-        assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "rollout_state.json"} <= set(manifest.files)
+        # Under FSDP, accelerate's files: the adapter's and the optimizer's state gathered from both ranks.
+        parts = {"ddp": {"optimizer.pt"}, "fsdp": {"optimizer.bin", "pytorch_model_fsdp.bin"}}[sharding]
+        assert {"rng_state_0.pth", "rng_state_1.pth", "rollout_state.json", *parts} <= set(manifest.files)
         numbers = [layout.parse_version_dir(n) for n in list_published(store, layout.adapters_prefix(run_id))]
         assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) > STEPS
         snapshot = QueryService(ctx, OWNER).proxy_snapshots(run_id)[-1]
@@ -282,7 +286,7 @@ def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys
         assert all("previous" in r["distance"] for r in after_resume["replicas"].values()), after_resume
 
         status = json.loads(store.get_bytes(layout.status_key(run_id, "trainer")))
-        assert (status["phase"], status["attempt"]) == ("finished", 2)
+        assert (status["phase"], status["attempt"], status["sharding"]) == ("finished", 2, sharding)
         assert sorted(status["replicas_stopped"]) == ["replica-0", "replica-1"]
         assert processes.running() == []
     finally:

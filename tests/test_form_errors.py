@@ -106,6 +106,7 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "compute.engine": ("advanced", "Inference engine"),
     "compute.cost_cap_usd": ("advanced", "Cost cap"),
     "compute.trainer_processes": ("advanced", "Trainer processes"),
+    "compute.trainer_sharding": ("advanced", "Trainer sharding"),
     "storage.uri": ("storage", "Bucket location"),
     "storage.endpoint": ("storage", "Endpoint"),
     "storage.region": ("storage", "Region"),

@@ -54,6 +54,8 @@ def test_the_math_recipe_on_two_gpu_flavors_uses_every_gpu(tmp_path):
         "gpus": 2,
         "gpu_memory_gb": 141,
         "processes": 2,
+        "sharding": "auto",  # decided from the model's size: preflight, which reads it from the Hub, resolves it
+        "model_parameters": None,
         "per_device_train_batch_size": 1,  # the recipe's micro-batch on GPU
         "gradient_accumulation_steps": 64,  # 128 completions per step / (1 x 2 processes)
         "completions_per_step": 128,
@@ -107,6 +109,22 @@ def test_the_trainer_gpus_a_plan_shows_follow_the_hardware_on_both_branches():
     data["storage"] = {"uri": "s3://some-bucket/runs", "region": "us-east-1"}
     hub = parse_spec(data)
     assert derived_values(hub, trainer_cuda=True)["trainer"]["gpus"] == 4
+
+
+def test_the_sharding_a_plan_shows_is_the_one_the_trainer_will_choose():
+    """DDP while a whole float32 copy fits one GPU of the flavor, FSDP beyond; "auto" until the size is known."""
+    data = json.loads(demo_spec("plan-shard", "file:///tmp/plan-shard").to_json())
+    data["compute"] = {"backend": "hf_jobs", "namespace": "me", "trainer_flavor": "h200x2", "replica_flavor": "h200"}
+    data["storage"] = {"uri": "s3://some-bucket/runs", "region": "us-east-1"}
+    hub = parse_spec(data)
+    sharding = {size: derived_values(hub, True, size)["trainer"]["sharding"] for size in (None, 7_600_000_000, 32e9)}
+    assert sharding == {None: "auto", 7_600_000_000: "ddp", 32e9: "fsdp"}  # 30 GB fits 60% of 141 GB; 128 GB not
+    forced = parse_spec({**data, "compute": {**data["compute"], "trainer_sharding": "fsdp"}})
+    assert derived_values(forced, True)["trainer"]["sharding"] == "fsdp"
+    single = parse_spec({**data, "compute": {**data["compute"], "trainer_flavor": "h200"}})
+    assert derived_values(single, True, 32e9)["trainer"]["sharding"] == "single"
+    local = demo_spec("plan-shard", "file:///tmp/plan-shard", compute={"trainer_processes": 2})
+    assert derived_values(local, False)["trainer"]["sharding"] == "ddp"  # no GPU memory to outgrow
 
 
 def test_a_plan_writes_nothing(tmp_path):

@@ -12,7 +12,7 @@ from jobs.contract import DatasetSpec, layout, parse_spec
 from jobs.store import LocalStore, publish_directory
 from jobs.telemetry import ChunkWriter, decode_jsonl, next_sequence
 from jobs.trainer import cpu_compat
-from jobs.trainer.audit import FAILING, MARGIN, VersionWeights, judge, lora_weights
+from jobs.trainer.audit import FAILING, MARGIN, VersionWeights, judge, lora_weights, read_published_weights
 from jobs.trainer.config import grpo_config, lora_config
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows, to_messages
 
@@ -267,6 +267,54 @@ def test_the_trainer_config_gives_each_of_two_cpu_processes_half_a_step(tmp_path
     assert (config.per_device_train_batch_size, config.gradient_accumulation_steps) == (32, 1)
 
 
+def test_the_sharding_follows_the_model_size_against_one_gpu_on_both_branches():
+    """A pure function, tested for the GPU branch that cannot run here: DDP while a float32 copy takes at most 60% of
+    one GPU, FSDP beyond; what the spec forces is kept; one process never shards; no GPU or no size means DDP."""
+    from jobs.contract import derived
+
+    h200 = 141.0
+    fits, too_large = 7_000_000_000, 32_000_000_000  # 28 GB and 128 GB in float32
+    assert derived.trainer_sharding("auto", 2, fits, h200) == "ddp"
+    assert derived.trainer_sharding("auto", 2, too_large, h200) == "fsdp"
+    assert derived.trainer_sharding("auto", 2, too_large, 0.0) == "ddp"  # the CPU: no GPU memory to outgrow
+    assert derived.trainer_sharding("auto", 2, None, h200) == "ddp"  # the size could not be read
+    assert derived.trainer_sharding("ddp", 2, too_large, h200) == "ddp"
+    assert derived.trainer_sharding("fsdp", 2, fits, h200) == "fsdp"
+    assert derived.trainer_sharding("fsdp", 1, too_large, h200) == "single"
+    assert derived.trainer_fits(too_large, h200, shards=2) and not derived.trainer_fits(too_large, h200)
+
+
+def test_fsdp_becomes_trls_fsdp2_config_and_ddp_changes_nothing(tmp_path):
+    from jobs.demo.preset import demo_spec
+
+    spec = demo_spec("fsdp", f"file://{tmp_path}", compute={"trainer_processes": 2, "trainer_sharding": "fsdp"})
+    sharded = grpo_config(spec, str(tmp_path), "http://127.0.0.1:9999", cuda=False, sharding="fsdp")
+    assert sharded.fsdp_plugin_args["fsdp_version"] == 2  # TRL 1.16's async trainer gathers FSDP2 DTensors only
+    assert sharded.fsdp_plugin_args["auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert sharded.fsdp_plugin_args["reshard_after_forward"] is True
+    plain = grpo_config(spec, str(tmp_path), "http://127.0.0.1:9999", cuda=False, sharding="ddp")
+    assert plain.fsdp_plugin_args is None and not plain.fsdp
+
+
+def test_fsdp_for_one_trainer_process_is_refused_naming_the_field():
+    from jobs.contract import SpecError
+
+    with pytest.raises(SpecError) as refused:
+        parse_spec({"run_id": "one-proc", "compute": {"trainer_sharding": "fsdp"}})
+    assert "compute.trainer_sharding" in str(refused.value) and "trainer_processes to 2 or more" in str(refused.value)
+
+
+def test_the_parameter_count_is_read_from_safetensors_headers_without_loading_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from jobs.demo.tiny_model import ensure_tiny_model
+    from jobs.models import parameter_count
+
+    folder = ensure_tiny_model()
+    assert parameter_count(str(folder)) == AutoModelForCausalLM.from_pretrained(folder).num_parameters()
+    assert parameter_count(str(tmp_path)) is None  # no weights there: the sharding falls back to DDP
+
+
 def test_the_main_process_is_rank_0_of_torchrun_or_the_only_one():
     from jobs.trainer import ranks
 
@@ -377,7 +425,8 @@ def test_after_a_resume_the_version_before_is_read_back_from_the_store_as_it_was
             if "lora_" in name:
                 parameter.add_(0.5 * torch.randn_like(parameter))
     resumed = VersionWeights()  # a fresh process: nothing kept
-    assert resumed.fetch(store, "resumed", 1) and not resumed.fetch(store, "resumed", 7)
+    assert resumed.keep(1, read_published_weights(store, "resumed", 1))
+    assert not resumed.keep(7, read_published_weights(store, "resumed", 7))
     with torch.no_grad(), resumed.loaded(model, 1):
         assert torch.equal(model(input_ids=ids).logits, logits_v1)
 

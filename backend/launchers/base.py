@@ -177,15 +177,16 @@ class Launcher(ABC):
         """The run's jobs that have not ended, found on the backend itself (not in the panel's database), so that a
         launch interrupted between starting a job and recording it can find that job."""
 
-    def plan(self, spec: RunSpec, secrets: RunSecrets) -> RunPlan:
-        """Every job a launch of `spec` submits, and the values derived for its hardware."""
+    def plan(self, spec: RunSpec, secrets: RunSecrets, parameters: int | None = None) -> RunPlan:
+        """Every job a launch of `spec` submits, and the values derived for its hardware (for a model of
+        `parameters`, where known)."""
         roles = [f"replica-{index}" for index in range(spec.compute.replicas)] + ["trainer"]
         return RunPlan(
             run_id=spec.run_id,
             backend=spec.compute.backend,
             namespace=spec.compute.namespace,
             jobs=[self.plan_job(spec, role, secrets) for role in roles],
-            derived=derived_values(spec, self.trainer_cuda(spec)),
+            derived=derived_values(spec, self.trainer_cuda(spec), parameters),
         )
 
     def prepare(self, spec: RunSpec, secrets: RunSecrets, store: ObjectStore) -> None:

@@ -87,15 +87,32 @@ def trainer_precision(cuda: bool) -> tuple[str, bool]:
 TRAINER_WEIGHT_SHARE = 0.6
 
 
-def trainer_weights_gb(parameters: int) -> float:
+def trainer_weights_gb(parameters: int, shards: int = 1) -> float:
     """GB one trainer process holds for the model: float32 weights (`trainer_precision`), a whole copy on every GPU
-    under DDP."""
-    return parameters * 4 / 1e9
+    under DDP, a 1/`shards` part of it under FSDP."""
+    return parameters * 4 / 1e9 / shards
 
 
-def trainer_fits(parameters: int, gpu_memory_gb: float) -> bool:
-    """Whether a model of `parameters` trains on GPUs of `gpu_memory_gb` with a whole copy on each (DDP)."""
-    return trainer_weights_gb(parameters) <= TRAINER_WEIGHT_SHARE * gpu_memory_gb
+def trainer_fits(parameters: int, gpu_memory_gb: float, shards: int = 1) -> bool:
+    """Whether a model of `parameters` trains on GPUs of `gpu_memory_gb`, its weights split in `shards`."""
+    return trainer_weights_gb(parameters, shards) <= TRAINER_WEIGHT_SHARE * gpu_memory_gb
+
+
+def trainer_sharding(requested: str, processes: int, parameters: int | None, gpu_memory_gb: float) -> str:
+    """How the trainer's processes hold the model: "single" (one process), "ddp" (a whole copy each) or "fsdp"
+    (FSDP2: each holds 1/processes of every weight and gathers a layer's weights for its forward and backward).
+
+    `requested` is the spec's `compute.trainer_sharding`; "auto" is FSDP exactly when a whole float32 copy does not
+    fit one GPU, since DDP keeps no gathers in the step and is the faster of the two whenever it fits. Without a GPU or
+    a known model size, "auto" is DDP.
+    """
+    if processes == 1:
+        return "single"
+    if requested != "auto":
+        return requested
+    if parameters is None or not gpu_memory_gb or trainer_fits(parameters, gpu_memory_gb):
+        return "ddp"
+    return "fsdp"
 
 
 def max_model_len(spec: RunSpec) -> int:

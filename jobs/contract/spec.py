@@ -304,6 +304,9 @@ class ComputeSpec(_Section):
     cost_cap_usd: Annotated[float, Field(gt=0)] | None = None
     # Data-parallel training processes. None: one per GPU of the trainer flavor on HF Jobs, one locally.
     trainer_processes: Annotated[int, Field(ge=1, le=8)] | None = None
+    # How several trainer processes hold the model: "ddp" a whole float32 copy each, "fsdp" sharded over them (FSDP2),
+    # "auto" FSDP exactly when a whole copy does not fit one GPU of the flavor (decided from the model's size).
+    trainer_sharding: Literal["auto", "ddp", "fsdp"] = "auto"
 
     @field_validator("replicas")
     @classmethod
@@ -427,6 +430,11 @@ class RunSpec(_Section):
             raise ValueError(
                 f"grpo.completions_per_step: {self.grpo.completions_per_step} must be a multiple of the "
                 f"{processes} training processes, so every process trains the same number of completions"
+            )
+        if self.compute.trainer_sharding == "fsdp" and processes == 1:
+            raise ValueError(
+                "compute.trainer_sharding: fsdp shards the model over several trainer processes and this run has one; "
+                "set compute.trainer_processes to 2 or more (a flavor with several GPUs), or choose auto or ddp"
             )
         return self
 

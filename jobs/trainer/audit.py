@@ -17,6 +17,11 @@ that keeps serving the wrong policy after clean re-loads is broken, and rollouts
 
 The result goes to the store (`audit/vNNNNNN.json`: per replica the three distances, the separations of vN from the
 alternatives, the verdict and why) and to the events stream.
+
+Under FSDP the trainer's forward gathers each layer's weights from every rank, so every rank runs the audit: the main
+process probes the replicas and hands the sampled tokens to the others, every rank scores them (and swaps its part of
+the LoRA weights in and out), and the main process judges, stores and acts. Under DDP and with one process the main
+process audits alone, as each rank holds the whole model.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from transformers import TrainerCallback
 
 from jobs.contract import derived, layout
 from jobs.store import ObjectStore, StoreError, download_published
+from jobs.trainer import ranks
 from jobs.trainer.dataset import prompt_token_ids
 
 log = logging.getLogger(__name__)
@@ -137,6 +143,37 @@ def lora_weights(model) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in get_peft_model_state_dict(model).items()}
 
 
+def laid_out_like(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` placed as the model holds its own (`own`, from `lora_weights`): where FSDP shards a weight, each
+    rank keeps its part of the whole tensor read from the store (every rank has it, so nothing is sent)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    placed = {}
+    for name, tensor in weights.items():
+        mine = own.get(name)
+        if isinstance(mine, DTensor) and not isinstance(tensor, DTensor):
+            tensor = distribute_tensor(
+                tensor.to(mine.device, mine.dtype), mine.device_mesh, mine.placements, src_data_rank=None
+            )
+        placed[name] = tensor
+    return placed
+
+
+def read_published_weights(store: ObjectStore, run_id: str, version: int) -> dict[str, torch.Tensor] | None:
+    """A version's LoRA weights as it was published (checked against its manifest), or None if it cannot be read.
+
+    The published file is PEFT's save of the same adapter, keyed as `lora_weights` keys it."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            download_published(store, layout.adapter_prefix(run_id, version), Path(folder) / "adapter")
+            return load_file(Path(folder) / "adapter" / "adapter_model.safetensors")
+        except (StoreError, OSError) as error:
+            log.warning("v%d's weights could not be read back for the audit: %s", version, error)
+            return None
+
+
 class VersionWeights:
     """The LoRA weights of the trainer's last two versions, kept at each sync so the audit of vN can score v(N-1).
 
@@ -156,20 +193,11 @@ class VersionWeights:
     def has(self, version: int) -> bool:
         return version in self.kept
 
-    def fetch(self, store: ObjectStore, run_id: str, version: int) -> bool:
-        """Keep `version`'s weights as it was published (checked against its manifest); False if it cannot be read.
-
-        The published file is PEFT's `save_pretrained` of the same adapter, keyed as `lora_weights` keys it."""
-        from safetensors.torch import load_file
-
-        with tempfile.TemporaryDirectory() as folder:
-            try:
-                download_published(store, layout.adapter_prefix(run_id, version), Path(folder) / "adapter")
-                self.kept[version] = load_file(Path(folder) / "adapter" / "adapter_model.safetensors")
-            except (StoreError, OSError) as error:
-                log.warning("v%d's weights could not be read back for the audit: %s", version, error)
-                return False
-        return True
+    def keep(self, version: int, weights: dict[str, torch.Tensor] | None) -> bool:
+        """Keep `weights` (e.g. `read_published_weights`) as `version`'s; False when there are none."""
+        if weights is not None:
+            self.kept[version] = weights
+        return weights is not None
 
     @contextmanager
     def loaded(self, model, version: int) -> Iterator[None]:
@@ -178,7 +206,7 @@ class VersionWeights:
 
         own = lora_weights(model)
         with torch.no_grad():
-            set_peft_model_state_dict(model, self.kept[version])
+            set_peft_model_state_dict(model, laid_out_like(own, self.kept[version]))
         try:
             yield
         finally:
@@ -194,7 +222,8 @@ class PolicyAudit:
     """Audits one version on every replica; keeps the LoRA weights of the version before, ejects and counts failures.
 
     `eject(role, reason)` takes a replica out of the proxy's rotation; `on_fatal(reason)` is called once when a
-    replica has failed `FAILURES_TO_STOP` audits in a row (the job stops the run through it).
+    replica has failed `FAILURES_TO_STOP` audits in a row (the job stops the run through it). `collective`: every
+    rank runs the audit, as FSDP needs (see the module's docstring); only the main process probes, judges and acts.
     """
 
     def __init__(
@@ -210,6 +239,7 @@ class PolicyAudit:
         telemetry=None,
         eject: Callable[[str, str], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        collective: bool = False,
     ):
         self.trainer, self.store, self.run_id = trainer, store, run_id
         self.replicas_fn, self.token, self.temperature, self.tolerance = replicas_fn, token, temperature, tolerance
@@ -218,6 +248,11 @@ class PolicyAudit:
         self.versions = VersionWeights()
         self.failures: dict[str, int] = {}  # consecutive failed audits per replica role
         self.fatal: str | None = None
+        self.collective = collective
+
+    def shared(self, decide: Callable[[], Any]) -> Any:
+        """What `decide()` returns on the main process: handed to every rank when the audit is collective."""
+        return ranks.from_main(decide) if self.collective else decide()
 
     def _peft_model(self):
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -231,18 +266,12 @@ class PolicyAudit:
     def run(self, version: int, step: int) -> dict[str, Any]:
         """Audit `version` (which the trainer must hold now) on every replica; store, report and act on the result."""
         self.note_version(version)
-        results: dict[str, Any] = {}
-        probes: dict[str, tuple[list[int], list[float]]] = {}
-        for replica in self.replicas_fn():
-            try:
-                tokens, served = self._probe(replica["url"], version)
-                if not tokens:
-                    raise ValueError("the replica returned no tokens")
-                probes[replica["role"]] = (tokens, served)
-            except Exception as error:
-                results[replica["role"]] = {"verdict": "error", "error": f"{type(error).__name__}: {str(error)[:300]}"}
-        if probes:
-            results.update(self._judge_all(version, probes))
+        results, probes = self._probe_all(version) if ranks.is_main_process() else ({}, {})
+        sequences = self.shared(lambda: sorted({tuple(tokens) for tokens, _ in probes.values()}))
+        if sequences:
+            results.update(self._judge_all(version, probes, self._score_all(version, sequences)))
+        if not ranks.is_main_process():
+            return {}
         ok = bool(results) and all(r["verdict"] in PASSING for r in results.values())
         for role, result in results.items():
             self._act(role, version, result)
@@ -271,21 +300,42 @@ class PolicyAudit:
         log.info("policy audit v%d: ok=%s %s", version, ok, results)
         return record
 
-    def _judge_all(self, version: int, probes: dict[str, tuple[list[int], list[float]]]) -> dict[str, Any]:
-        """Score every probe's tokens under vN, v(N-1) (when its weights are here) and the base; one verdict each."""
-        sequences = {tuple(tokens) for tokens, _ in probes.values()}
+    def _probe_all(self, version: int) -> tuple[dict[str, Any], dict[str, tuple[list[int], list[float]]]]:
+        """(errors, probes): each replica's sampled tokens and their log-probs under `version`'s name, or its error."""
+        errors: dict[str, Any] = {}
+        probes: dict[str, tuple[list[int], list[float]]] = {}
+        for replica in self.replicas_fn():
+            try:
+                tokens, served = self._probe(replica["url"], version)
+                if not tokens:
+                    raise ValueError("the replica returned no tokens")
+                probes[replica["role"]] = (tokens, served)
+            except Exception as error:
+                errors[replica["role"]] = {"verdict": "error", "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        return errors, probes
+
+    def _score_all(self, version: int, sequences: list[tuple[int, ...]]) -> dict[str, dict[tuple[int, ...], list]]:
+        """The trainer's log-probs of each sequence under vN, v(N-1) (when its weights can be had) and the base."""
 
         def score() -> dict[tuple[int, ...], list[float]]:
             return {seq: trainer_log_probs(self.trainer, self.prompt_ids, list(seq)) for seq in sequences}
 
         scores = {"current": score()}
         if version > 1 and not self.versions.has(version - 1):  # the first audit after a resume
-            self.versions.fetch(self.store, self.run_id, version - 1)
+            self.versions.keep(
+                version - 1, self.shared(lambda: read_published_weights(self.store, self.run_id, version - 1))
+            )
         if self.versions.has(version - 1):
             with self.versions.loaded(self._peft_model(), version - 1):
                 scores["previous"] = score()
         with self._peft_model().disable_adapter():
             scores["base"] = score()
+        return scores
+
+    def _judge_all(
+        self, version: int, probes: dict[str, tuple[list[int], list[float]]], scores: dict[str, dict]
+    ) -> dict[str, Any]:
+        """One verdict per probed replica, from the trainer's scores of its tokens (`_score_all`)."""
         results = {}
         for role, (tokens, served) in probes.items():
             seq = tuple(tokens)
@@ -374,7 +424,7 @@ class AuditCallback(TrainerCallback):
         self._version_at_begin = -1
 
     def _version(self) -> int:
-        return int(self.audit.trainer.model_version)
+        return self.audit.shared(lambda: int(self.audit.trainer.model_version))  # TRL counts on the main process
 
     def on_train_begin(self, _args, state, _control, **_kwargs):
         version = self._version()  # TRL's cold sync just published the weights the trainer starts (or resumes) from

@@ -124,8 +124,16 @@ def load_parent_adapter(folder: str | Path, parent: ParentSpec, model) -> None:
     log.info("branch starts from %s v%d", parent.run_id, parent.version)
 
 
-def publish_final(store: ObjectStore, run_id: str, model, workdir: str | Path, meta: dict) -> None:
-    """Save the trained adapter (adapter files only) to `final/`."""
+def publish_final(store: ObjectStore, run_id: str, trainer, workdir: str | Path, meta: dict) -> None:
+    """Save the trained adapter (adapter files only) to `final/`.
+
+    Every rank calls it: under FSDP each holds a part of every LoRA weight, and gathering them is a collective (TRL's
+    own adapter save, as at each sync); the main process alone writes and uploads the files.
+    """
+    from trl.experimental.async_grpo.async_grpo_trainer import save_lora_adapter
+
     folder = Path(workdir) / "final-adapter"
-    model.save_pretrained(str(folder), safe_serialization=True)
-    publish_through_outage(store, layout.final_prefix(run_id), folder, meta)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    save_lora_adapter(model, trainer.accelerator, model.active_adapters[0], str(folder))
+    if trainer.accelerator.is_main_process:
+        publish_through_outage(store, layout.final_prefix(run_id), folder, meta)

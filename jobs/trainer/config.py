@@ -23,8 +23,19 @@ def lora_config(spec: RunSpec):
     )
 
 
-def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | None = None):
-    """The AsyncGRPOConfig for `spec`, training into `output_dir` against the proxy at `server_url`."""
+def sharding_arguments(sharding: str) -> dict:
+    """TrainingArguments that make the trainer's processes hold the model as `sharding` says
+    (`derived.trainer_sharding`): FSDP2 for "fsdp" (TRL 1.16's async trainer supports no other FSDP), each decoder
+    layer a unit of its own (accelerate wraps the model's `_no_split_modules`), a layer's gathered weights freed after
+    its forward; none for DDP and a single process."""
+    if sharding != "fsdp":
+        return {}
+    return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2, "reshard_after_forward": True}}
+
+
+def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | None = None, sharding: str = "single"):
+    """The AsyncGRPOConfig for `spec`, training into `output_dir` against the proxy at `server_url`, its processes
+    holding the model as `sharding` says."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -69,4 +80,5 @@ def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | No
         save_total_limit=2,
         report_to="none",
         disable_tqdm=True,
+        **sharding_arguments(sharding),
     )

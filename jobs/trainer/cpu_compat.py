@@ -7,6 +7,10 @@ shared/reference/trl-async-grpo.md, section 6):
 2. the MFU metric setup calls `torch.cuda.get_device_name`;
 3. the training forward uses tree attention through a flash-attention kernel downloaded from the Hub at run time.
 
+And accelerate 1.15 turns FSDP on only for GPU process groups: a gloo group of CPU processes stays plain data-parallel
+whatever the FSDP plugin says. torch's FSDP2 (`fully_shard`) itself runs on gloo, so one more patch lets a CPU trainer
+shard as a GPU trainer does: the 2-process CPU demo is how FSDP is rehearsed without a GPU.
+
 Each patch replaces one private name; each checks first that the name exists, so a TRL version that moved it fails
 at start with a message naming the version instead of silently running unpatched. Applied only when CUDA is absent.
 """
@@ -105,6 +109,28 @@ def _torch_flash_attention() -> _TorchFlashAttention:
     return _TorchFlashAttention()
 
 
+def _fsdp_on_cpu_process_groups() -> None:
+    """Let accelerate's state honour an FSDP plugin in a CPU process group (see the module's docstring)."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+    if getattr(original, "fsdp_on_cpu", False):
+        return
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        # Every later `AcceleratorState()` (an optimizer's, at prepare) copies the process group's type over the
+        # state again: re-apply FSDP each time, from the plugin the first one kept.
+        plugin = fsdp_plugin or getattr(self, "fsdp_plugin", None)
+        if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = plugin
+
+    init.fsdp_on_cpu = True
+    AcceleratorState.__init__ = init
+
+
 def apply_cpu_patches(force: bool = False) -> bool:
     """Patch TRL for a CPU-only machine. Returns whether it patched (False when CUDA is available)."""
     if torch.cuda.is_available() and not force:
@@ -120,4 +146,5 @@ def apply_cpu_patches(force: bool = False) -> bool:
     trainer.get_peak_flops_per_device = _no_peak_flops
     # `tree_attention` looks `_flash_attn` up at call time, so replacing the module attribute is enough.
     packing._flash_attn = _torch_flash_attention
+    _fsdp_on_cpu_process_groups()
     return True

@@ -9,8 +9,9 @@ every way out (success, error, SIGTERM), stop the proxy and the replicas and say
 Under `accelerate launch` (several data-parallel processes, see jobs/trainer/ranks.py) every rank builds the same
 trainer and trains, but only the main process does what reaches outside the training loop: the proxy and the replica
 watchdog, telemetry and status, checkpoint uploads, audits, step hints, the final publish and stopping the replicas.
-What the ranks must agree on — the working folder, the checkpoint to resume from, when to stop — the main process
-decides and shares.
+What the ranks must agree on — the working folder, the checkpoint to resume from, how to hold the model (DDP or
+FSDP), when to stop — the main process decides and shares. Under FSDP every rank also takes part in what gathers
+the sharded weights: each audit's scoring and the final adapter's save.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from jobs import pins
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
-from jobs.models import eos_token_ids, resolve_model
+from jobs.models import eos_token_ids, parameter_count, resolve_model
 from jobs.runtime import ENV_UPSTREAM_TOKEN, RunContext, open_run, read_json, setup_logging, spec_uri
 from jobs.store import StoreError
 from jobs.trainer import cpu_compat, ranks
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
         rewards = build_rewards(spec.rewards, eos, error_log)
 
+        sharding = ranks.from_main(lambda: choose_sharding(spec, model_path, cuda))
         resume_step, resume_path = ranks.from_main(lambda: fetch_resume_checkpoint(store, spec.run_id, workdir))
         if resume_step is not None:
             telemetry.event(
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = AsyncGRPOTrainer(
             model=model_path,
             reward_funcs=rewards,
-            args=grpo_config(spec, str(workdir / "output"), proxy.url, cuda),
+            args=grpo_config(spec, str(workdir / "output"), proxy.url, cuda, sharding),
             train_dataset=dataset,
             processing_class=tokenizer,
             callbacks=callbacks,
@@ -179,9 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         if spec.parent is not None and resume_path is None:
             parent = ranks.from_main(lambda: download_parent_adapter(store, spec.parent, workdir))
             load_parent_adapter(parent, spec.parent, trainer.model)
-        audit = watch_trainer(trainer, tokenizer, ctx, proxy, telemetry, cuda, stop) if main_process else None
+        audit = watch_trainer(trainer, tokenizer, ctx, proxy, telemetry, cuda, stop, sharding)
 
-        telemetry.status("training", resumed_from_step=resume_step)
+        telemetry.status("training", resumed_from_step=resume_step, sharding=sharding)
         trainer.train(resume_from_checkpoint=resume_path)
 
         telemetry.status("saving")
@@ -189,17 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             # Publish the final weights as a version, so replicas and audit see them. Every rank: saving the adapter
             # is a collective.
             trainer._sync_weight()
-        if main_process:
-            if audit.fatal:
-                raise PolicyAuditFailed(audit.fatal)
-            audit.run(int(trainer.model_version), trainer.state.global_step)
-            publish_final(
-                store,
-                spec.run_id,
-                trainer.model,
-                workdir,
-                {"step": trainer.state.global_step, "version": int(trainer.model_version), "attempt": attempt},
-            )
+        fatal, version = ranks.from_main(lambda: (audit.fatal, int(trainer.model_version)))
+        if fatal:
+            raise PolicyAuditFailed(fatal)
+        if audit is not None:  # the main process; every rank under FSDP
+            audit.run(version, trainer.state.global_step)
+        step = trainer.state.global_step
+        publish_final(store, spec.run_id, trainer, workdir, {"step": step, "version": version, "attempt": attempt})
         outcome, exit_code = ("stopped", 0) if stop.reason else ("finished", 0)
         telemetry.event(
             outcome,
@@ -242,14 +240,30 @@ def store_watchdog(store, run_id: str, timeout: float) -> Watchdog:
     return Watchdog(lambda: store.exists(layout.spec_key(run_id)), timeout, StoreUnreachable(reason))
 
 
+def choose_sharding(spec, model_path: str, cuda: bool) -> str:
+    """How this job's ranks hold the model (`derived.trainer_sharding`), from the model's size and this machine's
+    GPU memory (the main process decides: every rank must agree)."""
+    gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 0.0
+    counts = spec.compute.trainer_sharding == "auto" and cuda and ranks.world_size() > 1  # else the size is moot
+    parameters = parameter_count(model_path, spec.model.revision) if counts else None
+    sharding = derived.trainer_sharding(spec.compute.trainer_sharding, ranks.world_size(), parameters, gpu_memory_gb)
+    log.info("%d trainer process(es), sharding %s (model %s parameters)", ranks.world_size(), sharding, parameters)
+    return sharding
+
+
 def watch_trainer(
-    trainer, tokenizer, ctx: RunContext, proxy: ProxyProcess, telemetry, cuda: bool, stop: GracefulStop
-) -> PolicyAudit:
-    """What the main process adds to TRL's trainer: sample recording, a prompt rollout-worker stop, policy audits
-    (a replica failing one is ejected through the proxy; one failing them again and again stops the run)."""
+    trainer, tokenizer, ctx: RunContext, proxy: ProxyProcess, telemetry, cuda: bool, stop: GracefulStop, sharding: str
+) -> PolicyAudit | None:
+    """What the job adds to TRL's trainer: on the main process sample recording and a prompt rollout-worker stop;
+    policy audits (a replica failing one is ejected through the proxy; one failing them again and again stops the
+    run) on the main process, and on every rank under FSDP, whose forward needs them all."""
     spec = ctx.spec
-    trainer.rollout_queue = RecordingQueue(trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness)
-    _drain_queues_on_stop(trainer.rollout_worker)
+    collective = sharding == "fsdp"
+    if ranks.is_main_process():
+        trainer.rollout_queue = RecordingQueue(trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness)
+        _drain_queues_on_stop(trainer.rollout_worker)
+    elif not collective:
+        return None
     audit = PolicyAudit(
         trainer,
         tokenizer,
@@ -262,6 +276,7 @@ def watch_trainer(
         telemetry,
         eject=proxy.eject,
         on_fatal=stop.request,
+        collective=collective,
     )
     trainer.add_callback(AuditCallback(audit, spec.grpo.audit_every))  # after TRL's sync callback: see AuditCallback
     return audit
