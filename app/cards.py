@@ -11,8 +11,9 @@ import time
 from html import escape
 from typing import Any
 
-from app.formatting import ago, duration, money
+from app.formatting import ago, duration, money, number
 from backend.models import Event, Job, Run
+from backend.services.adapters import Comparison
 from backend.services.smoke import SmokeReport
 
 STATUS_TONE = {
@@ -55,6 +56,42 @@ def note(message: str, tone: str = "info") -> str:
 def cost_line(price: str, detail: str) -> str:
     """The Launch page's cost line: a price, then where it comes from (which may quote the Hub or a typed flavor)."""
     return f'<div class="gp-cost">{escape(price)} <span class="gp-meta">{escape(detail)}</span></div>'
+
+
+def selected_run(run: Run, versions: int) -> str:
+    """The Runs page's note on the run a click selected."""
+    return (
+        f'<div class="gp-note gp-note-info">Selected <b>{escape(run.name or run.id)}</b> <code>{escape(run.id)}</code> '
+        f"{badge(run.status)} · {versions} adapter version{'s' if versions != 1 else ''}</div>"
+    )
+
+
+def lineage(run: Run, children: list[Run]) -> str:
+    """The Adapters page's line on where a run comes from and which branches trained from it."""
+    parts = []
+    if run.parent_run_id:
+        parts.append(f"branched from <b>{escape(run.parent_run_id)}</b> at v{run.parent_version}")
+    if children:
+        listed = ", ".join(f"<b>{escape(c.id)}</b> (from v{c.parent_version}, {escape(c.status)})" for c in children)
+        parts.append(f"branches trained from it: {listed}")
+    if not parts:
+        parts.append("an original run (no parent, no branches yet)")
+    return f'<div class="gp-meta">Lineage: {" · ".join(parts)}</div>'
+
+
+def comparison_stats(comparison: Comparison) -> str:
+    """The Adapters page's figures for two versions: each one's ‖ΔW‖, their difference and cosine, the steps."""
+    cosine = number(comparison.total_cosine) if comparison.total_cosine is not None else "—"
+    figures = [
+        (f"‖ΔW‖ v{comparison.version_a}", number(comparison.total_norm_a)),
+        (f"‖ΔW‖ v{comparison.version_b}", number(comparison.total_norm_b)),
+        ("‖difference‖", number(comparison.total_diff_norm)),
+        ("cosine similarity", cosine),
+        ("modules", str(len(comparison.modules))),
+        ("steps", f"{comparison.step_a} → {comparison.step_b}"),
+    ]
+    cells = "".join(f"<div><span>{escape(label)}</span><b>{escape(value)}</b></div>" for label, value in figures)
+    return f'<div class="gp-stats">{cells}</div>'
 
 
 def json_block(data: Any) -> str:

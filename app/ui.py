@@ -14,6 +14,7 @@ from app.pages.launch import LaunchPage
 from app.pages.monitor import MonitorPage, run_choices
 from app.pages.runs import RunsPage
 from app.panel import Panel
+from app.public_api import PublicApi, make_private
 
 
 def build_app(panel: Panel) -> gr.Blocks:
@@ -43,6 +44,8 @@ def build_app(panel: Panel) -> gr.Blocks:
         _wire(app, panel, tabs, launch, runs, monitor, adapters, account,
               {"launch": launch_tab, "runs": runs_tab, "monitor": monitor_tab, "adapters": adapters_tab,
                "account": account_tab})  # fmt: skip
+        make_private(app)  # the pages' events are the UI's, not an API: the public one is deliberate
+        PublicApi(panel).register()
     return app
 
 

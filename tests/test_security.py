@@ -46,6 +46,8 @@ from app.pages.launch import LaunchPage, _fingerprint
 from app.pages.monitor import SUBTABS, MonitorPage
 from app.pages.runs import RunsPage
 from app.panel import Panel, SignInRequired
+from app.public_api import PUBLIC_ENDPOINTS, PublicApi, make_private
+from app.ui import build_app
 from backend import landlock
 from backend.api import PanelServices
 from backend.context import PanelContext
@@ -227,7 +229,9 @@ def _replica_answers(ctx: PanelContext, emulator: HubEmulator) -> dict[str, Any]
 @pytest.fixture(scope="module")
 def hub_run(tmp_path_factory, moto_server) -> HubRun:
     root = tmp_path_factory.mktemp("security")
-    emulator = HubEmulator(root / "hub", tokens=(HF_TOKEN,), namespace=ALICE, scheduling_delay=0.2)
+    emulator = HubEmulator(
+        root / "hub", tokens=(HF_TOKEN,), namespace=ALICE, users={BOB_TOKEN: BOB}, scheduling_delay=0.2
+    )
     emulator.base_env = _job_env(root, emulator.url)
     emulator.start()
     ctx = PanelContext(Database(root / "panel" / "panel.sqlite3"), root / "panel", hub_endpoint=emulator.url)
@@ -952,3 +956,129 @@ def test_a_typed_flavor_and_a_hub_error_are_escaped_on_the_launch_page(tmp_path)
     for html in (unknown_flavor, hub_error):
         assert "<img" not in html and "&lt;img src=x" in html
     panel.ctx.db.close()
+
+
+# --- the public API (issue 16) -----------------------------------------------------------------------------------
+
+
+def _serve(app: gr.Blocks) -> str:
+    port = free_port()
+    app.queue().launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    return f"http://127.0.0.1:{port}/"
+
+
+def _endpoints(url: str) -> set[str]:
+    from gradio_client import Client
+
+    return set(Client(url, verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"])
+
+
+def test_the_panel_publishes_its_deliberate_api_and_no_ui_event(tmp_path):
+    """Gradio would publish every UI event (133 endpoints, most auto-named); the panel lists exactly its own eight,
+    and the page still works through its now private events (the browser tests drive every one of them)."""
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    app = build_app(Panel(ctx, space=False))
+    assert sum(1 for fn in app.fns.values() if fn.api_visibility == "private") > 100  # the UI's events
+    url = _serve(app)
+    try:
+        assert _endpoints(url) == {f"/{name}" for name in PUBLIC_ENDPOINTS}
+    finally:
+        app.close()
+        ctx.db.close()
+
+
+@pytest.fixture(scope="module")
+def space_api(hub_run, owners) -> Iterator[str]:
+    """The public API of a panel hosted as a Space, over HTTP; callers sign in with their Hub token."""
+    with gr.Blocks() as app:
+        make_private(app)
+        PublicApi(Panel(hub_run.ctx, space=True)).register()
+    url = _serve(app)
+    yield url
+    app.close()
+
+
+def _client(url: str, token: str | None):
+    from gradio_client import Client
+
+    return Client(url, token=token, verbose=False)
+
+
+def test_through_the_api_alice_reads_her_run_and_downloads_a_version(space_api, owners, tmp_path):
+    alice = _client(space_api, HF_TOKEN)
+    runs = {run["run_id"]: run for run in alice.predict(api_name="/list_runs")}
+    assert set(runs) >= {RUN_ID, "alice-draft"} and "bob-draft" not in runs
+    status = alice.predict(RUN_ID, api_name="/run_status")
+    assert (status["status"], status["step"], status["max_steps"]) == ("finished", STEPS, STEPS)
+    assert {job["role"] for job in status["jobs"]} >= {"trainer", "replica-0"}
+    first = alice.predict(RUN_ID, "reward", 0, 2, api_name="/run_metrics")
+    assert [step for step, _ in first["points"]] == [1, 2] and first["next_offset"] == 2 and "reward" in first["names"]
+    last = alice.predict(RUN_ID, "reward", 2, 1000, api_name="/run_metrics")
+    assert [step for step, _ in last["points"]] == list(range(3, STEPS + 1)) and last["next_offset"] is None
+    samples = alice.predict(RUN_ID, 0, 3, api_name="/run_samples")
+    assert len(samples["samples"]) == 3 and samples["next_offset"] == 3
+    assert samples["samples"][0]["step"] == STEPS and {"prompt", "completion", "reward"} <= set(samples["samples"][0])
+    versions = alice.predict(RUN_ID, api_name="/list_versions")
+    assert [v["version"] for v in versions] == list(range(1, len(versions) + 1)) and len(versions) >= 2
+    archive = alice.predict(RUN_ID, versions[-1]["version"], api_name="/download_version")
+    with zipfile.ZipFile(archive) as zipped:
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(zipped.namelist())
+
+
+def test_through_the_api_bob_gets_nothing_of_alices_and_a_visitor_without_a_token_nothing_at_all(
+    space_api, owners, no_new_runs
+):
+    from gradio_client.exceptions import AppError
+
+    before = alices_state(owners.ctx)
+    bob = _client(space_api, BOB_TOKEN)
+    assert [run["run_id"] for run in bob.predict(api_name="/list_runs")] == ["bob-draft"]
+    calls = {
+        "/run_status": (RUN_ID,),
+        "/run_metrics": (RUN_ID, "reward", 0, 10),
+        "/run_samples": (RUN_ID, 0, 10),
+        "/list_versions": (RUN_ID,),
+        "/download_version": (RUN_ID, 1),
+        "/stop_run": (owners.alice_draft,),
+    }
+    for endpoint, arguments in calls.items():
+        with pytest.raises(AppError) as refusal:
+            bob.predict(*arguments, api_name=endpoint)
+        assert str(refusal.value).startswith("no run "), (endpoint, refusal.value)
+    branch = demo_spec("bob-from-alice", f"file://{owners.bob_store}/api", parent={"run_id": RUN_ID, "version": 1})
+    with pytest.raises(AppError, match=f"no run '{RUN_ID}'"):
+        bob.predict(branch.to_json(), None, None, api_name="/launch_run")
+    visitor = _client(space_api, None)
+    with pytest.raises(AppError, match="Sign in with Hugging Face"):
+        visitor.predict(api_name="/list_runs")
+    with pytest.raises(AppError, match="token this call presented was refused"):
+        _client(space_api, "hf_NotAnyonesToken00000000000000000").predict(api_name="/list_runs")
+    assert alices_state(owners.ctx) == before
+    assert run_ids(owners.ctx) == no_new_runs
+
+
+def test_through_the_api_a_spec_that_fails_a_check_launches_nothing_and_names_the_field(space_api, owners, no_new_runs):
+    from gradio_client.exceptions import AppError
+
+    alice = _client(space_api, HF_TOKEN)
+    bad = json.loads(demo_spec("alice-api-bad", f"file://{owners.bob_store}/bad").to_json())
+    bad["grpo"]["max_steps"] = -3
+    with pytest.raises(AppError, match="grpo.max_steps"):
+        alice.predict(json.dumps(bad), None, None, api_name="/launch_run")
+    with pytest.raises(AppError, match="spec_json: not JSON"):
+        alice.predict("{not json", None, None, api_name="/launch_run")
+    assert run_ids(owners.ctx) == no_new_runs
+    stopped = alice.predict(owners.alice_draft, api_name="/stop_run")
+    assert stopped["run_id"] == owners.alice_draft
+
+
+def test_run_names_ids_and_statuses_are_escaped_in_the_runs_and_adapters_cards():
+    """The Runs page's selection note and the Adapters page's lineage quote stored names, ids and statuses: rows
+    written by another version, an import of a bucket, or a hand-edited database must still show as text."""
+    markup = '<img src=x onerror="alert(1)">'
+    run = Run(id=markup, owner=ALICE, name=markup, status=markup, spec_json="{}", storage_uri="", backend="local",
+              created_at=0.0, parent_run_id=markup, parent_version=2)  # fmt: skip
+    child = Run(id=markup, owner=ALICE, status=markup, spec_json="{}", storage_uri="", backend="local",
+                created_at=0.0, parent_run_id=markup, parent_version=3)  # fmt: skip
+    for html in (cards.selected_run(run, 2), cards.lineage(run, [child])):
+        assert "<img" not in html and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in html

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from html import escape
 from pathlib import Path
 
 import gradio as gr
@@ -50,30 +49,6 @@ def versions_table(run: Run | None, versions: list[AdapterVersion]) -> pd.DataFr
             }
         )
     return pd.DataFrame(rows, columns=COLUMNS)
-
-
-def lineage_html(run: Run, children: list[Run]) -> str:
-    parts = []
-    if run.parent_run_id:
-        parts.append(f"branched from <b>{escape(run.parent_run_id)}</b> at v{run.parent_version}")
-    if children:
-        listed = ", ".join(f"<b>{escape(c.id)}</b> (from v{c.parent_version}, {c.status})" for c in children)
-        parts.append(f"branches trained from it: {listed}")
-    if not parts:
-        parts.append("an original run (no parent, no branches yet)")
-    return f'<div class="gp-meta">Lineage: {" · ".join(parts)}</div>'
-
-
-def comparison_summary(comparison: Comparison) -> str:
-    cosine = number(comparison.total_cosine) if comparison.total_cosine is not None else "—"
-    return (
-        f'<div class="gp-stats"><div><span>‖ΔW‖ v{comparison.version_a}</span><b>{number(comparison.total_norm_a)}</b>'
-        f"</div><div><span>‖ΔW‖ v{comparison.version_b}</span><b>{number(comparison.total_norm_b)}</b></div>"
-        f"<div><span>‖difference‖</span><b>{number(comparison.total_diff_norm)}</b></div>"
-        f"<div><span>cosine similarity</span><b>{cosine}</b></div>"
-        f"<div><span>modules</span><b>{len(comparison.modules)}</b></div>"
-        f"<div><span>steps</span><b>{comparison.step_a} → {comparison.step_b}</b></div></div>"
-    )
 
 
 def metrics_table(comparison: Comparison) -> pd.DataFrame:
@@ -241,7 +216,7 @@ class AdaptersPage:
     @staticmethod
     def _listing(services: PanelServices, run: Run, versions: list[AdapterVersion]) -> tuple:
         children = [r for r in services.runs.list() if r.parent_run_id == run.id]
-        lineage = lineage_html(run, children)
+        lineage = cards.lineage(run, children)
         if not versions:
             lineage += cards.empty_state(
                 "No adapter version yet: the trainer publishes one at every weight sync; they appear here within "
@@ -299,7 +274,7 @@ class AdaptersPage:
             raise gr.Error("Pick two versions to compare.")
         comparison = services.adapters.compare(run_id, int(version_a), int(version_b))
         return [
-            comparison_summary(comparison),
+            cards.comparison_stats(comparison),
             norms_heatmap(comparison),
             gr.Dataframe(metrics_table(comparison), visible=True),
         ]

@@ -7,7 +7,6 @@ parent did from the same point.
 from __future__ import annotations
 
 import time
-from html import escape
 
 import gradio as gr
 import pandas as pd
@@ -174,8 +173,7 @@ class RunsPage:
         active = run.status not in (*TERMINAL_STATUSES, "draft")
         return [
             run.id,
-            f'<div class="gp-note gp-note-info">Selected <b>{escape(run.name or run.id)}</b> <code>{run.id}</code> '
-            f"{cards.badge(run.status)} · {len(versions)} adapter version{'s' if len(versions) != 1 else ''}</div>",
+            cards.selected_run(run, len(versions)),
             gr.Button(interactive=True),
             gr.Button(interactive=run.status == "draft"),
             gr.Button(interactive=active),

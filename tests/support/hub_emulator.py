@@ -14,6 +14,7 @@ Constructor (all keyword arguments optional):
     workdir            per-job working directories (`jobs/<id>/`, the process's cwd) and volume folders (`volumes/`)
     tokens             bearer tokens accepted by the API and by the exposed-port proxies
     namespace          the user the tokens belong to; the only namespace jobs may be created in
+    users              other users' tokens -> their names: accepted too; whoami answers with the token's user
     base_env           environment every job starts from (default: only this process's PATH). Images are ignored,
                        so this is where a test puts the interpreter (PATH), PYTHONPATH, HOME, caches...
     hardware           the flavor list served by /api/jobs/hardware (default DEFAULT_HARDWARE); submissions with a
@@ -469,6 +470,7 @@ class HubEmulator:
         *,
         tokens: Collection[str] = ("hf_test_token",),
         namespace: str = "tester",
+        users: Mapping[str, str] | None = None,
         base_env: Mapping[str, str] | None = None,
         hardware: list[dict[str, Any]] | None = None,
         scheduling_delay: float = 0.2,
@@ -479,7 +481,8 @@ class HubEmulator:
     ) -> None:
         self.workdir = Path(workdir)
         self.tls = tls
-        self.tokens = frozenset(tokens)
+        self.users = dict(users or {})  # other users' tokens -> their names (whoami answers with the token's user)
+        self.tokens = frozenset(tokens) | frozenset(self.users)
         self.namespace = namespace
         self.user_id = hashlib.sha256(namespace.encode()).hexdigest()[:24]
         self.base_env = dict(base_env) if base_env is not None else {"PATH": os.environ.get("PATH", os.defpath)}
@@ -728,14 +731,17 @@ class HubEmulator:
             info["safetensors"] = {"parameters": {"BF16": total}, "total": total}
         return 200, info
 
-    def whoami(self) -> dict[str, Any]:
+    def whoami(self, authorization: str | None = None) -> dict[str, Any]:
+        _, _, token = (authorization or "").partition(" ")
+        name = self.users.get(token.strip(), self.namespace)
+        user_id = hashlib.sha256(name.encode()).hexdigest()[:24]
         return {
             "type": "user",
-            "id": self.user_id,
-            "name": self.namespace,
-            "fullname": self.namespace.title(),
-            "email": f"{self.namespace}@example.com",
-            "avatarUrl": f"/avatars/{self.user_id}.svg",
+            "id": user_id,
+            "name": name,
+            "fullname": name.title(),
+            "email": f"{name}@example.com",
+            "avatarUrl": f"/avatars/{user_id}.svg",
             "isPro": False,
             "orgs": [],
             "auth": {"type": "access_token", "accessToken": {"displayName": "emulator", "role": "write"}},
@@ -887,7 +893,7 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self, name: str, match: re.Match[str], query: list[tuple[str, str]], body: bytes):
             if name == "whoami":
-                return 200, emulator.whoami()
+                return 200, emulator.whoami(self.headers.get("Authorization"))
             if name == "hardware":
                 return 200, emulator.hardware
             if name == "create":

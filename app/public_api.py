@@ -1,0 +1,240 @@
+"""The panel's deliberate API: the few endpoints a script may call, signed in and owner-scoped as the UI is.
+
+Gradio publishes every event a page wires as an API endpoint unless told otherwise (the panel had 133, most named
+after a lambda). `make_private` turns every UI event private; `PublicApi.register` then adds these, public on
+purpose and documented in the README (`gradio_client` example there):
+
+    /list_runs          the caller's runs: id, name, status, step, latest reward, current version
+    /launch_run         check a spec JSON as "Check settings" does, then create and launch it
+    /run_status         one run's status, progress, versions and job states
+    /run_metrics        one metric's (step, value) points, a page at a time
+    /run_samples        rollout samples, newest step first, a page at a time
+    /list_versions      the run's adapter versions with step, reward and audit verdict
+    /download_version   a zip of one version (PeftModel.from_pretrained loads it unzipped)
+    /stop_run           ask the run to stop (the trainer checkpoints, publishes and stops its replicas)
+
+Who calls: on this machine the single local owner; in a Space the signed-in user of the browser session, or, for a
+script, the Hugging Face user whose token it presents (`Client(space, token=...)` sends it as a bearer token in
+X-HF-Authorization; the panel asks the Hub who it belongs to, once per token). Every call then goes through the
+owner's services, so another owner's run is "not found", as in the UI.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import gradio as gr
+from gradio.data_classes import FileData
+
+from app.panel import Panel, SignInRequired
+from backend.api import PanelServices
+from backend.services.runs import RunStateError
+
+PUBLIC_ENDPOINTS = (
+    "list_runs",
+    "launch_run",
+    "run_status",
+    "run_metrics",
+    "run_samples",
+    "list_versions",
+    "download_version",
+    "stop_run",
+)
+MAX_PAGE = 1000  # points or samples one call returns at most
+
+
+def make_private(app: gr.Blocks) -> None:
+    """Every event registered so far (the pages' wiring) stays callable by the page, but is no API endpoint: hidden
+    from the API page and from `gradio_client`. Call it inside the Blocks context, before `PublicApi.register`."""
+    for dependency in app.fns.values():
+        dependency.api_visibility = "private"
+
+
+class PublicApi:
+    def __init__(self, panel: Panel):
+        self.panel = panel
+        self._users: dict[str, str] = {}  # sha256 of a presented token -> its Hub user (a token's user never changes)
+        self._lock = threading.Lock()
+
+    def register(self) -> None:
+        """Add the public endpoints to the Blocks being built (see the module's docstring)."""
+        for name in PUBLIC_ENDPOINTS:
+            gr.api(getattr(self, name), api_name=name)
+
+    # --- who is calling ---------------------------------------------------------------------------------------------
+
+    def _services(self, request: gr.Request | None, profile: gr.OAuthProfile | None) -> PanelServices:
+        owner = self.panel.owner(profile) or self._token_owner(request)
+        if owner is None:
+            raise SignInRequired()
+        return PanelServices(self.panel.ctx, owner)
+
+    def _token_owner(self, request: gr.Request | None) -> str | None:
+        """In a Space, the Hub user a script's bearer token belongs to (None without one; an error for a bad one)."""
+        # gradio_client sends its token as X-HF-Authorization (a Space's proxy keeps Authorization for itself).
+        headers = request.headers if request is not None else {}
+        header = headers.get("x-hf-authorization") or headers.get("authorization") or ""
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        key = hashlib.sha256(token.strip().encode()).hexdigest()
+        with self._lock:
+            if key in self._users:
+                return self._users[key]
+        from huggingface_hub import HfApi
+
+        try:
+            user = HfApi(endpoint=self.panel.ctx.hub_endpoint).whoami(token=token.strip())["name"]
+        except Exception as error:
+            raise gr.Error(
+                f"The Hugging Face token this call presented was refused by the Hub ({type(error).__name__}); pass "
+                "a valid token: Client(space, token=...)"
+            ) from None
+        with self._lock:
+            self._users[key] = user
+        return user
+
+    # --- the endpoints ------------------------------------------------------------------------------------------------
+
+    def list_runs(self, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> list[dict]:
+        """The caller's runs, newest first: id, name, status, step, max_steps, latest reward, current version."""
+        return [_run(run) for run in self._services(request, profile).runs.list()]
+
+    def launch_run(
+        self,
+        spec_json: str,
+        store_credential_id: int | None = None,
+        hf_credential_id: int | None = None,
+        request: gr.Request = None,
+        profile: gr.OAuthProfile | None = None,
+    ) -> dict:
+        """Check a run spec (JSON, as `python -m backend plan --spec` reads it) as "Check settings" does, then
+        create and launch it. Credentials are the ids the Account and Launch pages list for the caller. A spec that
+        fails a check launches nothing; the error names each field and its fix."""
+        services = self._services(request, profile)
+        try:
+            data = json.loads(spec_json)
+        except json.JSONDecodeError as error:
+            raise gr.Error(f"spec_json: not JSON ({error.msg} at character {error.pos})") from None
+        result = services.preflight(data, store_credential_id, hf_credential_id)
+        if not result.ok:
+            problems = "; ".join(f"{field}: {message}" for field, message in result.errors.items())
+            raise gr.Error(f"Not launched: {problems}")
+        run = _found(lambda: services.runs.create(result.spec, store_credential_id, hf_credential_id))
+        _found(lambda: services.runs.launch(run.id))
+        return _run(services.runs.get(run.id))
+
+    def run_status(self, run_id: str, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> dict:
+        """One run: status and why, step of max_steps, reward, versions (current and best), and each job's state."""
+        services = self._services(request, profile)
+        run = _found(lambda: services.runs.get(run_id))
+        jobs = [{"role": job.role, "attempt": job.attempt, "stage": job.stage} for job in services.runs.jobs(run_id)]
+        return {**_run(run), "best_version": run.best_version, "jobs": jobs}
+
+    def run_metrics(
+        self,
+        run_id: str,
+        name: str = "reward",
+        offset: int = 0,
+        limit: int = MAX_PAGE,
+        request: gr.Request = None,
+        profile: gr.OAuthProfile | None = None,
+    ) -> dict:
+        """The metric's [step, value] points in step order, `limit` (at most 1000) from `offset`; `names` lists the
+        run's metrics (TRL's names), `next_offset` is null on the last page."""
+        queries = self._services(request, profile).queries
+        points = _found(lambda: queries.metric_series(run_id, name, max_points=None))
+        page, following = _page(points, offset, limit)
+        names = queries.metric_names(run_id)
+        return {"name": name, "points": [list(p) for p in page], "next_offset": following, "names": names}
+
+    def run_samples(
+        self,
+        run_id: str,
+        offset: int = 0,
+        limit: int = 50,
+        request: gr.Request = None,
+        profile: gr.OAuthProfile | None = None,
+    ) -> dict:
+        """Rollout samples newest step first (prompt, completion, reward, per-reward scores, advantage, policy
+        version, staleness), `limit` (at most 1000) from `offset`; `next_offset` is null on the last page."""
+        queries = self._services(request, profile).queries
+        limit = max(1, min(limit, MAX_PAGE))
+        rows = _found(lambda: queries.samples(run_id, limit=limit + 1, offset=max(0, offset)))
+        samples = [_sample(row) for row in rows[:limit]]
+        return {"samples": samples, "next_offset": offset + limit if len(rows) > limit else None}
+
+    def list_versions(self, run_id: str, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> list:
+        """The run's adapter versions: version, step, reward near that step, size, and the policy audit's verdict."""
+        adapters = self._services(request, profile).adapters
+        return [_version(v) for v in _found(lambda: adapters.versions(run_id))]
+
+    def download_version(
+        self, run_id: str, version: int, request: gr.Request = None, profile: gr.OAuthProfile | None = None
+    ) -> FileData:
+        """A zip of one adapter version, verified against its manifest; unzip and `PeftModel.from_pretrained` it."""
+        adapters = self._services(request, profile).adapters
+        return FileData(path=str(_found(lambda: adapters.download_zip(run_id, version))))
+
+    def stop_run(self, run_id: str, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> dict:
+        """Ask the run to stop: the trainer checkpoints, publishes its last version and stops its replicas."""
+        runs = self._services(request, profile).runs
+        return _run(_found(lambda: runs.stop(run_id, reason="stopped through the API")))
+
+
+def _found(call: Callable[[], Any]) -> Any:
+    """The call's result; a run or version the caller does not own or that does not exist is one clear error."""
+    try:
+        return call()
+    except (LookupError, PermissionError, ValueError, RunStateError) as error:
+        raise gr.Error(str(error)) from None
+
+
+def _page(items: list, offset: int, limit: int) -> tuple[list, int | None]:
+    offset, limit = max(0, offset), max(1, min(limit, MAX_PAGE))
+    following = offset + limit if offset + limit < len(items) else None
+    return items[offset : offset + limit], following
+
+
+def _run(run) -> dict:
+    return {
+        "run_id": run.id,
+        "name": run.name,
+        "status": run.status,
+        "message": run.status_message,
+        "step": run.step,
+        "max_steps": run.max_steps,
+        "latest_reward": run.latest_reward,
+        "current_version": run.current_version,
+        "created_at": run.created_at,
+    }
+
+
+def _version(row) -> dict:
+    return {
+        "version": row.version,
+        "step": row.step,
+        "reward": row.reward,
+        "size_bytes": row.size_bytes,
+        "audit_ok": row.audit_ok,
+        "audit_max_diff": row.audit_max_diff,
+    }
+
+
+def _sample(row) -> dict:
+    return {
+        "step": row.step,
+        "policy_version": row.policy_version,
+        "staleness": row.staleness,
+        "group_id": row.group_id,
+        "prompt": row.prompt,
+        "completion": row.completion,
+        "reward": row.reward,
+        "rewards": json.loads(row.rewards_json or "{}"),
+        "advantage": row.advantage,
+        "dropped": row.dropped,
+    }
