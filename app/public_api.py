@@ -32,6 +32,7 @@ from gradio.data_classes import FileData
 
 from app.panel import Panel, SignInRequired
 from backend.api import PanelServices
+from backend.limits import LimitReached
 from backend.services.runs import RunStateError
 
 PUBLIC_ENDPOINTS = (
@@ -120,7 +121,7 @@ class PublicApi:
             data = json.loads(spec_json)
         except json.JSONDecodeError as error:
             raise gr.Error(f"spec_json: not JSON ({error.msg} at character {error.pos})") from None
-        result = services.preflight(data, store_credential_id, hf_credential_id)
+        result = _found(lambda: services.preflight(data, store_credential_id, hf_credential_id))
         if not result.ok:
             problems = "; ".join(f"{field}: {message}" for field, message in result.errors.items())
             raise gr.Error(f"Not launched: {problems}")
@@ -190,7 +191,7 @@ def _found(call: Callable[[], Any]) -> Any:
     """The call's result; a run or version the caller does not own or that does not exist is one clear error."""
     try:
         return call()
-    except (LookupError, PermissionError, ValueError, RunStateError) as error:
+    except (LookupError, PermissionError, ValueError, RunStateError, LimitReached) as error:
         raise gr.Error(str(error)) from None
 
 

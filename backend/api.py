@@ -39,13 +39,15 @@ class PanelServices:
         store_credential_id: int | None = None,
         hf_credential_id: int | None = None,
     ) -> Preflight:
-        return run_preflight(self.ctx, self.owner, data, store_credential_id, hf_credential_id)
+        with self.ctx.limits.checking(self.owner):
+            return run_preflight(self.ctx, self.owner, data, store_credential_id, hf_credential_id)
 
     def test_rewards(
         self, rewards: list[RewardSpec], rows: list[dict[str, Any]], completions: list[str] | None = None
     ) -> list[RewardTrial]:
         """Run rewards on sample rows in the sandbox (completions default to each row's gold answer)."""
         completions = completions if completions is not None else [str(r.get("answer") or "") for r in rows]
+        self.ctx.limits.count_reward_tests(self.owner, 1)
         return run_rewards(rewards, rows, completions, SandboxLimits())
 
     def flavor_prices(self, hf_credential_id: int) -> dict[str, float]:
@@ -70,7 +72,8 @@ class PanelServices:
         on_step: Callable[[Step], None] = lambda step: None,
     ) -> SmokeReport:
         """One cpu-basic job on HF Jobs proving the bucket, the code bundle and the job's URL (services/smoke.py)."""
-        return SmokeTest(self.ctx, self.owner, on_step).run(spec, store_credential_id, hf_credential_id)
+        with self.ctx.limits.checking(self.owner, "smoke test"):
+            return SmokeTest(self.ctx, self.owner, on_step).run(spec, store_credential_id, hf_credential_id)
 
     def test_connection(
         self, uri: str, endpoint: str | None, region: str | None, store_credential_id: int | None

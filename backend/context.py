@@ -9,6 +9,7 @@ from pathlib import Path
 from backend.db import Database, data_dir
 from backend.launchers.base import JobHandle, Launcher, RunSecrets
 from backend.launchers.local import LocalLauncher
+from backend.limits import OwnerLimiter
 from backend.models import Job, Run
 from backend.plan import RunPlan
 from backend.vault import Vault
@@ -25,6 +26,7 @@ class PanelContext:
         self.hub_endpoint = hub_endpoint or os.environ.get("HF_ENDPOINT") or None
         self.folder = Path(folder or data_dir())
         self.vault = Vault(self.db)
+        self.limits = OwnerLimiter()  # per-owner limits on runs, checks and reward tests (backend/limits.py)
         self.local_launcher = LocalLauncher(self.folder / "jobs")
         self._hf_launchers: dict[tuple[str, int | None], Launcher] = {}
         self._stores: dict[str, ObjectStore] = {}

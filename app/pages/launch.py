@@ -34,6 +34,7 @@ from app.launch_form import (
 from app.panel import Panel
 from backend import presets
 from backend.api import PanelServices
+from backend.limits import LimitReached
 from backend.sandbox import SandboxError
 from jobs.contract import VLLM_LORA_RANKS, RewardSpec, RunSpec, parse_spec, timeout_seconds
 from jobs.contract.spec import SpecError
@@ -637,7 +638,10 @@ class LaunchPage:
         form = self._form(values)
         built = spec_from_form(form)
         store_credential, hf_credential = credentials(form)
-        result = services.preflight(built.spec, store_credential, hf_credential)
+        try:
+            result = services.preflight(built.spec, store_credential, hf_credential)
+        except LimitReached as error:
+            raise gr.Error(str(error)) from None
         routed = route_errors(result.errors, built, bool(form["code_enabled"]))
         open_advanced = bool(routed["advanced"])
         rows = [dict(row) for row in result.preview]
@@ -716,7 +720,7 @@ class LaunchPage:
             completions = [values[self.completion] or str(row.get("answer") or "") for row in rows]
             try:
                 trials = services.test_rewards(specs, rows, completions)
-            except SandboxError as error:
+            except (SandboxError, LimitReached) as error:
                 errors["rewards_code" if code_enabled else "rewards_builtin"].append(str(error))
             else:
                 table = gr.Dataframe(trials_table(rows, completions, trials), visible=True)
@@ -780,7 +784,7 @@ class LaunchPage:
         spec = RunSpec.model_validate(json.loads(checked)["spec"])
         try:
             report = services.smoke_test(spec, store_credential, hf_credential)
-        except ValueError as error:  # a credential this owner does not hold, a bucket without keys
+        except (ValueError, LimitReached) as error:  # a credential not this owner's, no bucket keys, too many at once
             return cards.note(f"Smoke test not started: {error}", "bad")
         return cards.smoke_report(report)
 

@@ -98,6 +98,8 @@ class RunService:
         second panel) is refused. The launch survives the panel: see backend/services/launches.py.
         """
         run = self.get(run_id)
+        active = [other.id for other in self.list() if other.status not in (*TERMINAL_STATUSES, "draft")]
+        self.ctx.limits.check_runs(self.owner, active)
         launches = Launches(self.ctx)
         if not launches.claim(run_id, self.owner):
             raise RunStateError(f"run {run_id} is {self.get(run_id).status}; only a new run can be launched")
