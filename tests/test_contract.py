@@ -53,8 +53,8 @@ def test_json_round_trip_is_exact():
         ({"run_id": "../etc"}, "run_id", "not a valid run id"),
         ({"run_id": "UPPER"}, "run_id", "lowercase"),
         ({"run_id": "ab"}, "run_id", "3-48"),
-        ({"lora": {"rank": 4}}, "lora.rank", "use one of 1, 8, 16"),
-        ({"lora": {"rank": 600}}, "lora.rank", "use one of"),
+        ({"lora": {"rank": 0}}, "lora.rank", "use a rank from 1 to 512"),
+        ({"lora": {"rank": 600}}, "lora.rank", "use a rank from 1 to 512"),
         ({"lora": {"target_modules": ["q_proj", "lm_head"]}}, "lora.target_modules", "lm_head"),
         ({"compute": {"replicas": 0}}, "compute.replicas", "1 to 16"),
         ({"compute": {"replicas": 17}}, "compute.replicas", "1 to 16"),
@@ -189,3 +189,49 @@ def test_a_spec_stored_before_a_refusal_was_added_still_loads():
         parse_spec({**old, "grpo": {}})
     stored = RunSpec.from_json(json.dumps(old))
     assert (stored.grpo.top_p, stored.grpo.max_staleness, stored.compute.replica_flavor) == (0.9, 0, "retired-gpu")
+
+
+# --- parity with the installed TRL (issue 17): a TRL bump that changes a rule fails here ---------------------------
+
+
+def test_the_lora_ranks_and_their_rounding_are_trls():
+    """We serve an adapter of any rank TRL trains (r=4 included), with `--max-lora-rank` rounded up exactly as TRL's
+    own check asks the server to be restarted with."""
+    from trl.experimental.async_grpo import async_grpo_trainer as trl
+
+    assert trl.VLLM_LORA_RANKS == derived.VLLM_LORA_RANKS
+    for rank in range(1, trl.VLLM_LORA_RANKS[-1] + 1):
+        assert derived.vllm_max_lora_rank(rank) == trl.round_lora_rank(rank), rank
+    for impossible in (trl.VLLM_LORA_RANKS[-1] + 1,):
+        with pytest.raises(ValueError):
+            trl.round_lora_rank(impossible)
+        with pytest.raises(ValueError):
+            derived.vllm_max_lora_rank(impossible)
+    assert parse_spec({"run_id": "rank-four", "lora": {"rank": 4}}).lora.rank == 4
+
+
+@pytest.mark.parametrize("rank", [1, 4, 16])
+@pytest.mark.parametrize("max_staleness", [1, 4])
+def test_the_replicas_lora_slots_and_rank_pass_trls_own_server_check(rank, max_staleness):
+    """TRL decides from the server's reported `lora_config` whether adapter-only sync works, and refuses a server
+    with too few slots or too low a rank: our replicas' values must pass it, and one slot fewer must not."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync
+
+    tiny = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    model = get_peft_model(LlamaForCausalLM(tiny), LoraConfig(r=rank, target_modules=["q_proj", "v_proj"]))
+    args = SimpleNamespace(max_staleness=max_staleness)
+
+    def server(max_lora_rank: int, max_loras: int) -> dict:
+        lora = {"max_lora_rank": max_lora_rank, "max_loras": max_loras}
+        return {"lora_config": lora, "parallel_config": {"data_parallel_size": 1}}
+
+    ours = server(derived.vllm_max_lora_rank(rank), derived.vllm_max_loras(max_staleness))
+    assert select_adapter_sync(ours, model, args) is True
+    with pytest.raises(ValueError, match="--max-loras"):
+        select_adapter_sync(
+            server(ours["lora_config"]["max_lora_rank"], ours["lora_config"]["max_loras"] - 1), model, args
+        )

@@ -36,7 +36,7 @@ from backend import presets
 from backend.api import PanelServices
 from backend.limits import LimitReached
 from backend.sandbox import SandboxError
-from jobs.contract import VLLM_LORA_RANKS, RewardSpec, RunSpec, parse_spec, timeout_seconds
+from jobs.contract import RewardSpec, RunSpec, parse_spec, timeout_seconds
 from jobs.contract.spec import SpecError
 
 PRESETS = {"demo": "Demo on this machine", "math": "Math sanity recipe on HF Jobs"}
@@ -329,7 +329,7 @@ class LaunchPage:
         with gr.Row():
             i["learning_rate"] = gr.Number(initial["learning_rate"], label="Learning rate")
             i["max_staleness"] = gr.Number(initial["max_staleness"], label="Max staleness (versions)", precision=0)
-            i["lora_rank"] = gr.Dropdown(list(VLLM_LORA_RANKS), value=initial["lora_rank"], label="LoRA rank")
+            i["lora_rank"] = gr.Number(initial["lora_rank"], label="LoRA rank", precision=0)
             i["lora_alpha"] = gr.Number(initial["lora_alpha"], label="LoRA alpha")
             i["lora_targets"] = gr.Textbox(
                 initial["lora_targets"], label="Target modules", info="all-linear, or names separated by commas"

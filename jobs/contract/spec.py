@@ -189,9 +189,10 @@ class LoraSpec(_Section):
     @field_validator("rank")
     @classmethod
     def _rank(cls, value: int) -> int:
-        if value not in VLLM_LORA_RANKS:
-            accepted = ", ".join(map(str, VLLM_LORA_RANKS))
-            raise ValueError(f"{value} is not a rank vLLM can serve; use one of {accepted}")
+        """Any rank TRL trains and vLLM serves: the replicas' `--max-lora-rank` is rounded up to one vLLM accepts
+        (`derived.vllm_max_lora_rank`, as TRL rounds), so an r=4 adapter is served under 8."""
+        if not 1 <= value <= VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"{value} is out of range; use a rank from 1 to {VLLM_LORA_RANKS[-1]} (vLLM's largest)")
         return value
 
     @field_validator("target_modules")
