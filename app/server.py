@@ -2,20 +2,25 @@
 
 Locally it serves http://127.0.0.1:7860 for the single local owner; in a Hugging Face Space (SPACE_ID or
 SYSTEM=spaces) it binds 0.0.0.0:7860 and signs users in with Hugging Face OAuth. The poller runs in a thread of this
-process: ingestion never depends on a page being open.
+process: ingestion never depends on a page being open. With GRPO_PANEL_SNAPSHOTS set, the database is restored from
+its snapshot there when the local copy is missing, and snapshotted every few minutes and on shutdown (SIGTERM
+included: a Space is stopped with it) (backend/snapshots.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from app.panel import Panel
 from app.theme import CSS, theme
 from app.ui import build_app
 from backend.context import PanelContext
+from backend.db import default_db_path
 from backend.hosting import on_space
 from backend.poller import Poller
+from backend.snapshots import Snapshots, restore_snapshot, snapshot_folder
 from jobs.secrets import install_log_redaction
 
 DEFAULT_PORT = 7860
@@ -33,7 +38,12 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     space = on_space()
     host, port = bind_address(space)
+    snapshots_to = snapshot_folder()
+    if snapshots_to is not None:
+        restore_snapshot(default_db_path(), snapshots_to)
     ctx = PanelContext()
+    snapshots = Snapshots(ctx.db.path, snapshots_to).start() if snapshots_to is not None else None
+    signal.signal(signal.SIGTERM, _interrupt)  # a stop runs the `finally` below: the last snapshot is written
     poller = Poller(ctx).start()
     app = build_app(Panel(ctx, space))
     app.queue(default_concurrency_limit=8)
@@ -51,5 +61,13 @@ def main() -> None:
             footer_links=["gradio"],
             quiet=True,
         )
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (`_interrupt`): a clean stop
+        pass
     finally:
         poller.stop()
+        if snapshots is not None:
+            snapshots.stop()
+
+
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt

@@ -18,7 +18,7 @@ from sqlmodel import select
 
 from backend.context import PanelContext
 from backend.db import Database
-from backend.models import Job, MetricPoint
+from backend.models import Job, MetricPoint, RolloutSample
 from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
@@ -421,3 +421,53 @@ def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, 
             session.commit()
         ctx.hub_endpoint = None
         hub.close()
+
+
+def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(tmp_path, monkeypatch):
+    """Issue 16: the database lives on local disk and a snapshot goes to the durable volume. The panel dies mid-run
+    just after a snapshot and its local database goes with it (a Space restart); started again it restores the
+    snapshot, and the poller catches up from the run's bucket: the run, its credentials, versions and alerts are back,
+    and nothing is counted twice. The local jobs' folders stay: they stand for the Hub, which keeps an HF job's state
+    across a panel restart."""
+    from cryptography.fernet import Fernet
+
+    from backend.snapshots import restore_snapshot, write_snapshot
+    from backend.vault import KEY_ENV
+
+    monkeypatch.setenv(KEY_ENV, Fernet.generate_key().decode())  # a Space's key is a secret, not in the data folder
+    run_id, volume = "demo-snap", tmp_path / "volume"
+    ctx, poller = start_demo(tmp_path, run_id, 20)
+    token = ctx.vault.save(OWNER, "my token", "hf_token", "hf_SnapshotTestToken000000000000000")
+    steps = lambda c: len(QueryService(c, OWNER).metric_series(run_id, "reward", max_points=None))  # noqa: E731
+    wait_until(lambda: poller.poll_run(run_id) is not None and steps(ctx) >= 6, 600, 1.0, what="6 steps ingested")
+    versions_before = len(QueryService(ctx, OWNER).versions(run_id))
+    events_before = [(e.kind, e.message, e.time) for e in QueryService(ctx, OWNER).events(run_id, limit=1000)]
+    write_snapshot(ctx.db.path, volume)
+    ctx.db.close()
+    for path in tmp_path.glob("panel.sqlite3*"):  # the database, its WAL and shared memory: the local disk is gone
+        path.unlink()
+
+    assert restore_snapshot(tmp_path / "panel.sqlite3", volume)
+    again = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    try:
+        assert again.vault.hf_token(OWNER, token.id) == "hf_SnapshotTestToken000000000000000"
+        assert steps(again) >= 6 and len(QueryService(again, OWNER).versions(run_id)) == versions_before
+        status = follow(again, Poller(again, stall_after=120), run_id)
+        assert status == "finished"
+        points = QueryService(again, OWNER).metric_series(run_id, "reward", max_points=None)
+        assert [step for step, _ in points] == list(range(1, 21))  # each step once, those before the snapshot too
+        numbers = [v.version for v in QueryService(again, OWNER).versions(run_id)]
+        assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) > versions_before
+        events = [(e.kind, e.message, e.time) for e in QueryService(again, OWNER).events(run_id, limit=1000)]
+        assert set(events_before) <= set(events) and len(events) == len(set(events)), events
+        with again.db.session() as session:
+            samples = session.exec(
+                select(RolloutSample.step, RolloutSample.group_id, RolloutSample.completion).where(
+                    RolloutSample.run_id == run_id
+                )
+            ).all()
+        assert {step for step, _, _ in samples} == set(range(1, 21))
+        assert len(samples) == len(set(samples))
+    finally:
+        wait_until(lambda: not any(group_alive(p) for p in job_pgids(again, run_id).values()), 60, 1.0)
+        again.db.close()
