@@ -14,7 +14,8 @@ Constructor (all keyword arguments optional):
     workdir            per-job working directories (`jobs/<id>/`, the process's cwd) and volume folders (`volumes/`)
     tokens             bearer tokens accepted by the API and by the exposed-port proxies
     namespace          the user the tokens belong to; the only namespace jobs may be created in
-    users              other users' tokens -> their names: accepted too; whoami answers with the token's user
+    users              other users' tokens -> their names: whoami answers with the token's user; nothing else
+                       accepts them (their jobs, repos and exposed ports are not the emulated account's)
     base_env           environment every job starts from (default: only this process's PATH). Images are ignored,
                        so this is where a test puts the interpreter (PATH), PYTHONPATH, HOME, caches...
     hardware           the flavor list served by /api/jobs/hardware (default DEFAULT_HARDWARE); submissions with a
@@ -481,8 +482,8 @@ class HubEmulator:
     ) -> None:
         self.workdir = Path(workdir)
         self.tls = tls
-        self.users = dict(users or {})  # other users' tokens -> their names (whoami answers with the token's user)
-        self.tokens = frozenset(tokens) | frozenset(self.users)
+        self.users = dict(users or {})  # other users' tokens -> their names: good for whoami only
+        self.tokens = frozenset(tokens)
         self.namespace = namespace
         self.user_id = hashlib.sha256(namespace.encode()).hexdigest()[:24]
         self.base_env = dict(base_env) if base_env is not None else {"PATH": os.environ.get("PATH", os.defpath)}
@@ -811,7 +812,7 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
             if fault is not None and fault.kind not in _AFTER:
                 self._send_fault(fault)
                 return
-            if not self._authorized():
+            if not self._authorized(route[0]):
                 return
             name, match = route
             query = parse_qsl(url.query, keep_blank_values=True)
@@ -866,9 +867,10 @@ def _handler_class(emulator: HubEmulator) -> type[BaseHTTPRequestHandler]:
             if self.command == "GET":
                 self.wfile.write(data)
 
-        def _authorized(self) -> bool:
+        def _authorized(self, name: str) -> bool:
             header = self.headers.get("Authorization")
-            if bearer_ok(header, emulator.tokens):
+            accepted = emulator.tokens | frozenset(emulator.users) if name == "whoami" else emulator.tokens
+            if bearer_ok(header, accepted):
                 return True
             message = "Invalid credentials in Authorization header" if header else "Invalid username or password."
             send_json(self, 401, {"error": message}, {"X-Error-Message": message})
