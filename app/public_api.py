@@ -201,41 +201,21 @@ def _page(items: list, offset: int, limit: int) -> tuple[list, int | None]:
     return items[offset : offset + limit], following
 
 
+def _pick(row, *columns: str, **renamed: str) -> dict:
+    """A database row's `columns` as a JSON object, and `renamed` ones under the API's name (api name -> column)."""
+    named = {column: column for column in columns} | renamed
+    return {name: getattr(row, column) for name, column in named.items()}
+
+
 def _run(run) -> dict:
-    return {
-        "run_id": run.id,
-        "name": run.name,
-        "status": run.status,
-        "message": run.status_message,
-        "step": run.step,
-        "max_steps": run.max_steps,
-        "latest_reward": run.latest_reward,
-        "current_version": run.current_version,
-        "created_at": run.created_at,
-    }
+    return _pick(run, "name", "status", "step", "max_steps", "latest_reward", "current_version", "created_at",
+                 run_id="id", message="status_message")  # fmt: skip
 
 
 def _version(row) -> dict:
-    return {
-        "version": row.version,
-        "step": row.step,
-        "reward": row.reward,
-        "size_bytes": row.size_bytes,
-        "audit_ok": row.audit_ok,
-        "audit_max_diff": row.audit_max_diff,
-    }
+    return _pick(row, "version", "step", "reward", "size_bytes", "audit_ok", "audit_max_diff")
 
 
 def _sample(row) -> dict:
-    return {
-        "step": row.step,
-        "policy_version": row.policy_version,
-        "staleness": row.staleness,
-        "group_id": row.group_id,
-        "prompt": row.prompt,
-        "completion": row.completion,
-        "reward": row.reward,
-        "rewards": json.loads(row.rewards_json or "{}"),
-        "advantage": row.advantage,
-        "dropped": row.dropped,
-    }
+    columns = ("step", "policy_version", "staleness", "group_id", "prompt", "completion", "reward", "advantage")
+    return {**_pick(row, *columns, "dropped"), "rewards": json.loads(row.rewards_json or "{}")}
