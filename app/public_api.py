@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
+from cachetools import TTLCache
 from gradio.data_classes import FileData
 
 from app.panel import Panel, SignInRequired
@@ -46,6 +47,8 @@ PUBLIC_ENDPOINTS = (
     "stop_run",
 )
 MAX_PAGE = 1000  # points or samples one call returns at most
+TOKEN_CACHE_SIZE = 1024  # callers whose Hub user is remembered
+TOKEN_CACHE_SECONDS = 300.0  # how long a token's user is trusted before the Hub is asked again
 
 
 def make_private(app: gr.Blocks) -> None:
@@ -58,7 +61,9 @@ def make_private(app: gr.Blocks) -> None:
 class PublicApi:
     def __init__(self, panel: Panel):
         self.panel = panel
-        self._users: dict[str, str] = {}  # sha256 of a presented token -> its Hub user (a token's user never changes)
+        # sha256 of a presented token -> its Hub user. Bounded, so callers cannot grow it without end, and expiring, so
+        # a token revoked on the Hub stops working here within minutes.
+        self._users: TTLCache[str, str] = TTLCache(maxsize=TOKEN_CACHE_SIZE, ttl=TOKEN_CACHE_SECONDS)
         self._lock = threading.Lock()
 
     def register(self) -> None:
@@ -84,8 +89,9 @@ class PublicApi:
             return None
         key = hashlib.sha256(token.strip().encode()).hexdigest()
         with self._lock:
-            if key in self._users:
-                return self._users[key]
+            user = self._users.get(key)
+        if user is not None:
+            return user
         from huggingface_hub import HfApi
 
         try:

@@ -28,6 +28,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote
 
@@ -1082,3 +1083,31 @@ def test_run_names_ids_and_statuses_are_escaped_in_the_runs_and_adapters_cards()
                 created_at=0.0, parent_run_id=markup, parent_version=3)  # fmt: skip
     for html in (cards.selected_run(run, 2), cards.lineage(run, [child])):
         assert "<img" not in html and "&lt;img src=x onerror=&quot;alert(1)&quot;&gt;" in html
+
+
+def test_a_token_revoked_on_the_hub_stops_working_once_its_cached_user_expires(tmp_path, monkeypatch):
+    """The API remembers a token's Hub user for a while (not asking the Hub on every call), in a bounded cache: a
+    revoked token is refused once its entry expires, and many callers cannot grow the cache without end."""
+    from app import public_api
+
+    monkeypatch.setattr(public_api, "TOKEN_CACHE_SECONDS", 1.0)
+    monkeypatch.setattr(public_api, "TOKEN_CACHE_SIZE", 2)
+    tokens = {f"hf_caller{index}token000000000000000000": f"caller{index}" for index in range(3)}
+    with HubEmulator(tmp_path / "hub", tokens=(HF_TOKEN,), namespace=ALICE, users=tokens) as emulator:
+        ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path, hub_endpoint=emulator.url)
+        api = PublicApi(Panel(ctx, space=True))
+
+        def owner(token: str) -> str | None:
+            return api._token_owner(SimpleNamespace(headers={"x-hf-authorization": f"Bearer {token}"}))
+
+        try:
+            assert [owner(token) for token in tokens] == list(tokens.values())
+            assert len(api._users) == 2  # bounded: the oldest entry made room
+            revoked = next(iter(reversed(tokens)))
+            del emulator.users[revoked]  # revoked on the Hub: still remembered for a moment ...
+            assert owner(revoked) == tokens[revoked]
+            time.sleep(1.2)  # ... then asked again, and refused
+            with pytest.raises(gr.Error, match="token this call presented was refused"):
+                owner(revoked)
+        finally:
+            ctx.db.close()

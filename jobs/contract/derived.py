@@ -103,14 +103,15 @@ def trainer_sharding(requested: str, processes: int, parameters: int | None, gpu
     (FSDP2: each holds 1/processes of every weight and gathers a layer's weights for its forward and backward).
 
     `requested` is the spec's `compute.trainer_sharding`; "auto" is FSDP exactly when a whole float32 copy does not
-    fit one GPU, since DDP keeps no gathers in the step and is the faster of the two whenever it fits. Without a GPU or
-    a known model size, "auto" is DDP.
+    fit one GPU, since DDP keeps no gathers in the step and is the faster of the two whenever it fits. Without a GPU
+    (a CPU rehearsal) "auto" is DDP. On GPUs whose model size cannot be read, "auto" is FSDP: preflight may have
+    accepted the flavor only because the model fits it sharded, and FSDP runs whatever DDP would, only slower.
     """
     if processes == 1:
         return "single"
     if requested != "auto":
         return requested
-    if parameters is None or not gpu_memory_gb or trainer_fits(parameters, gpu_memory_gb):
+    if not gpu_memory_gb or (parameters is not None and trainer_fits(parameters, gpu_memory_gb)):
         return "ddp"
     return "fsdp"
 
