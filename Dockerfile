@@ -9,6 +9,8 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_DISABLE_TELEMETRY=1
 
 RUN useradd --create-home --uid 1000 user
+# libseccomp: the reward sandbox's system-call filter (a shared Space runs no user reward code without it).
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends libseccomp2 && rm -rf /var/lib/apt/lists/*
 WORKDIR /home/user/app
 
 # Dependencies first, so code changes rebuild in seconds. torch comes from the CPU index: the panel never needs CUDA

@@ -1,22 +1,21 @@
 """The reward sandbox: run reward functions on sample rows before anything is launched.
 
 User code runs in a separate Python process with:
-- no secrets (a minimal environment) and a scratch working directory;
+- no secrets (a minimal environment, no inherited descriptor) and a scratch working directory;
 - a time limit (wall clock, enforced by killing it, and CPU time via RLIMIT_CPU);
 - a memory limit (RLIMIT_AS) and an output limit (RLIMIT_FSIZE on its stdout/stderr files: printing megabytes ends
   the run with a clear message);
-- no network: an empty network namespace where the kernel allows one, and in any case an audit hook that refuses
-  sockets, subprocesses and signals before user code is imported.
+- no network, no process, no file outside its folder: the process confines itself before user code is imported
+  (backend/confinement.py: its own user and network namespace, Landlock, a seccomp filter), and an audit hook
+  refuses sockets, subprocesses and signals with a clear message.
 
 The result is per reward and per row: a score, or the error with the offending row.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -25,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backend import landlock
+from backend.confinement import UNCONFINABLE_EXIT, Confinement
 from backend.db import PROJECT_ROOT
 from backend.hosting import on_space
 from jobs.contract import RewardSpec
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
-CLONE_NEWNET = 0x40000000
 
 
 @dataclass(frozen=True)
@@ -54,14 +54,12 @@ class SandboxError(RuntimeError):
     """The sandbox itself failed (timeout, memory, output limit) for every reward at once."""
 
 
-def _confinement(scratch: Path) -> dict[str, int]:
-    """What the sandboxed interpreter may touch: read Python and the job code, write its scratch folder."""
-    from backend import landlock
-
+def confinement(limits: SandboxLimits, scratch: Path, strict: bool) -> Confinement:
+    """What the sandboxed interpreter may use: its limits, and the paths it may touch (read Python and the job code,
+    write its scratch folder). `strict` (a shared panel): refuse to run user code where it cannot be confined."""
     read = landlock.READ_FILE | landlock.READ_DIR
-    python = os.path.realpath(sys.executable)
-    rules = {
-        python: landlock.EXECUTE | landlock.READ_FILE,
+    paths = {
+        os.path.realpath(sys.executable): landlock.EXECUTE | landlock.READ_FILE,
         os.path.realpath("/lib64/ld-linux-x86-64.so.2"): landlock.EXECUTE | landlock.READ_FILE,
         os.path.realpath("/lib/ld-linux-aarch64.so.1"): landlock.EXECUTE | landlock.READ_FILE,
         "/usr/lib": read,
@@ -75,33 +73,7 @@ def _confinement(scratch: Path) -> dict[str, int]:
         str(RUNNER): landlock.READ_FILE,
         str(scratch): read | landlock.WRITE_FILE | landlock.MAKE_REG | landlock.TRUNCATE | landlock.REMOVE_FILE,
     }
-    return rules
-
-
-def _limit(limits: SandboxLimits, scratch: Path, strict: bool):
-    rules = _confinement(scratch)
-
-    def apply() -> None:
-        cpu = int(limits.seconds) + 1
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.output_bytes, limits.output_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        try:  # an empty network namespace: nothing to connect to at all (needs privileges; the audit hook remains)
-            ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
-        except Exception:
-            pass
-        from backend import landlock
-
-        try:
-            landlock.confine(rules)
-        except OSError:
-            # Alone on one's own machine the audit hook and the limits are enough; in a Space users share the panel,
-            # so their code must not run unconfined (the parent reports this as a clear error).
-            if strict:
-                raise
-
-    return apply
+    return Confinement(limits.seconds, limits.memory_bytes, limits.output_bytes, paths, strict)
 
 
 def run_rewards(
@@ -129,24 +101,19 @@ def run_rewards(
     }
     with tempfile.TemporaryDirectory(prefix="reward-sandbox-") as folder:
         scratch = Path(folder)
+        request["confinement"] = confinement(limits, scratch, strict=on_space()).to_json()
         (scratch / "request.json").write_text(json.dumps(request, default=str))
         with open(scratch / "stdout", "wb") as out:
-            try:
-                process = subprocess.Popen(
-                    [sys.executable, "-I", str(RUNNER), str(PROJECT_ROOT), "request.json", "result.json"],
-                    cwd=scratch,
-                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=_limit(limits, scratch, strict=on_space()),
-                    start_new_session=True,
-                )
-            except subprocess.SubprocessError:  # the confinement could not be applied (strict mode only)
-                raise SandboxError(
-                    "this server cannot confine reward code (its kernel lacks Landlock), so code rewards are off here; "
-                    "use a built-in reward, or run the panel on your own machine"
-                ) from None
+            # No preexec_fn: the child confines itself after exec (a fork of this threaded process must not run Python).
+            process = subprocess.Popen(
+                [sys.executable, "-I", str(RUNNER), str(PROJECT_ROOT), "request.json", "result.json"],
+                cwd=scratch,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
             try:
                 code = process.wait(timeout=limits.seconds + 5)  # start-up (imports) is not the reward's time
             except subprocess.TimeoutExpired:
@@ -181,6 +148,11 @@ def _explain_error(error: str | None, limits: SandboxLimits) -> str | None:
 
 def _explain_exit(code: int, output: Path, limits: SandboxLimits) -> str:
     tail = output.read_bytes()[-1500:].decode(errors="replace").strip()
+    if code == UNCONFINABLE_EXIT:
+        return (
+            f"this server cannot confine reward code ({tail[-300:]}), so code rewards are off here; use a built-in "
+            "reward, or run the panel on your own machine"
+        )
     if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or output.stat().st_size >= limits.output_bytes:
         return f"the reward printed more than {limits.output_bytes // 1024} kB; remove the prints from the reward"
     if code in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU):

@@ -2,12 +2,14 @@
 
     python -I sandbox_runner.py <project root> <request.json> <result.json>
 
-Before any user code runs, an audit hook refuses network access, subprocesses and signals to other processes; the
-hook cannot be removed from Python. The parent adds OS limits (CPU time, memory, file size) and, where the kernel
-allows, an empty network namespace.
+Before any user code runs, the runner confines itself (backend/confinement.py: namespaces, limits, Landlock,
+seccomp), in its one thread, after exec; then an audit hook refuses network access, subprocesses and signals to other
+processes with a clear message (the hook cannot be removed from Python; the OS layers hold past it).
 """
 
+import errno
 import json
+import os
 import sys
 import traceback
 
@@ -40,14 +42,35 @@ def _guard(event, _args):
         raise SandboxViolation(f"reward code may not {_BLOCKED[event]} ({event}) in the sandbox")
 
 
+def _explain(error):
+    """The error a reward raised, as the user should read it: what the OS refused is the sandbox's doing."""
+    message = f"{type(error).__name__}: {error}"
+    if isinstance(error, OSError) and error.errno in (errno.EPERM, errno.EACCES):
+        message += (
+            " (the reward sandbox refused it: reward code may not start processes, run programs, open sockets, "
+            "signal other processes or touch files outside its scratch folder)"
+        )
+    return message
+
+
 def main(root, request_path, result_path):
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # nothing the launcher might have left open
+    os.environ.clear()
     sys.path.insert(0, root)
     with open(request_path) as handle:
         request = json.load(handle)
+    from backend.confinement import UNCONFINABLE_EXIT, Confinement, ConfinementUnavailable, confine, enter_namespaces
+
+    enter_namespaces()  # first: the kernel refuses a new user namespace once a library has started a thread
     from jobs.contract import RewardSpec
     from jobs.trainer.rewards import build_rewards, import_builtin_dependencies
 
     import_builtin_dependencies([spec["name"] for spec in request["rewards"]])
+    try:
+        confine(Confinement.from_json(request["confinement"]))
+    except ConfinementUnavailable as error:
+        print(error, flush=True)
+        sys.exit(UNCONFINABLE_EXIT)
     sys.addaudithook(_guard)  # after our own built-ins' libraries loaded the C code (ctypes) user code may not
     completions = [[{"role": "assistant", "content": text}] for text in request["completions"]]
     columns = request["columns"]
@@ -61,7 +84,7 @@ def main(root, request_path, result_path):
             )
             result["rewards"][spec.name] = {"scores": scores}
         except BaseException as error:  # SystemExit and KeyboardInterrupt from user code are errors too
-            entry = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            entry = {"error": _explain(error)[:2000]}
             frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == f"<reward {spec.name}>"]
             if frames:  # where in the user's code it was raised: what to fix
                 entry["error"] += f" (line {frames[-1].lineno} of the reward)"

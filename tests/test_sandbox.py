@@ -1,10 +1,10 @@
-"""The reward sandbox: scores or clear errors, and no secrets, network, processes, runaway time, memory or output."""
+"""The reward sandbox: scores or clear errors, and no secrets (hostile code: tests/test_hostile_rewards.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from backend.sandbox import SandboxError, SandboxLimits, run_rewards
+from backend.sandbox import SandboxLimits, run_rewards
 from jobs.contract import RewardSpec
 
 ROWS = [
@@ -55,35 +55,6 @@ def test_errors_name_the_problem_and_the_row(body, fragment, row):
     assert result.row == row
 
 
-@pytest.mark.parametrize(
-    ("body", "fragment"),
-    [
-        (
-            "import os\ndef f(completions, **kw):\n    os.system('touch /tmp/escaped')\n    return [1.0, 1.0]\n",
-            "may not run shell commands",
-        ),
-        (
-            "import subprocess\ndef f(completions, **kw):\n    subprocess.run(['true'])\n    return [1.0, 1.0]\n",
-            "may not start processes",
-        ),
-        (
-            "import socket\ndef f(completions, **kw):\n    socket.create_connection(('127.0.0.1', 9), 1)\n"
-            "    return [1.0, 1.0]\n",
-            "may not",
-        ),
-        (
-            "import urllib.request\ndef f(completions, **kw):\n"
-            "    urllib.request.urlopen('http://example.com', timeout=1)\n"
-            "    return [1.0, 1.0]\n",
-            "may not",
-        ),
-    ],
-)
-def test_commands_and_network_are_refused(body, fragment, tmp_path):
-    result = trial(body)
-    assert result.error and fragment in result.error
-
-
 def test_no_secrets_in_the_environment(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secretsecretsecretsecret1234")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "shhh-very-secret")
@@ -92,23 +63,3 @@ def test_no_secrets_in_the_environment(monkeypatch):
         "or 'SECRET' in k]\n    return [float(len(leaked))] * len(completions)\n"
     )
     assert trial(body).scores == [0.0, 0.0]
-
-
-def test_a_hanging_reward_is_stopped_in_bounded_time():
-    with pytest.raises(SandboxError, match="used more than 2s of CPU"):
-        trial("def f(completions, **kw):\n    while True:\n        pass\n", SandboxLimits(seconds=2))
-
-
-def test_a_sleeping_reward_is_stopped_in_bounded_time():
-    with pytest.raises(SandboxError, match="took longer than 1s"):
-        trial("import time\ndef f(completions, **kw):\n    time.sleep(60)\n", SandboxLimits(seconds=1))
-
-
-def test_printing_megabytes_is_refused():
-    result = trial("def f(completions, **kw):\n    print('x' * 5_000_000)\n    return [1.0, 1.0]\n")
-    assert "printed more than" in result.error
-
-
-def test_memory_is_limited():
-    result = trial("def f(completions, **kw):\n    b = bytearray(3 << 30)\n    return [1.0, 1.0]\n")
-    assert "needed more than" in result.error

@@ -5,9 +5,9 @@ the module: afterwards every byte the run left anywhere is scanned for them; whi
 ports and the trainer's proxy are probed; and the finished run is "alice's" for the owner-isolation checks, where
 "bob" calls every service and every page handler against it.
 
-The reward sandbox's time, memory and environment limits are also covered by tests/test_sandbox.py
-(test_a_hanging_reward_is_stopped_in_bounded_time, test_a_sleeping_reward_is_stopped_in_bounded_time,
-test_memory_is_limited, test_no_secrets_in_the_environment); here is what those do not check.
+Hostile reward code (files, sockets, every way to start a process, signals, memory, CPU, output, hangs) has its own
+table in tests/test_hostile_rewards.py; here is what the OS layers do for code that gets past the audit hook, and
+what lies within reach of a panel's process (its environment, the vault key, the database).
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ from backend.context import PanelContext
 from backend.db import Database
 from backend.models import Credential, Job, Run
 from backend.poller import Poller
-from backend.sandbox import SandboxError, SandboxLimits, _limit, run_rewards
+from backend.sandbox import SandboxError, SandboxLimits, run_rewards
+from backend.sandbox import confinement as sandbox_confinement
 from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
@@ -790,24 +791,28 @@ def test_the_time_limit_ends_the_reward_in_bounded_time_with_nothing_left_behind
 
 
 def past_the_audit_hook(code: str, tmp_path: Path, confined: bool = True) -> dict[str, Any]:
-    """Run `code` as reward code would run if it got past the runner's audit hook: a Python with no audit hook,
-    started with the environment, limits, network namespace and Landlock rules the sandbox gives reward code
-    (`backend.sandbox._limit`, strict as on a shared panel); or, with `confined=False`, with none of them (the
-    control). Returns the JSON the code prints last."""
+    """Run `code` as reward code would run if it got past the runner's audit hook: a Python with no audit hook that
+    confines itself as the runner does (`backend.confinement`, with the sandbox's rules, strict as on a shared panel);
+    or, with `confined=False`, with none of it (the control). Returns the JSON the code prints last."""
     scratch = tmp_path / ("scratch" if confined else "unconfined")
     scratch.mkdir()
-    limit = _limit(SandboxLimits(seconds=10), scratch, strict=True) if confined else None
-    try:
-        done = subprocess.run(
-            [sys.executable, "-I", "-c", textwrap.dedent(code)],
-            cwd=scratch,
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            preexec_fn=limit,
+    prelude = ""
+    if confined:
+        rules = sandbox_confinement(SandboxLimits(seconds=10), scratch, strict=True).to_json()
+        prelude = (
+            f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+            "from backend.confinement import Confinement, confine, enter_namespaces\n"
+            f"enter_namespaces(); confine(Confinement.from_json({rules!r}))\n"
         )
-    except subprocess.SubprocessError:
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", prelude + textwrap.dedent(code)],
+        cwd=scratch,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if "ConfinementUnavailable" in done.stderr:
         pytest.skip(
             f"this kernel cannot confine reward code past the audit hook (Landlock ABI {landlock.abi()}): here the "
             "hook alone stands, and a shared panel refuses code rewards"
@@ -885,6 +890,21 @@ def test_no_commands_even_past_the_audit_hook(tmp_path):
     assert confined["system"] != 0 and not marker.exists(), "reward code ran a shell command"
     # The control: unconfined, the same call does run the command, so the refusal above is the confinement's.
     assert past_the_audit_hook(code, tmp_path, confined=False)["system"] == 0 and marker.exists()
+
+
+def test_no_signal_to_the_panel_even_past_the_audit_hook(tmp_path):
+    """The hook refuses os.kill; past it, the kernel refuses a signal to any other process (seccomp, and Landlock's
+    signal scope where the kernel has it). Signal 0 only asks whether a signal would be allowed."""
+    code = f"""
+        import json, os
+        try:
+            os.kill({os.getpid()}, 0)
+            print(json.dumps({{"signalled": True}}))
+        except PermissionError:
+            print(json.dumps({{"signalled": False}}))
+    """
+    assert past_the_audit_hook(code, tmp_path) == {"signalled": False}
+    assert past_the_audit_hook(code, tmp_path, confined=False) == {"signalled": True}  # the control
 
 
 def test_the_panels_environment_is_out_of_reach(tmp_path):
