@@ -13,7 +13,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,12 @@ def _cancel_leftover_jobs(data: Path) -> None:
     ctx.db.close()
 
 
-@pytest.fixture(scope="session")
-def panel() -> Iterator[RunningPanel]:
+@contextmanager
+def running_panel(
+    name: str, extra_env: dict[str, str] | None = None, seed: Callable[[Path], None] | None = None
+) -> Iterator[RunningPanel]:
+    """`python -m app` on a loopback port with a data folder of its own (`seed` may fill it first), stopped and its
+    leftover jobs cancelled afterwards; its log is kept as artifacts/<name>.log."""
     # Its own folder, not pytest's tmp_path: pytest prunes old session folders, and other suites on this machine
     # must not be able to delete a data folder the panel is still writing to.
     folder = Path(tempfile.mkdtemp(prefix="grpo-panel-browser-"))
@@ -64,8 +69,11 @@ def panel() -> Iterator[RunningPanel]:
         "HF_HUB_DISABLE_TELEMETRY": "1",
         "NO_PROXY": "127.0.0.1,localhost",
     }
-    for name in ("SPACE_ID", "SYSTEM", "GRADIO_SERVER_NAME"):
-        env.pop(name, None)
+    for variable in ("SPACE_ID", "SYSTEM", "GRADIO_SERVER_NAME"):
+        env.pop(variable, None)
+    env.update(extra_env or {})
+    if seed is not None:
+        seed(folder / "data")
     log = folder / "panel.log"
     with open(log, "wb") as output:
         process = subprocess.Popen(
@@ -92,8 +100,14 @@ def panel() -> Iterator[RunningPanel]:
             _cancel_leftover_jobs(folder / "data")
         finally:
             ARTIFACTS.mkdir(parents=True, exist_ok=True)
-            shutil.copy(log, ARTIFACTS / "browser-panel.log")  # the panel's own log, for a failed run's post-mortem
+            shutil.copy(log, ARTIFACTS / f"{name}.log")  # the panel's own log, for a failed run's post-mortem
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def panel() -> Iterator[RunningPanel]:
+    with running_panel("browser-panel") as running:
+        yield running
 
 
 @pytest.fixture(scope="session")
