@@ -1,6 +1,7 @@
 """The panel's SQLite database: where it lives, how it is opened.
 
 WAL mode lets the poller write while pages read; a busy timeout absorbs the brief write locks instead of failing.
+Opening it brings its tables up to date (backend/schema.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from pathlib import Path
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, SQLModel, create_engine
+from sqlmodel import Session, create_engine
 
-from backend import models  # noqa: F401  (registers the tables)
+from backend import schema
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -38,7 +39,7 @@ class Database:
             f"sqlite:///{self.path}", connect_args={"check_same_thread": False, "timeout": 30}
         )
         event.listen(self.engine, "connect", _configure_connection)
-        SQLModel.metadata.create_all(self.engine)
+        schema.upgrade(self.engine, self.path.with_name(self.path.name + ".migrating"))
 
     @contextmanager
     def session(self, write_lock: bool = False) -> Iterator[Session]:
