@@ -1,20 +1,23 @@
-"""Bounded retries with exponential backoff and jitter, for every network call the product makes.
+"""Bounded retries with exponential backoff and jitter, for every network call the product makes (tenacity).
 
 A retry loop that never ends hides an outage; one that never waits hammers a struggling service. Every caller states
-what counts as transient, and gets at most `attempts` tries spread over a bounded time.
+what counts as transient, and gets at most `attempts` tries spread over a bounded time. Every retrying call in jobs/
+and backend/ goes through `retry_call` or `retry_async`, except jobs/bootstrap.py, which runs on an image's bare
+Python before any package is installed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+
 T = TypeVar("T")
+Wait = Callable[[BaseException, float], float]  # (the error, the policy's delay) -> the seconds to wait instead
 log = logging.getLogger(__name__)
 
 
@@ -25,7 +28,7 @@ class RetryPolicy:
     max_delay: float = 5.0
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry number `attempt` (1-based): exponential, capped, with full jitter."""
+        """Seconds to wait before retry number `attempt` (1-based): exponential, capped, with equal jitter."""
         ceiling = min(self.max_delay, self.base_delay * (2 ** (attempt - 1)))
         return random.uniform(ceiling / 2, ceiling)
 
@@ -35,20 +38,11 @@ def retry_call(
     is_transient: Callable[[BaseException], bool],
     policy: RetryPolicy = RetryPolicy(),
     what: str = "call",
+    wait: Wait | None = None,
 ) -> T:
-    """Call `fn`, retrying transient failures up to `policy.attempts` times in all."""
-    for attempt in range(1, policy.attempts + 1):
-        try:
-            return fn()
-        except Exception as error:
-            if attempt == policy.attempts or not is_transient(error):
-                raise
-            delay = policy.delay(attempt)
-            log.warning(
-                "%s failed (%s); retry %d/%d in %.2fs", what, _short(error), attempt, policy.attempts - 1, delay
-            )
-            time.sleep(delay)
-    raise AssertionError("unreachable")
+    """Call `fn`, retrying transient failures up to `policy.attempts` times in all; the last failure is raised.
+    `wait` may replace the policy's delay for an error that says how long to wait (a 429's Retry-After)."""
+    return _retrying(Retrying, is_transient, policy, what, wait)(fn)
 
 
 async def retry_async(
@@ -56,20 +50,34 @@ async def retry_async(
     is_transient: Callable[[BaseException], bool],
     policy: RetryPolicy = RetryPolicy(),
     what: str = "call",
+    wait: Wait | None = None,
 ) -> T:
-    """The asyncio twin of `retry_call`."""
-    for attempt in range(1, policy.attempts + 1):
-        try:
-            return await fn()
-        except Exception as error:
-            if attempt == policy.attempts or not is_transient(error):
-                raise
-            delay = policy.delay(attempt)
-            log.warning(
-                "%s failed (%s); retry %d/%d in %.2fs", what, _short(error), attempt, policy.attempts - 1, delay
-            )
-            await asyncio.sleep(delay)
-    raise AssertionError("unreachable")
+    """`retry_call` for a coroutine function: waits with asyncio.sleep."""
+    return await _retrying(AsyncRetrying, is_transient, policy, what, wait)(fn)
+
+
+def _retrying(kind, is_transient, policy: RetryPolicy, what: str, wait: Wait | None):
+    def delay(state: RetryCallState) -> float:
+        planned = policy.delay(state.attempt_number)
+        return wait(_error(state), planned) if wait is not None else planned
+
+    def announce(state: RetryCallState) -> None:
+        seconds = state.next_action.sleep if state.next_action is not None else 0.0
+        retry = f"retry {state.attempt_number}/{policy.attempts - 1} in {seconds:.2f}s"
+        log.warning("%s failed (%s); %s", what, _short(_error(state)), retry)
+
+    return kind(
+        stop=stop_after_attempt(policy.attempts),
+        wait=delay,
+        retry=retry_if_exception(is_transient),
+        before_sleep=announce,
+        reraise=True,
+    )
+
+
+def _error(state: RetryCallState) -> BaseException:
+    assert state.outcome is not None and state.outcome.failed
+    return state.outcome.exception()
 
 
 def _short(error: BaseException) -> str:

@@ -184,11 +184,11 @@ def test_hub_errors_are_retried_without_duplicate_jobs(emulator, moto_server, tm
     spec = hub_spec("hub-retry", "some-bucket", moto_server.url)
     emulator.inject("429", count=2, methods=["POST"])  # the submission itself (GETs are retried by huggingface_hub)
     emulator.inject("5xx-after", count=1, methods=["POST"])  # the job is created, but the answer is lost
-    with caplog.at_level("WARNING", logger="backend.launchers.hf_jobs"):
+    with caplog.at_level("WARNING", logger="jobs.retry"):
         job = launcher.start_job(spec, "replica-0", RunSecrets(hf_token=TOKEN))
     created = [s for s in emulator.submissions if s.job_id is not None]
     assert len(created) == 1 and created[0].job_id == job.job_id
-    retries = [record.getMessage() for record in caplog.records if "the Hub failed to" in record.getMessage()]
+    retries = [record.getMessage() for record in caplog.records if "the Hub call to" in record.getMessage()]
     assert len(retries) == 3, retries  # two 429s and the lost answer, each reported before its retry
     launcher.cancel(job)
     wait_until(lambda: launcher.state(job).stage in ("canceled", "error"), 30)
@@ -220,10 +220,10 @@ def test_a_submission_whose_connection_is_reset_is_found_not_resubmitted(emulato
     launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
     launcher.retry = type(launcher.retry)(4, 0.05, 0.2)
     emulator.inject("reset-after", count=1, methods=["POST"])
-    with caplog.at_level("WARNING", logger="backend.launchers.hf_jobs"):
+    with caplog.at_level("WARNING", logger="jobs.retry"):
         job = launcher.start_job(hub_spec("hub-reset", "some-bucket", moto_server.url), "replica-0", RunSecrets(TOKEN))
     assert [s.job_id for s in emulator.submissions if s.job_id is not None] == [job.job_id]
-    assert any("the Hub failed to start the replica-0 job" in record.getMessage() for record in caplog.records)
+    assert any("the Hub call to start the replica-0 job failed" in record.getMessage() for record in caplog.records)
     launcher.cancel(job)
 
 
@@ -249,12 +249,12 @@ def test_a_429_with_only_the_ratelimit_header_is_waited_out_for_its_reset(emulat
     launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
     launcher.retry = type(launcher.retry)(4, 0.05, 0.2)
     emulator.inject("429-ratelimit", count=1, retry_after=2, methods=["POST"])
-    with caplog.at_level("WARNING", logger="backend.launchers.hf_jobs"):
+    with caplog.at_level("WARNING", logger="jobs.retry"):
         job = launcher.start_job(
             hub_spec("hub-ratelimit", "some-bucket", moto_server.url), "replica-0", RunSecrets(TOKEN)
         )
-    (warning,) = [r.getMessage() for r in caplog.records if "the Hub failed to" in r.getMessage()]
-    assert warning.endswith("retry 1/3 in 2.0s"), warning
+    (warning,) = [r.getMessage() for r in caplog.records if "the Hub call to" in r.getMessage()]
+    assert warning.endswith("retry 1/3 in 2.00s"), warning
     assert len([s for s in emulator.submissions if s.job_id is not None]) == 1
     launcher.cancel(job)
 

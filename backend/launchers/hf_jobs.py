@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from secrets import token_hex
 from typing import TypeVar
@@ -46,7 +45,7 @@ from backend.launchers.base import (
 from backend.plan import JobPlan
 from jobs.contract import RunSpec, derived, layout, parse_storage_uri, timeout_seconds
 from jobs.hub_jobs import cancel_unless_ended
-from jobs.retry import RetryPolicy
+from jobs.retry import RetryPolicy, retry_call
 from jobs.store import ObjectStore, S3Store
 
 log = logging.getLogger(__name__)
@@ -93,6 +92,21 @@ def _retry_after(error: BaseException) -> float | None:
 
 # The longest wait for a rate limit to reset before the next try (a launch's Hub calls stay bounded in time).
 MAX_RATE_LIMIT_WAIT = 120.0
+
+
+def _hub_transient(error: BaseException) -> bool:
+    """A rate limit, a server error or a transport failure: worth another try."""
+    if isinstance(error, HfHubHTTPError):
+        return _status(error) in (429, 500, 502, 503, 504)
+    return isinstance(error, OSError | httpx2.TransportError)
+
+
+def _hub_wait(error: BaseException, planned: float) -> float:
+    """The wait the Hub asked for (a 429's headers), else the policy's; capped either way."""
+    asked = _retry_after(error) if isinstance(error, HfHubHTTPError) else None
+    return min(asked or planned, MAX_RATE_LIMIT_WAIT)
+
+
 # Seconds to connect, and between two reads or writes, of any Hub call (log reads stream, so no total bound).
 HUB_TIMEOUT = 30.0
 
@@ -135,26 +149,18 @@ class HfJobsLauncher(Launcher):
     # --- calling the Hub -----------------------------------------------------------------------------------------
 
     def _call(self, fn: Callable[[], T], what: str) -> T:
-        for attempt in range(1, self.retry.attempts + 1):
-            try:
-                return fn()
-            except HfHubHTTPError as error:
-                status = _status(error)
-                if status == 401:
-                    raise HubTokenRejected(
-                        f"the Hub rejected the token while trying to {what}; check that it is valid and may run Jobs "
-                        "in this namespace (a fine-grained token needs the 'jobs' permission)"
-                    ) from None
-                if status not in (429, 500, 502, 503, 504) or attempt == self.retry.attempts:
-                    raise LaunchError(f"the Hub refused to {what} (HTTP {status}): {str(error)[:300]}") from None
-                delay = min(_retry_after(error) or self.retry.delay(attempt), MAX_RATE_LIMIT_WAIT)
-            except (OSError, httpx2.TransportError) as error:  # connection refused or reset, a call timed out
-                if attempt == self.retry.attempts:
-                    raise LaunchError(f"could not reach the Hub to {what}: {error}") from None
-                delay = self.retry.delay(attempt)
-            log.warning("the Hub failed to %s; retry %d/%d in %.1fs", what, attempt, self.retry.attempts - 1, delay)
-            time.sleep(delay)
-        raise AssertionError("unreachable")
+        try:
+            return retry_call(fn, _hub_transient, self.retry, what=f"the Hub call to {what}", wait=_hub_wait)
+        except HfHubHTTPError as error:
+            status = _status(error)
+            if status == 401:
+                raise HubTokenRejected(
+                    f"the Hub rejected the token while trying to {what}; check that it is valid and may run Jobs "
+                    "in this namespace (a fine-grained token needs the 'jobs' permission)"
+                ) from None
+            raise LaunchError(f"the Hub refused to {what} (HTTP {status}): {str(error)[:300]}") from None
+        except (OSError, httpx2.TransportError) as error:  # connection refused or reset, a call timed out
+            raise LaunchError(f"could not reach the Hub to {what}: {error}") from None
 
     # --- prices ----------------------------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from jobs.proxy.names import AdapterNames, BadName
 from jobs.proxy.router import Router
 from jobs.proxy.stats import Stats
 from jobs.proxy.upstreams import EJECTED, Membership, Replica
-from jobs.retry import RetryPolicy
+from jobs.retry import RetryPolicy, retry_async
 from jobs.store import ObjectStore, StoreError, publish_through_outage
 from jobs.store.published import OUTAGE_RETRY
 
@@ -55,11 +55,16 @@ log = logging.getLogger(__name__)
 _NOT_VISIBLE = "No adapter found"
 _ALREADY_LOADED = "already been loaded"
 _TRANSPORT_RETRY = RetryPolicy(attempts=3, base_delay=0.2, max_delay=2.0)
+_RESUME_RETRY = RetryPolicy(attempts=2, base_delay=0.2, max_delay=2.0)  # after the broadcast's own try: three in all
 _TEXT = [("Content-Type", "text/plain; charset=utf-8")]
 
 
 def text_response(status: int, message: str) -> Response:
     return Response(status, message.encode(), list(_TEXT))
+
+
+class _NotResumed(Exception):
+    """A replica answered a resume with an error, or could not be reached."""
 
 
 @dataclass
@@ -325,16 +330,20 @@ class AdapterSync:
         """POST a control request (unload, pause, resume, ...) and its number of tries. The HTTP client never sends
         one twice, since its bytes may have reached the replica; these requests may be repeated, so a transport
         failure is retried here, a few times with backoff. Raises the last UpstreamError."""
-        attempt = 1
-        while True:
+        tries = 0
+
+        async def post() -> ClientResponse:
+            nonlocal tries
+            tries += 1
             try:
-                return await self._post(replica, target, body, self.control_timeout), attempt
+                return await self._post(replica, target, body, self.control_timeout)
             except UpstreamError as error:
                 self.stats.count_error(f"upstream_{error.kind}")
-                if attempt == _TRANSPORT_RETRY.attempts:
-                    raise
-            await asyncio.sleep(_TRANSPORT_RETRY.delay(attempt))
-            attempt += 1
+                raise
+
+        transient = lambda error: isinstance(error, UpstreamError)  # noqa: E731
+        response = await retry_async(post, transient, _TRANSPORT_RETRY, what=f"{target} on {replica.role}")
+        return response, tries
 
     # -- pause, resume, reset_prefix_cache -------------------------------------------------------------------------
 
@@ -401,12 +410,20 @@ class AdapterSync:
         return "ok", response
 
     async def _resume_again(self, replica: Replica) -> bool:
-        for attempt in range(1, _TRANSPORT_RETRY.attempts):
-            await asyncio.sleep(_TRANSPORT_RETRY.delay(attempt))
-            kind, _ = await self._control_on(replica, "/resume")
-            if kind == "ok":
-                return True
-        return False
+        """Resume a replica whose resume failed, a few times with backoff; whether it resumed."""
+
+        async def resume() -> None:
+            kind, detail = await self._control_on(replica, "/resume")
+            if kind != "ok":
+                raise _NotResumed(detail)
+
+        try:
+            await retry_async(
+                resume, lambda error: isinstance(error, _NotResumed), _RESUME_RETRY, what=f"resuming {replica.role}"
+            )
+        except _NotResumed:
+            return False
+        return True
 
     async def _await_replicas(self, deadline: float | None = None) -> None:
         """Hold a load or a pause/resume while fewer than `min_healthy` replicas are routable, until `deadline`
