@@ -8,6 +8,7 @@ region passed separately, since they are not part of an s3:// URI). Secrets arri
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -49,6 +50,18 @@ def setup_logging(role: str, level: int = logging.INFO) -> None:
 def spec_uri(storage: StorageSpec, run_id: str) -> str:
     """The URI a job is given to find its run."""
     return storage.uri.rstrip("/") + "/" + layout.spec_key(run_id)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """--spec, --store-endpoint and --store-region: how every job entry point is pointed at its run (`open_run`)."""
+    group = parser.add_argument_group("the run")
+    group.add_argument("--spec", required=True, help="storage URI of the run's spec.json")
+    group.add_argument(
+        "--store-endpoint",
+        default=None,
+        help=f"S3 endpoint URL, which an s3:// URI does not hold (default: ${ENV_STORE_ENDPOINT})",
+    )
+    group.add_argument("--store-region", default=None, help=f"S3 region (default: ${ENV_STORE_REGION})")
 
 
 @dataclass

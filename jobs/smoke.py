@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
 
 from jobs.contract import duration, layout
-from jobs.runtime import open_run, setup_logging
+from jobs.runtime import add_run_arguments, open_run, setup_logging
 
 log = logging.getLogger("jobs.smoke")
 CHECKED_PACKAGES = ("torch", "transformers", "trl", "peft", "vllm")
@@ -107,11 +107,9 @@ def serve(host: str, port: int, report: dict, serve_for: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.smoke", description="Prove a job can reach its bucket.")
-    parser.add_argument("--spec", required=True, help="storage URI of the run's spec.json")
+    add_run_arguments(parser)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--store-endpoint", default=None)
-    parser.add_argument("--store-region", default=None)
     parser.add_argument("--serve-for", type=float, default=600.0, help="seconds to serve before ending by itself")
     args = parser.parse_args(argv)
     setup_logging("smoke")

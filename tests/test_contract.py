@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -235,3 +237,15 @@ def test_the_replicas_lora_slots_and_rank_pass_trls_own_server_check(rank, max_s
         select_adapter_sync(
             server(ours["lora_config"]["max_lora_rank"], ours["lora_config"]["max_loras"] - 1), model, args
         )
+
+
+def test_every_job_entry_point_takes_its_run_the_same_way():
+    """The trainer, replica, proxy and smoke-test jobs share one argument group for the run and its store."""
+    groups = set()
+    for module in ("jobs.trainer", "jobs.replica", "jobs.proxy", "jobs.smoke"):
+        done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        group = done.stdout.split("the run:")[1].split("\n\n")[0]
+        assert "--spec" in group and "--store-endpoint" in group and "--store-region" in group, (module, group)
+        groups.add(group)
+    assert len(groups) == 1, groups

@@ -30,7 +30,7 @@ from jobs.contract.flavors import FLAVORS
 from jobs.contract.storage_uri import parse_storage_uri
 from jobs.secrets import find_secret
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 MAX_REPLICAS = 16
 # Why top-p and top-k stay off: the replicas' log-probs would be those of the truncated, renormalised distribution.

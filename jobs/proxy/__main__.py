@@ -14,7 +14,7 @@ from collections.abc import Callable
 from jobs.contract import RunSpec
 from jobs.proxy.app import Proxy
 from jobs.proxy.config import ProxyConfig, add_arguments, from_arguments
-from jobs.runtime import ENV_UPSTREAM_TOKEN, open_run, setup_logging
+from jobs.runtime import ENV_UPSTREAM_TOKEN, add_run_arguments, open_run, setup_logging
 from jobs.store import ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger("jobs.proxy")
@@ -55,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m jobs.proxy",
         description="Route TRL's vLLM calls to a pool of replicas: prefix affinity, adapter publishing and broadcast.",
     )
-    parser.add_argument("--spec", required=True, help="storage URI of the run's spec.json")
-    parser.add_argument("--store-endpoint", default=None, help="S3 endpoint URL (not part of an s3:// URI)")
-    parser.add_argument("--store-region", default=None, help="S3 region")
+    add_run_arguments(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging("proxy")

@@ -34,8 +34,7 @@ from typing import Any
 from jobs.contract import RunSpec, layout
 from jobs.proxy.adapters import AdapterSync, text_response
 from jobs.proxy.config import ProxyConfig
-from jobs.proxy.http_client import Exchange as UpstreamExchange
-from jobs.proxy.http_client import HttpClient, UpstreamError
+from jobs.proxy.http_client import HttpClient, UpstreamError, UpstreamExchange
 from jobs.proxy.http_server import (
     Exchange,
     HttpServer,

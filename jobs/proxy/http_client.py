@@ -284,7 +284,7 @@ class _Connection(asyncio.Protocol):
         self.close()
 
 
-class Exchange:
+class UpstreamExchange:
     """An upstream request in flight: its head, then its body whole or piece by piece. Use as a context manager."""
 
     def __init__(self, client: HttpClient, origin: Origin, connection: _Connection):
@@ -313,7 +313,7 @@ class Exchange:
         else:
             connection.close()
 
-    async def __aenter__(self) -> Exchange:
+    async def __aenter__(self) -> UpstreamExchange:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -343,7 +343,7 @@ class HttpClient:
         headers: list[tuple[str, str]],
         body: bytes,
         timeout: float,
-    ) -> Exchange:
+    ) -> UpstreamExchange:
         """Send a request and wait for the head of its answer. Raises UpstreamError."""
         head = [f"{method} {origin.base_path}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"]
         head.extend(f"{name}: {value}\r\n" for name, value in headers)
@@ -380,7 +380,7 @@ class HttpClient:
 
     async def _exchange(
         self, origin: Origin, connection: _Connection, data: bytes, head_method: bool, timeout: float
-    ) -> Exchange:
+    ) -> UpstreamExchange:
         connection.send(data, head_method, timeout)
         try:
             status, headers = await connection.read_head()
@@ -388,7 +388,7 @@ class HttpClient:
             connection.finish()
             connection.close()
             raise
-        exchange = Exchange(self, origin, connection)
+        exchange = UpstreamExchange(self, origin, connection)
         exchange.status = status
         exchange.headers = headers
         return exchange

@@ -29,7 +29,7 @@ from jobs.processes import terminate_group
 from jobs.replica.engine_command import choose_engine, engine_command
 from jobs.replica.heartbeat import Heartbeat
 from jobs.replica.sidecar import Sidecar
-from jobs.runtime import ENV_REPLICA_TOKEN, RunContext, open_run, setup_logging
+from jobs.runtime import ENV_REPLICA_TOKEN, RunContext, add_run_arguments, open_run, setup_logging
 
 log = logging.getLogger("jobs.replica")
 ENGINE_STOP_GRACE_S = 20.0
@@ -41,12 +41,10 @@ _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("lin
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jobs.replica", description="Run one inference replica of a run.")
-    parser.add_argument("--spec", required=True, help="storage URI of the run's spec.json")
+    add_run_arguments(parser)
     parser.add_argument("--index", type=int, required=True, help="replica number (its heartbeat is replica-<index>)")
     parser.add_argument("--host", default="0.0.0.0", help="address of the public port (the sidecar)")
     parser.add_argument("--port", type=int, default=8000, help="the public port (the sidecar)")
-    parser.add_argument("--store-endpoint", default=None, help="S3 endpoint URL (default: $STORE_ENDPOINT)")
-    parser.add_argument("--store-region", default=None, help="S3 region (default: $STORE_REGION)")
     parser.add_argument("--engine", choices=["auto", "vllm", "cpu"], default=None, help="default: compute.engine")
     parser.add_argument("--engine-port", type=int, default=0, help="the engine's port on 127.0.0.1 (default: free)")
     parser.add_argument("--engine-threads", type=int, default=1, help="torch threads of the CPU engine")
@@ -72,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             error,
         )
         return 2
-    return asyncio.run(Replica(args, context, role).run())
+    return asyncio.run(ReplicaJob(args, context, role).run())
 
 
-class Replica:
+class ReplicaJob:
     def __init__(self, args: argparse.Namespace, context: RunContext, role: str):
         self.args = args
         self.spec = context.spec

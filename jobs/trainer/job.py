@@ -29,7 +29,7 @@ from jobs import pins
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
 from jobs.models import eos_token_ids, parameter_count, resolve_model
-from jobs.runtime import ENV_UPSTREAM_TOKEN, RunContext, open_run, read_json, setup_logging, spec_uri
+from jobs.runtime import ENV_UPSTREAM_TOKEN, RunContext, add_run_arguments, open_run, read_json, setup_logging, spec_uri
 from jobs.store import StoreError
 from jobs.trainer import cpu_compat, ranks
 from jobs.trainer.audit import AuditCallback, PolicyAudit, PolicyAuditFailed, tolerance_for
@@ -70,9 +70,7 @@ LOW_DISK_BYTES = 64 * 1024 * 1024
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jobs.trainer", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--spec", required=True, help="storage URI of the run's spec.json")
-    parser.add_argument("--store-endpoint", help="S3 endpoint URL (not part of an s3:// URI)")
-    parser.add_argument("--store-region")
+    add_run_arguments(parser)
     parser.add_argument(
         "--output-dir",
         default=os.environ.get("GRPO_TRAINER_WORKDIR") or None,
