@@ -22,6 +22,7 @@ import pytest
 
 from backend.sandbox import SandboxError, SandboxLimits, run_rewards
 from jobs.contract import RewardSpec
+from tests.support.net import accepted
 
 ROWS = [{"prompt": "1+1?", "answer": "2"}] * 2
 SECRET = "the-other-owners-secret-7f3a"
@@ -147,15 +148,6 @@ def targets(tmp_path, monkeypatch):
     other.rmdir()
 
 
-def _connected(listener: socket.socket) -> bool:
-    try:
-        connection, _ = listener.accept()
-    except BlockingIOError:
-        return False
-    connection.close()
-    return True
-
-
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_a_hostile_reward_is_refused_or_stopped_and_nothing_leaks(name, targets):
     source, told = HOSTILE[name]
@@ -170,7 +162,7 @@ def test_a_hostile_reward_is_refused_or_stopped_and_nothing_leaks(name, targets)
         assert trial.scores == [] and trial.error and told in trial.error, trial
         assert SECRET not in trial.error
     assert not Path(targets["marker"]).exists(), "reward code wrote outside its folder"
-    assert not _connected(targets["listener"]), "reward code connected"
+    assert not accepted(targets["listener"]), "reward code connected"
 
 
 def test_a_shared_panel_runs_no_user_code_where_a_layer_is_missing(tmp_path):

@@ -69,7 +69,7 @@ from jobs.store import LocalStore
 from jobs.telemetry import encode_jsonl
 from tests.support.echo_server import EchoServer
 from tests.support.hub_emulator import HubEmulator
-from tests.support.net import free_port
+from tests.support.net import accepted, free_port
 from tests.support.runs import hub_demo_spec
 from tests.support.waiting import wait_until
 
@@ -861,20 +861,10 @@ def test_no_network_even_past_the_audit_hook(tmp_path):
         code = CONNECT.replace("PORT", str(port))
         confined = past_the_audit_hook(code, tmp_path)
         assert confined["connect"] == -1, confined
-        assert not _accepted(listener), "reward code connected"
+        assert not accepted(listener), "reward code connected"
         # The control: the same code unconfined does connect, so the refusal above is the confinement's.
         assert past_the_audit_hook(code, tmp_path, confined=False)["connect"] == 0
-        assert wait_until(lambda: _accepted(listener), 10, what="the unconfined connection")
-
-
-def _accepted(listener: socket.socket) -> bool:
-    """Whether a connection was waiting on the (non-blocking) listener; it is closed."""
-    try:
-        connection, _ = listener.accept()
-    except BlockingIOError:
-        return False
-    connection.close()
-    return True
+        assert wait_until(lambda: accepted(listener), 10, what="the unconfined connection")
 
 
 def test_no_commands_even_past_the_audit_hook(tmp_path):

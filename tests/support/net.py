@@ -8,6 +8,16 @@ import urllib.error
 import urllib.request
 
 
+def accepted(listener: socket.socket) -> bool:
+    """Whether a connection was waiting on the (non-blocking) listener; it is closed."""
+    try:
+        connection, _ = listener.accept()
+    except BlockingIOError:
+        return False
+    connection.close()
+    return True
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
