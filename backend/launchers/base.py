@@ -193,6 +193,10 @@ class Launcher(ABC):
         """Whatever must exist before any job of the run starts (HF Jobs: the code bundle). Idempotent."""
         return None  # local jobs run this checkout's code directly
 
+    def price_per_hour(self, flavor: str) -> float | None:
+        """$/hour of `flavor` on this backend, None if it has no such flavor."""
+        return 0.0  # local processes cost nothing
+
     def endpoint(self, job: JobHandle) -> str | None:
         """The replica's base URL once the backend exposes it."""
         return job.endpoint

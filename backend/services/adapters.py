@@ -14,16 +14,19 @@ import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
-from sqlmodel import select
+from sqlmodel import col, select
 
 from backend.context import PanelContext
 from backend.models import AdapterVersion, Job, MetricPoint, Run
 from backend.services.runs import RunService, RunStateError
 from jobs.contract import RunSpec, derived, layout, parse_spec
 from jobs.store import download_published
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # Metrics shown side by side when comparing two versions.
 COMPARED_METRICS = ("reward", "ratio", "kl", "entropy", "completions/mean_length", "sample/staleness_mean")
@@ -70,7 +73,7 @@ def lora_pairs(weights: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     return {module: (p["lora_A"], p["lora_B"]) for module, p in pairs.items() if len(p) == 2}
 
 
-def _inner(a1, b1, s1: float, a2, b2, s2: float) -> float:
+def _inner(a1: Tensor, b1: Tensor, s1: float, a2: Tensor, b2: Tensor, s2: float) -> float:
     """<s1·B1A1, s2·B2A2>_F = s1·s2·trace((B1ᵀB2)(A2A1ᵀ)), computed with r×r matrices."""
     return float(s1 * s2 * ((b1.T @ b2) * (a1 @ a2.T)).sum())
 
@@ -100,7 +103,7 @@ class AdapterService:
         with self.ctx.db.session() as session:
             return list(
                 session.exec(
-                    select(AdapterVersion).where(AdapterVersion.run_id == run_id).order_by(AdapterVersion.version)
+                    select(AdapterVersion).where(AdapterVersion.run_id == run_id).order_by(col(AdapterVersion.version))
                 ).all()
             )
 
@@ -176,7 +179,7 @@ class AdapterService:
             return session.exec(
                 select(MetricPoint.value)
                 .where(MetricPoint.run_id == run_id, MetricPoint.name == name, MetricPoint.step <= max(step, 1))
-                .order_by(MetricPoint.step.desc())
+                .order_by(col(MetricPoint.step).desc())
             ).first()
 
     # --- generations ------------------------------------------------------------------------------------------------
@@ -187,18 +190,21 @@ class AdapterService:
         """Completions of `prompts` under each version: through a live replica that holds it, else locally."""
         run = self.runs.get(run_id)
         spec = RunSpec.from_json(run.spec_json)
-        results = {}
+        results: dict[int, list[str]] = {}
         for version in versions:
             self.version(run_id, version)
-            results[version] = self._generate_live(run, spec, version, prompts, max_tokens)
-            if results[version] is None:
-                results[version] = self._generate_local(run_id, spec, version, prompts, max_tokens)
+            live = self._generate_live(run, spec, version, prompts, max_tokens)
+            results[version] = (
+                live if live is not None else self._generate_local(run_id, spec, version, prompts, max_tokens)
+            )
         return results
 
-    def _generate_live(self, run: Run, spec: RunSpec, version: int, prompts: list[str], max_tokens: int):
+    def _generate_live(
+        self, run: Run, spec: RunSpec, version: int, prompts: list[str], max_tokens: int
+    ) -> list[str] | None:
         with self.ctx.db.session() as session:
             endpoints = session.exec(
-                select(Job.endpoint).where(Job.run_id == run.id, Job.stage == "running", Job.endpoint.is_not(None))
+                select(Job.endpoint).where(Job.run_id == run.id, Job.stage == "running", col(Job.endpoint).is_not(None))
             ).all()
         if not endpoints:
             return None
@@ -208,7 +214,7 @@ class AdapterService:
         try:
             texts = []
             for prompt in prompts:
-                body = {
+                body: dict[str, Any] = {
                     "model": name,
                     "messages": [{"role": "user", "content": prompt}],
                     "max_tokens": max_tokens,
@@ -216,7 +222,7 @@ class AdapterService:
                     "seed": 0,
                 }
                 response = requests.post(
-                    endpoints[0].rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=120
+                    str(endpoints[0]).rstrip("/") + "/v1/chat/completions", json=body, headers=headers, timeout=120
                 )
                 if response.status_code != 200:
                     return None  # the replica no longer holds this version: fall back to local generation
@@ -225,7 +231,9 @@ class AdapterService:
         except (requests.RequestException, KeyError, ValueError):
             return None
 
-    def _generate_local(self, run_id: str, spec: RunSpec, version: int, prompts: list[str], max_tokens: int):
+    def _generate_local(
+        self, run_id: str, spec: RunSpec, version: int, prompts: list[str], max_tokens: int
+    ) -> list[str]:
         import torch
         from peft import PeftModel
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -244,10 +252,10 @@ class AdapterService:
             adapter = self._local_copy(run_id, version, Path(folder))
             tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
             base = AutoModelForCausalLM.from_pretrained(model_path, revision=spec.model.revision, dtype=torch.float32)
-            model = PeftModel.from_pretrained(base, str(adapter)).eval()
-            texts = []
+            model: Any = PeftModel.from_pretrained(base, str(adapter)).eval()  # transformers' generate is untyped
+            texts: list[str] = []
             for prompt in prompts:
-                ids = tokenizer.apply_chat_template(
+                ids: Any = tokenizer.apply_chat_template(
                     [{"role": "user", "content": prompt}],
                     add_generation_prompt=True,
                     return_tensors="pt",
@@ -257,7 +265,8 @@ class AdapterService:
                     out = model.generate(
                         **ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
                     )
-                texts.append(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+                text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+                texts.append(str(text))
         return texts
 
     # --- roll back and branch ---------------------------------------------------------------------------------------
@@ -268,13 +277,18 @@ class AdapterService:
         run = self.runs.get(run_id)
         self.ctx.store_for(run).put_bytes(layout.current_key(run_id), str(version).encode())
         with self.ctx.db.session() as session:
-            row = session.get(Run, run_id)
+            row = session.get_one(Run, run_id)
             row.current_version = version
             session.add(row)
             session.commit()
 
     def branch(
-        self, run_id: str, version: int, new_run_id: str, overrides: dict[str, dict] | None = None, launch: bool = True
+        self,
+        run_id: str,
+        version: int,
+        new_run_id: str,
+        overrides: dict[str, dict[str, Any]] | None = None,
+        launch: bool = True,
     ) -> Run:
         """A new run that trains on from `version` of `run_id`, with the parent's settings unless overridden.
 
@@ -369,7 +383,7 @@ def _lora_scale(config_path: Path) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def _estimate_params(config) -> int:
+def _estimate_params(config: Any) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", 0)
     layers = getattr(text, "num_hidden_layers", 0)

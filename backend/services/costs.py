@@ -6,12 +6,12 @@ runs cost nothing. The poller accumulates a run's cost from its jobs' run times 
 
 from __future__ import annotations
 
+from backend.context import PanelContext
+from backend.models import Run
 from jobs.contract import RunSpec
 
 
-def flavor_price_per_hour(ctx, run, flavor: str) -> float | None:
-    if run.backend == "local":
-        return 0.0
+def flavor_price_per_hour(ctx: PanelContext, run: Run, flavor: str) -> float | None:
     return ctx.launcher_for(run).price_per_hour(flavor)
 
 

@@ -24,9 +24,10 @@ import threading
 import time
 from collections.abc import Callable
 from secrets import token_hex
+from typing import Any
 
-from sqlalchemy import func, update
-from sqlmodel import select
+from sqlalchemy import CursorResult, Update, func, update
+from sqlmodel import Session, col, select
 
 from backend.context import PanelContext
 from backend.events import record_event
@@ -57,11 +58,12 @@ class Launches:
         """Move the run from draft to launching and hold its launch; False if it was not a draft (any more)."""
         now = time.time()
         with self.ctx.db.session() as session:
-            moved = session.execute(
+            moved = _changed(
+                session,
                 update(Run)
-                .where(Run.id == run_id, Run.owner == owner, Run.status == "draft")
-                .values(status="launching", started_at=now, status_message="starting the replicas")
-            ).rowcount
+                .where(col(Run.id) == run_id, col(Run.owner) == owner, col(Run.status) == "draft")
+                .values(status="launching", started_at=now, status_message="starting the replicas"),
+            )
             if not moved:
                 return False
             session.add(Launch(run_id=run_id, owner=owner, holder=self.holder, renewed_at=now, updated_at=now))
@@ -71,7 +73,7 @@ class Launches:
     def drive(self, run_id: str) -> None:
         """Run (or resume) a launch this panel holds, renewing the lease meanwhile; record how it ended."""
         with self.ctx.db.session() as session:
-            run = session.get(Run, run_id)
+            run = session.get_one(Run, run_id)
         renewal = _Renewal(self, run_id)
         renewal.start()
         try:
@@ -104,7 +106,7 @@ class Launches:
             _end(session, run_id, "done", "")
             session.execute(
                 update(Run)
-                .where(Run.id == run_id, Run.status == "launching")
+                .where(col(Run.id) == run_id, col(Run.status) == "launching")
                 .values(status_message="jobs started; the trainer is starting")
             )
             session.commit()
@@ -124,7 +126,7 @@ class Launches:
         with self.ctx.db.session() as session:
             stale = session.exec(
                 select(Launch).where(
-                    Launch.step.not_in(ENDED), Launch.renewed_at < stale_before, Launch.holder != self.holder
+                    col(Launch.step).not_in(ENDED), col(Launch.renewed_at) < stale_before, Launch.holder != self.holder
                 )
             ).all()
         taken = [launch.run_id for launch in stale if self._take_over(launch)]
@@ -135,15 +137,16 @@ class Launches:
     def _take_over(self, launch: Launch) -> bool:
         now = time.time()
         with self.ctx.db.session() as session:
-            moved = session.execute(
+            moved = _changed(
+                session,
                 update(Launch)
                 .where(
-                    Launch.run_id == launch.run_id,
-                    Launch.holder == launch.holder,
-                    Launch.renewed_at == launch.renewed_at,
+                    col(Launch.run_id) == launch.run_id,
+                    col(Launch.holder) == launch.holder,
+                    col(Launch.renewed_at) == launch.renewed_at,
                 )
-                .values(holder=self.holder, renewed_at=now, updated_at=now, takeovers=Launch.takeovers + 1)
-            ).rowcount
+                .values(holder=self.holder, renewed_at=now, updated_at=now, takeovers=col(Launch.takeovers) + 1),
+            )
             session.commit()
         if moved:
             log.warning("took over the launch of %s (its panel stopped at step %r)", launch.run_id, launch.step)
@@ -151,7 +154,7 @@ class Launches:
 
     def _resume(self, run_id: str) -> None:
         with self.ctx.db.session() as session:
-            run, launch = session.get(Run, run_id), session.get(Launch, run_id)
+            run, launch = session.get_one(Run, run_id), session.get_one(Launch, run_id)
         if run.status == "stopping":
             self._clean_up(run, "cancelled", "stopped", f"stopped while launching: {run.status_message}")
         elif launch.takeovers > self.max_takeovers:
@@ -171,7 +174,7 @@ class Launches:
             _end(session, run.id, step, message)
             session.execute(
                 update(Run)
-                .where(Run.id == run.id)
+                .where(col(Run.id) == run.id)
                 .values(status=status, status_message=message, finished_at=time.time())
             )
             session.commit()
@@ -183,11 +186,12 @@ class Launches:
         """Record the step the launch begins; give the launch up if another panel holds it now."""
         now = time.time()
         with self.ctx.db.session() as session:
-            held = session.execute(
+            held = _changed(
+                session,
                 update(Launch)
-                .where(Launch.run_id == run_id, Launch.holder == self.holder, Launch.step.not_in(ENDED))
-                .values(step=step, renewed_at=now, updated_at=now)
-            ).rowcount
+                .where(col(Launch.run_id) == run_id, col(Launch.holder) == self.holder, col(Launch.step).not_in(ENDED))
+                .values(step=step, renewed_at=now, updated_at=now),
+            )
             session.commit()
         if not held or renewal.lost:
             raise LaunchInterrupted(f"the launch of {run_id} is held by another panel")
@@ -198,7 +202,7 @@ class Launches:
         with self.ctx.db.session() as session:
             session.execute(
                 update(Run)
-                .where(Run.id == run_id, Run.status == "launching")
+                .where(col(Run.id) == run_id, col(Run.status) == "launching")
                 .values(status_message=f"waiting for the jobs: {text}"[:2000])
             )
             session.commit()
@@ -206,11 +210,12 @@ class Launches:
     def renew(self, run_id: str) -> bool:
         """Renew this panel's lease on the launch; False once another panel holds it (or it ended)."""
         with self.ctx.db.session() as session:
-            held = session.execute(
+            held = _changed(
+                session,
                 update(Launch)
-                .where(Launch.run_id == run_id, Launch.holder == self.holder, Launch.step.not_in(ENDED))
-                .values(renewed_at=time.time())
-            ).rowcount
+                .where(col(Launch.run_id) == run_id, col(Launch.holder) == self.holder, col(Launch.step).not_in(ENDED))
+                .values(renewed_at=time.time()),
+            )
             session.commit()
         return bool(held)
 
@@ -234,7 +239,7 @@ class Launches:
             _end(session, run.id, "failed", message[:4000])
             session.execute(
                 update(Run)
-                .where(Run.id == run.id)
+                .where(col(Run.id) == run.id)
                 .values(status="failed", status_message=message[:4000], finished_at=time.time())
             )
             session.commit()
@@ -269,9 +274,15 @@ def job_flavor(spec: RunSpec, role: str) -> str:
     return spec.compute.trainer_flavor if role == "trainer" else spec.compute.replica_flavor
 
 
-def _end(session, run_id: str, step: str, message: str) -> None:
+def _changed(session: Session, statement: Update) -> int:
+    """Run an UPDATE; how many rows it changed (what a compare-and-set checks)."""
+    result: CursorResult[Any] = session.execute(statement)  # type: ignore[assignment]  # an UPDATE's is a cursor's
+    return result.rowcount
+
+
+def _end(session: Session, run_id: str, step: str, message: str) -> None:
     session.execute(
-        update(Launch).where(Launch.run_id == run_id).values(step=step, message=message, updated_at=time.time())
+        update(Launch).where(col(Launch.run_id) == run_id).values(step=step, message=message, updated_at=time.time())
     )
 
 

@@ -10,6 +10,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+import sqlalchemy
 from sqlalchemy import func
 from sqlmodel import col, select
 
@@ -57,7 +58,7 @@ class QueryService:
                 stride = -(-count // max_points)
                 # Thin in SQL: keep every stride-th step, so a 100k-point series costs one index range scan.
                 query = query.where(MetricPoint.step % stride == 0)
-            rows = session.exec(query.order_by(MetricPoint.step)).all()
+            rows = session.exec(query.order_by(col(MetricPoint.step))).all()
         return [(int(step), float(value)) for step, value in rows]
 
     def sample_versions(self, run_id: str, max_steps: int = 400) -> list[VersionUse]:
@@ -67,17 +68,18 @@ class QueryService:
             last = session.exec(select(func.max(RolloutSample.step)).where(RolloutSample.run_id == run_id)).first()
             if last is None:
                 return []
-            rows = session.exec(
-                select(
-                    RolloutSample.step,
-                    RolloutSample.policy_version,
+            step, version = col(RolloutSample.step), col(RolloutSample.policy_version)
+            rows = session.execute(  # five columns: more than sqlmodel's select is typed for
+                sqlalchemy.select(
+                    step,
+                    version,
                     func.count(),
-                    func.sum(RolloutSample.dropped),
-                    func.max(RolloutSample.policy_version + RolloutSample.staleness),
+                    func.sum(col(RolloutSample.dropped)),
+                    func.max(version + col(RolloutSample.staleness)),
                 )
-                .where(RolloutSample.run_id == run_id, RolloutSample.step > last - max_steps)
-                .group_by(RolloutSample.step, RolloutSample.policy_version)
-                .order_by(RolloutSample.step, RolloutSample.policy_version)
+                .where(col(RolloutSample.run_id) == run_id, step > last - max_steps)
+                .group_by(step, version)
+                .order_by(step, version)
             ).all()
         return [VersionUse(int(s), int(v), int(n), int(d or 0), int(t)) for s, v, n, d, t in rows]
 
@@ -98,7 +100,7 @@ class QueryService:
                 session.exec(
                     select(MetricPoint.value)
                     .where(MetricPoint.run_id == run_id, MetricPoint.name == name)
-                    .order_by(MetricPoint.step.desc())
+                    .order_by(col(MetricPoint.step).desc())
                     .limit(count)
                 ).all()
             )
@@ -120,13 +122,13 @@ class QueryService:
         if step_to is not None:
             query = query.where(RolloutSample.step <= step_to)
         if min_reward is not None:
-            query = query.where(RolloutSample.reward >= min_reward)
+            query = query.where(col(RolloutSample.reward) >= min_reward)
         if max_reward is not None:
-            query = query.where(RolloutSample.reward <= max_reward)
+            query = query.where(col(RolloutSample.reward) <= max_reward)
         with self.ctx.db.session() as session:
             return list(
                 session.exec(
-                    query.order_by(col(RolloutSample.step).desc(), RolloutSample.id).offset(offset).limit(limit)
+                    query.order_by(col(RolloutSample.step).desc(), col(RolloutSample.id)).offset(offset).limit(limit)
                 ).all()
             )
 
@@ -149,7 +151,8 @@ class QueryService:
     def jobs(self, run_id: str) -> list[Job]:
         self._check(run_id)
         with self.ctx.db.session() as session:
-            return list(session.exec(select(Job).where(Job.run_id == run_id).order_by(Job.role, Job.attempt)).all())
+            query = select(Job).where(Job.run_id == run_id).order_by(col(Job.role), col(Job.attempt))
+            return list(session.exec(query).all())
 
     def heartbeats(self, run_id: str) -> dict[str, dict[str, Any]]:
         self._check(run_id)
@@ -162,7 +165,7 @@ class QueryService:
         with self.ctx.db.session() as session:
             return list(
                 session.exec(
-                    select(AdapterVersion).where(AdapterVersion.run_id == run_id).order_by(AdapterVersion.version)
+                    select(AdapterVersion).where(AdapterVersion.run_id == run_id).order_by(col(AdapterVersion.version))
                 ).all()
             )
 

@@ -6,11 +6,13 @@ to someone else is reported exactly like one that does not exist.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import time
+from typing import Any
 
 from sqlalchemy import delete
-from sqlmodel import select
+from sqlmodel import col, select
 
 from backend.context import PanelContext
 from backend.events import record_event
@@ -61,9 +63,10 @@ class RunService:
 
     def list(self) -> list[Run]:
         with self.ctx.db.session() as session:
-            return list(session.exec(select(Run).where(Run.owner == self.owner).order_by(Run.created_at.desc())).all())
+            newest_first = col(Run.created_at).desc()
+            return list(session.exec(select(Run).where(Run.owner == self.owner).order_by(newest_first)).all())
 
-    def jobs(self, run_id: str) -> list[Job]:
+    def jobs(self, run_id: str) -> builtins.list[Job]:  # `list` is a method here
         self.get(run_id)
         with self.ctx.db.session() as session:
             return list(session.exec(select(Job).where(Job.run_id == run_id).order_by(Job.role)).all())
@@ -131,6 +134,7 @@ class RunService:
         job, handle = self._start_attempt(run, role)
         launcher, store = self.ctx.launcher_for(run), self.ctx.store_for(run)
         launcher.wait_ready(spec, [handle], self.ctx.secrets_for(run))
+        assert handle.endpoint is not None, "wait_ready returns once the replica answers at its endpoint"
         upstreams = UpstreamsRecord.model_validate_json(store.get_bytes(layout.control_key(run_id, UPSTREAMS)))
         upstreams.replicas = [u for u in upstreams.replicas if u.role != role] + [
             Upstream(role=role, url=handle.endpoint)
@@ -141,7 +145,7 @@ class RunService:
         jobs.jobs = [j for j in jobs.jobs if j.role != role] + launcher.describe_jobs(spec, [handle]).jobs
         store.put_bytes(layout.control_key(run_id, JOBS), jobs.model_dump_json().encode())
         with self.ctx.db.session() as session:
-            row = session.get(Job, job.id)
+            row = session.get_one(Job, job.id)
             row.endpoint = handle.endpoint
             session.add(row)
             session.commit()
@@ -154,7 +158,7 @@ class RunService:
         spec, launcher = self.ctx.spec(run), self.ctx.launcher_for(run)
         with self.ctx.db.session() as session:
             previous = session.exec(
-                select(Job).where(Job.run_id == run.id, Job.role == role).order_by(Job.attempt.desc())
+                select(Job).where(Job.run_id == run.id, Job.role == role).order_by(col(Job.attempt).desc())
             ).first()
         if previous is not None and previous.stage not in ("completed", "error", "canceled"):
             launcher.cancel(self.ctx.handle(previous))
@@ -204,13 +208,13 @@ class RunService:
                 AdapterVersion,
                 Job,
             ):
-                session.execute(delete(table).where(table.run_id == run_id))
+                session.execute(delete(table).where(col(table.run_id) == run_id))
             session.delete(session.get(Run, run_id))
             session.commit()
 
     # --- helpers ----------------------------------------------------------------------------------------------------
 
-    def _set(self, run_id: str, **fields) -> None:
+    def _set(self, run_id: str, **fields: Any) -> None:
         with self.ctx.db.session() as session:
             run = session.get(Run, run_id)
             for key, value in fields.items():

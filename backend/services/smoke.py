@@ -15,16 +15,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from secrets import token_hex
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import requests
 
 from backend.context import PanelContext
-from backend.launchers.base import SMOKE_ROLE, TERMINAL, JobHandle, JobStart, LaunchError
+from backend.launchers.base import SMOKE_ROLE, TERMINAL, JobHandle, JobStart, Launcher, LaunchError, RunSecrets
 from backend.services.runs import run_row
 from jobs.contract import RunSpec, duration, layout
 from jobs.smoke import Step
-from jobs.store import StoreError
+from jobs.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 SMOKE_FLAVOR = "cpu-basic"
@@ -50,9 +50,10 @@ class SmokeReport:
     def summary(self) -> str:
         total = duration(sum(step.seconds for step in self.steps))
         cost = _money(self.cost_usd)
-        if self.ok:
+        failed = self.failed
+        if failed is None:
             return f"smoke test passed in {total}; the job cost {cost}"
-        return f"smoke test failed at '{self.failed.name}': {self.failed.detail}; the job cost {cost}"
+        return f"smoke test failed at '{failed.name}': {failed.detail}; the job cost {cost}"
 
 
 class _Failed(Exception):
@@ -94,7 +95,9 @@ class SmokeTest:
             _clean_up(store, probe.run_id)
         return report
 
-    def _wait_ready(self, report: SmokeReport, launcher, probe: RunSpec, job: JobHandle, secrets) -> None:
+    def _wait_ready(
+        self, report: SmokeReport, launcher: Launcher, probe: RunSpec, job: JobHandle, secrets: RunSecrets
+    ) -> None:
         """Queueing and start-up, each reported as its own step (a launch times them apart too)."""
         submitted = time.monotonic()
         started: list[float] = []
@@ -118,7 +121,7 @@ class SmokeTest:
         self._record(report, Step(queue, began - submitted, True))
         self._record(report, Step(start, healthy - began, True, job.endpoint or ""))
 
-    def _cancel(self, report: SmokeReport, launcher, job: JobHandle) -> None:
+    def _cancel(self, report: SmokeReport, launcher: Launcher, job: JobHandle) -> None:
         def cancel() -> str:
             launcher.cancel(job)
             deadline = time.monotonic() + CANCEL_WAIT_S
@@ -155,7 +158,7 @@ class SmokeTest:
         self.on_step(step)
 
 
-def _prepare(launcher, probe: RunSpec, secrets, store) -> str:
+def _prepare(launcher: Launcher, probe: RunSpec, secrets: RunSecrets, store: ObjectStore) -> str:
     store.put_bytes(layout.spec_key(probe.run_id), probe.to_json().encode())
     launcher.prepare(probe, secrets, store)  # the flavors, the token, then the code bundle into the bucket
     return f"under {layout.run_prefix(probe.run_id)}"
@@ -170,7 +173,7 @@ def smoke_spec(spec: RunSpec) -> RunSpec:
     return RunSpec.model_validate(data, context={"stored": True})
 
 
-def _clean_up(store, run_id: str) -> None:
+def _clean_up(store: ObjectStore, run_id: str) -> None:
     """Delete whatever the test wrote to the bucket; a bucket that refused the test has nothing of it to delete."""
     try:
         store.delete_prefix(layout.run_prefix(run_id))
@@ -178,17 +181,19 @@ def _clean_up(store, run_id: str) -> None:
         log.warning("could not delete the smoke test's objects under %s: %s", layout.run_prefix(run_id), error)
 
 
-def _job_report(job: JobHandle, secrets) -> list[dict]:
+def _job_report(job: JobHandle, secrets: RunSecrets) -> list[dict[str, Any]]:
+    assert job.endpoint is not None, "a job answers the report once it is ready, at its endpoint"
     answer = requests.get(
         job.endpoint.rstrip("/") + "/health",
         headers={"Authorization": f"Bearer {secrets.replica_token}"},
         timeout=30,
     )
     answer.raise_for_status()
-    return answer.json()["steps"]
+    steps: list[dict[str, Any]] = answer.json()["steps"]
+    return steps
 
 
-def _read_and_delete(store, key: str) -> str:
+def _read_and_delete(store: ObjectStore, key: str) -> str:
     body = store.get_bytes(key)
     store.delete(key)
     return f"{len(body)} bytes at {key}"
