@@ -135,7 +135,7 @@ def confine(confinement: Confinement) -> list[str]:
 def _system_call_filter():  # -> pyseccomp.SyscallFilter, imported late: the panel never loads it
     try:
         import pyseccomp as seccomp
-    except Exception as error:
+    except Exception as error:  # pyseccomp fails in several ways where libseccomp is missing
         raise OSError(f"no seccomp library ({error})") from None
     own = os.getpid()
     refuse = seccomp.ERRNO(errno.EPERM)
