@@ -1,17 +1,26 @@
-"""The launch form without the widgets: form values to a RunSpec dict and back, and errors to the field they concern.
+"""The launch form without the widgets, generated from RunSpec: which fields it has, their labels, help, defaults
+and sections, form values to a RunSpec dict and back, and errors to the note of the field they concern.
 
-The page hands every input as a flat {key: value} dict; keeping the translation here (pure functions) keeps the page
-module about layout and wiring, and lets a spec from a preset or a parent run fill the same form.
+Every spec field declared with `shown(...)` (jobs/contract/spec.py) is a field of the form: adding one there puts it
+on the Launch page (app/pages/launch.py lays out what it does not place by hand), in the spec the form builds, in
+`form_from_spec` and in the error notes, with no other edit. The rewards (a list) and the credentials are the form's
+own inputs and are shaped here by hand.
 """
 
 from __future__ import annotations
 
 import re
 import time
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from jobs.contract import BUILTIN_REWARDS
+import annotated_types
+from pydantic import BaseModel
+
+from jobs.contract import BUILTIN_REWARDS, RunSpec
 
 BUCKET_KINDS = {
     "hf": "Hugging Face bucket",
@@ -46,79 +55,273 @@ CODE_TEMPLATE = '''def reward(completions, answer, **columns):
         scores.append(1.0 if str(gold).strip() and str(gold).strip() in text else 0.0)
     return scores
 '''
-# The form's inputs, in the order the page passes them to every handler.
-KEYS = (
-    "run_id", "name",
-    "model_id", "model_revision", "max_model_len", "dtype",
-    "dataset_source", "dataset_id", "dataset_split", "prompt_column", "answer_column", "system_prompt", "dataset_limit",
+# The form's own inputs, beside the spec's fields: the rewards, the bucket's kind and the credentials chosen.
+OWN_KEYS = (
     "builtin_rewards", "format_tags", "length_target", "regex_pattern",
     "code_enabled", "code_name", "code_entry", "code_weight", "code_source",
-    "bucket_kind", "storage_uri", "storage_endpoint", "storage_region", "store_credential",
-    "backend", "namespace", "hf_credential", "trainer_flavor", "replica_flavor", "replicas", "timeout",
-    "queue_timeout", "startup_timeout", "engine", "cost_cap",
-    "lora_rank", "lora_alpha", "lora_targets", "lora_dropout",
-    "num_generations", "completions_per_step", "max_completion_length", "learning_rate", "max_steps", "max_staleness",
-    "temperature", "top_p", "top_k", "weight_sync_steps", "max_inflight", "queue_size", "token_budget",
-    "gradient_checkpointing", "save_steps", "seed", "adam_beta2", "epsilon", "audit_every",
-    "trainer_image", "replica_image",
+    "bucket_kind", "store_credential", "hf_credential",
 )  # fmt: skip
-# Where each input's errors are shown (a slot is a red note right under that group of fields).
+# Where errors are shown: a note right under each part of the form (a spec field's `section` names its part).
 SLOTS = (
     "run", "model", "dataset", "rewards_builtin", "rewards_code", "storage", "compute", "training", "advanced",
     "general",
 )  # fmt: skip
-# Dotted spec fields that live in the folded "Advanced" section; their errors open it.
-ADVANCED = {
-    "model.revision", "model.max_model_len", "model.dtype", "lora.dropout", "grpo.temperature", "grpo.top_p",
-    "grpo.top_k", "grpo.weight_sync_steps", "grpo.max_inflight", "grpo.queue_size", "grpo.token_budget",
-    "grpo.gradient_checkpointing", "grpo.save_steps", "grpo.seed", "grpo.adam_beta2", "grpo.epsilon",
-    "grpo.audit_every", "compute.trainer_image", "compute.replica_image", "compute.engine", "compute.cost_cap_usd",
-    "compute.trainer_processes", "compute.trainer_sharding", "compute.startup_timeout",
-}  # fmt: skip
-# The human label of every field an error can name (tests/test_form_errors.py checks that each RunSpec field has one).
-LABELS = {
-    "spec": "Settings", "schema_version": "Spec version", "run_id": "Run id", "name": "Name",
-    "model": "Model", "model.id": "Model", "model.revision": "Revision", "model.max_model_len": "Max model length",
-    "model.dtype": "Dtype",
-    "dataset": "Dataset", "dataset.id": "Dataset", "dataset.source": "Dataset source", "dataset.split": "Split",
-    "dataset.prompt_column": "Prompt column", "dataset.answer_column": "Answer column", "dataset.limit": "Row limit",
-    "dataset.system_prompt": "System prompt",
-    "rewards": "Rewards",
-    "storage": "Bucket", "storage.uri": "Bucket location", "storage.endpoint": "Endpoint", "storage.region": "Region",
-    "storage.credentials": "Bucket keys",
-    "compute": "Compute", "compute.token": "HF token", "compute.backend": "Where the jobs run",
-    "compute.namespace": "Namespace", "compute.trainer_flavor": "Trainer hardware",
-    "compute.replica_flavor": "Replica hardware", "compute.replicas": "Replicas", "compute.timeout": "Timeout",
-    "compute.queue_timeout": "Queue limit", "compute.startup_timeout": "Start-up limit",
-    "compute.engine": "Inference engine", "compute.cost_cap_usd": "Cost cap",
-    "compute.trainer_processes": "Trainer processes", "compute.trainer_sharding": "Trainer sharding",
-    "compute.trainer_image": "Trainer image",
-    "compute.replica_image": "Replica image",
-    "lora": "LoRA", "lora.rank": "LoRA rank", "lora.alpha": "LoRA alpha", "lora.target_modules": "Target modules",
-    "lora.dropout": "LoRA dropout",
-    "grpo": "Training", "grpo.num_generations": "Generations per prompt",
-    "grpo.completions_per_step": "Completions per step", "grpo.max_completion_length": "Max completion tokens",
-    "grpo.learning_rate": "Learning rate", "grpo.max_steps": "Max steps", "grpo.max_staleness": "Max staleness",
-    "grpo.temperature": "Temperature", "grpo.top_p": "Top-p", "grpo.top_k": "Top-k",
-    "grpo.weight_sync_steps": "Weight sync every", "grpo.max_inflight": "Max in flight",
-    "grpo.queue_size": "Queue size",
-    "grpo.token_budget": "Token budget", "grpo.gradient_checkpointing": "Gradient checkpointing",
-    "grpo.save_steps": "Checkpoint every", "grpo.seed": "Seed", "grpo.adam_beta2": "Adam β2", "grpo.epsilon": "Clip ε",
-    "grpo.audit_every": "Policy audit every",
-    "parent": "Parent run", "parent.run_id": "Parent run id", "parent.version": "Parent version",
-}  # fmt: skip
-# A reward's own fields (`rewards.<i>.<field>`), as the form names them.
-REWARD_LABELS = {
-    "kind": "Kind", "name": "Name", "params": "Parameters", "source": "Code", "entry_point": "Function to call",
-    "weight": "Weight",
-}  # fmt: skip
-# Which note shows the errors of each section (a field of "Advanced" goes to that note instead: ADVANCED above).
-SECTION_SLOTS = {
-    "run_id": "run", "name": "run", "model": "model", "dataset": "dataset", "storage": "storage", "compute": "compute",
-    "lora": "training", "grpo": "training",
-}  # fmt: skip
-_SECTIONS = {key.split(".", 1)[0] for key in LABELS if "." in key}
+# Error keys preflight names that are no spec field.
+OWN_LABELS = {"spec": "Settings", "compute.token": "HF token", "storage.credentials": "Bucket keys"}
 _REWARD = re.compile(r"^rewards\.(\d+)(?:\.(.+))?$")
+FieldKind = Literal["int", "float", "bool", "choice", "text", "other"]
+
+
+@dataclass(frozen=True)
+class FormField:
+    """One spec field as the form shows it (from its `shown(...)` metadata and its type)."""
+
+    path: str  # dotted, as in error keys: "grpo.max_steps"; also the field's key in the form's values
+    label: str
+    help: str
+    section: str  # the part of the form, and the note its errors go to
+    advanced: bool
+    unset: str  # what an empty optional value means ("auto"); "" when the field has no such meaning
+    kind: FieldKind
+    options: tuple[Any, ...]  # a literal's values
+    words: dict[str, str]  # a literal's values in words
+    optional: bool
+    default: Any
+    limits: str = ""  # the spec's bounds in words: "2 to 64", "above 0, below 1"
+
+    @property
+    def elem_id(self) -> str:
+        return self.path.replace(".", "-").replace("_", "-")
+
+    @property
+    def info(self) -> str:
+        """The help under the widget: what the field means, and what 0 or empty stands for."""
+        blank = "0" if self.kind in ("int", "float") else "empty"
+        unset = f"{blank} = {self.unset}" if self.unset else ""
+        return "; ".join(part for part in (self.help, self.limits, unset) if part)
+
+    def choices(self) -> list[tuple[str, Any]]:
+        return [(self.words.get(str(option), str(option)), option) for option in self.options]
+
+    def to_spec(self, value: Any) -> Any:
+        """The spec value of a form value; `_OMIT` for an empty box of a field that has a default."""
+        if self.kind == "bool":
+            return bool(value)
+        if self.kind == "text":
+            text = str(value).strip() if value is not None else ""
+            return None if not text and self.optional else text
+        if value is None or value == "":
+            return None if self.optional else _OMIT
+        if self.kind in ("int", "float") and self.optional and self.unset and value == 0:
+            return None
+        return value
+
+    def to_form(self, value: Any) -> Any:
+        if value is None:
+            return 0 if self.kind in ("int", "float") else ""
+        return value
+
+
+_OMIT = object()
+
+
+def _kind(annotation: Any) -> tuple[FieldKind, tuple[Any, ...], bool]:
+    """(kind, a literal's values, whether None is allowed) of a field's type."""
+    args = typing.get_args(annotation)
+    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args
+    if optional:
+        rest = [arg for arg in args if arg is not type(None)]
+        if len(rest) != 1:
+            return "other", (), True
+        annotation = rest[0]
+    if typing.get_origin(annotation) is Literal:
+        return "choice", typing.get_args(annotation), optional
+    kinds: dict[Any, FieldKind] = {bool: "bool", int: "int", float: "float", str: "text"}
+    return kinds.get(annotation, "other"), (), optional
+
+
+def _limits(metadata: list[Any]) -> str:
+    """A field's numeric bounds (pydantic's ge/gt/le/lt) in words: "2 to 64", "above 0, below 1"."""
+    ge = gt = le = lt = None
+    for bound in metadata:
+        ge = getattr(bound, "ge", ge) if isinstance(bound, annotated_types.Ge) else ge
+        gt = getattr(bound, "gt", gt) if isinstance(bound, annotated_types.Gt) else gt
+        le = getattr(bound, "le", le) if isinstance(bound, annotated_types.Le) else le
+        lt = getattr(bound, "lt", lt) if isinstance(bound, annotated_types.Lt) else lt
+    if ge is not None and le is not None:
+        return f"{_number(ge)} to {_number(le)}"
+    low = f"from {_number(ge)}" if ge is not None else f"above {_number(gt)}" if gt is not None else ""
+    high = f"up to {_number(le)}" if le is not None else f"below {_number(lt)}" if lt is not None else ""
+    if low and high:
+        return f"{low}, {high}"
+    return f"{_number(ge)} or more" if ge is not None else low or high
+
+
+def _number(value: Any) -> str:
+    return f"{int(value):,}" if float(value).is_integer() else f"{value:g}"
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a section field holds (directly or optionally), or the item model of a list of them."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        model = _section_model(arg)
+        if model is not None:
+            return model
+    return None
+
+
+def _hints(info: Any) -> dict[str, Any] | None:
+    extra = info.json_schema_extra
+    return extra.get("form") if isinstance(extra, dict) else None
+
+
+class FormSchema:
+    """The launch form of a spec model: its fields, their labels and the notes their errors go to."""
+
+    def __init__(self, model: type[BaseModel] = RunSpec):
+        self.model = model
+        self.fields: list[FormField] = []
+        self.labels: dict[str, str] = dict(OWN_LABELS)
+        self.section_slots: dict[str, str] = {}  # a top-level field -> the note of its part of the form
+        self.item_labels: dict[str, dict[str, str]] = {}  # a list of sections ("rewards") -> its items' labels
+        for name, info in model.model_fields.items():
+            hints = _hints(info)
+            if info.title:
+                self.labels[name] = info.title
+            if hints:
+                self.section_slots[name] = hints["section"]
+            inner = _section_model(info.annotation)
+            if inner is None:
+                if hints:
+                    self.fields.append(_field(name, info, hints, hints["section"]))
+                continue
+            labels = {sub: sub_info.title for sub, sub_info in inner.model_fields.items() if sub_info.title}
+            if typing.get_origin(info.annotation) is list:
+                self.item_labels[name] = labels
+                continue
+            self.labels.update({f"{name}.{sub}": label for sub, label in labels.items()})
+            for sub, sub_info in inner.model_fields.items():
+                sub_hints = _hints(sub_info)
+                if sub_hints:
+                    self.fields.append(_field(f"{name}.{sub}", sub_info, sub_hints, sub_hints["section"]))
+        self.by_path = {form_field.path: form_field for form_field in self.fields}
+        self.keys: tuple[str, ...] = (*OWN_KEYS, *self.by_path)
+        self.advanced = {form_field.path for form_field in self.fields if form_field.advanced}
+        self._sections = {path.split(".", 1)[0] for path in self.labels if "." in path}
+
+    # -- values ----------------------------------------------------------------------------------------------------
+
+    def spec_from_form(self, form: dict[str, Any]) -> Built:
+        """The RunSpec dict the form describes (validation is the backend's: this only shapes the values)."""
+        spec: dict[str, Any] = {}
+        for form_field in self.fields:
+            convert = _TO_SPEC.get(form_field.path)
+            value = (
+                convert(form.get(form_field.path), form) if convert else form_field.to_spec(form.get(form_field.path))
+            )
+            if value is _OMIT:
+                continue
+            *parents, last = form_field.path.split(".")
+            node = spec
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[last] = value
+        rewards, slots = rewards_of(form)
+        spec["rewards"] = rewards
+        return Built(spec, slots)
+
+    def form_from_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Form values for a spec dict (a preset, or a parent run's spec): the inverse of `spec_from_form`."""
+        form: dict[str, Any] = {}
+        for form_field in self.fields:
+            node: Any = spec
+            for part in form_field.path.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if node is None and not form_field.optional:
+                node = form_field.default
+            convert = _TO_FORM.get(form_field.path)
+            form[form_field.path] = convert(node) if convert else form_field.to_form(node)
+        storage = spec.get("storage") or {}
+        form["bucket_kind"] = bucket_kind(storage.get("uri", ""), storage.get("endpoint"))
+        form.update(_reward_inputs(spec.get("rewards") or []))
+        return form
+
+    # -- errors ----------------------------------------------------------------------------------------------------
+
+    def label(self, dotted: str, rewards: list[dict[str, Any]] | None = None) -> str:
+        """The human label of an error key (a spec field, or one of preflight's own), never the raw key."""
+        path = field_path(dotted)
+        match = _REWARD.match(path)
+        if match:
+            index, rest = int(match.group(1)), match.group(2)
+            name = (rewards[index].get("name") if rewards and index < len(rewards) else None) or ""
+            reward = f"reward {index + 1}" + (f" ({name})" if name else "")
+            if rest is None:
+                return reward[0].upper() + reward[1:]
+            field_name = rest.split(".", 1)[0]
+            known = self.item_labels.get("rewards", {}).get(field_name)
+            return f"{known or _words(field_name).capitalize()} of {reward}"
+        known = self._field_label(path)
+        if known is not None:
+            return known
+        head, _, rest = path.partition(".")
+        section = self.labels.get(head, "Settings")
+        return f"{section}: {_words(rest)}" if rest else f"{section}: {_words(head)}"
+
+    def _field_label(self, path: str) -> str | None:
+        """The label of `path`, or of the field it lies in (`lora.target_modules.0`, a union member such as
+        `lora.target_modules.list[str]`): the longest labelled prefix that names a field, not only a section."""
+        parts = path.split(".")
+        for end in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:end])
+            if prefix in self.labels and (end == len(parts) or prefix not in self._sections):
+                return self.labels[prefix]
+        return None
+
+    def slot_of(self, dotted: str, reward_slots: list[str], code_enabled: bool) -> str:
+        """Which note under the form shows an error about `dotted` (a field name from Preflight.errors)."""
+        path = field_path(dotted)
+        if any(path == name or path.startswith(name + ".") for name in self.advanced):
+            return "advanced"
+        match = _REWARD.match(path)
+        if match and int(match.group(1)) < len(reward_slots):
+            return reward_slots[int(match.group(1))]
+        head = path.split(".", 1)[0]
+        if head == "rewards":
+            return "rewards_code" if code_enabled else "rewards_builtin"
+        return self.section_slots.get(head, "general")
+
+    def route_errors(self, errors: dict[str, str], built: Built | None, code_enabled: bool) -> dict[str, list[str]]:
+        """{slot: ["Label: message", ...]} for every slot (empty lists included, so stale notes are cleared)."""
+        routed: dict[str, list[str]] = {slot: [] for slot in SLOTS}
+        slots = built.reward_slots if built else []
+        rewards = built.spec.get("rewards") if built else None
+        for dotted, message in errors.items():
+            # A reward's own errors already start with its name ("custom (row 2): ..."): no label in front.
+            whole_reward = re.fullmatch(r"rewards\.\d+", field_path(dotted))
+            text = message if whole_reward else f"{self.label(dotted, rewards)}: {message}"
+            routed[self.slot_of(dotted, slots, code_enabled)].append(text)
+        return routed
+
+
+def _field(path: str, info: Any, hints: dict[str, Any], section: str) -> FormField:
+    kind, options, optional = _kind(info.annotation)
+    return FormField(
+        path=path,
+        label=info.title or path,
+        help=info.description or "",
+        section=section,
+        advanced=bool(hints.get("advanced")),
+        unset=hints.get("unset", ""),
+        kind=kind,
+        options=options,
+        words=hints.get("choices") or {},
+        optional=optional,
+        default=None if info.is_required() else info.get_default(call_default_factory=True),
+        limits=_limits(info.metadata),
+    )
 
 
 @dataclass
@@ -138,23 +341,43 @@ def _text(value: Any) -> str | None:
     return text or None
 
 
-def _int(value: Any) -> int | None:
-    if value is None or value == "":
-        return None
-    return int(value)
-
-
-def _positive(value: Any) -> int | None:
-    """0 or empty means 'not set' for the optional counts (row limit, queue size)."""
-    number = _int(value)
-    return number if number else None
-
-
-def _targets(value: Any) -> str | list[str]:
+def _targets(value: Any, form: dict[str, Any]) -> str | list[str]:
     text = (_text(value) or "all-linear").replace(";", ",")
     if text == "all-linear":
         return text
     return [name.strip() for name in re.split(r"[,\s]+", text) if name.strip()]
+
+
+def _targets_text(value: Any) -> str:
+    if value is None:
+        return "all-linear"
+    return value if isinstance(value, str) else ", ".join(value)
+
+
+def _on_hf_jobs(value: Any, form: dict[str, Any]) -> str | None:
+    """The namespace is billed on HF Jobs only; on this machine it is not part of the run."""
+    return _text(value) if form.get("compute.backend") == "hf_jobs" else None
+
+
+def _flavor(value: Any, form: dict[str, Any]) -> str:
+    return _text(value) or "cpu-basic"
+
+
+def _for_kinds(*kinds: str) -> Callable[[Any, dict[str, Any]], str | None]:
+    """A bucket field that only some kinds of bucket use (an endpoint for R2 and MinIO, a region for S3 ones)."""
+    return lambda value, form: _text(value) if form.get("bucket_kind") in kinds else None
+
+
+# Spec fields whose widget holds something else than the spec value, or whose value depends on another input.
+_TO_SPEC: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
+    "lora.target_modules": _targets,
+    "compute.namespace": _on_hf_jobs,
+    "compute.trainer_flavor": _flavor,
+    "compute.replica_flavor": _flavor,
+    "storage.endpoint": _for_kinds("r2", "minio"),
+    "storage.region": _for_kinds("aws", "r2", "minio"),
+}
+_TO_FORM: dict[str, Callable[[Any], Any]] = {"lora.target_modules": _targets_text}
 
 
 def _credential(value: Any) -> int | None:
@@ -192,151 +415,22 @@ def rewards_of(form: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     return rewards, slots
 
 
-def spec_from_form(form: dict[str, Any]) -> Built:
-    """The RunSpec dict the form describes (validation is the backend's: this only shapes the values)."""
-    rewards, slots = rewards_of(form)
-    hf_jobs = form.get("backend") == "hf_jobs"
-    spec = {
-        "run_id": (form.get("run_id") or "").strip(),
-        "name": (form.get("name") or "").strip(),
-        "model": {
-            "id": (form.get("model_id") or "").strip(),
-            "revision": _text(form.get("model_revision")),
-            "max_model_len": _int(form.get("max_model_len")),
-            "dtype": form.get("dtype"),
-        },
-        "dataset": {
-            "source": form.get("dataset_source"),
-            "id": (form.get("dataset_id") or "").strip(),
-            "split": (form.get("dataset_split") or "").strip(),
-            "prompt_column": (form.get("prompt_column") or "").strip(),
-            "answer_column": _text(form.get("answer_column")),
-            "system_prompt": _text(form.get("system_prompt")),
-            "limit": _positive(form.get("dataset_limit")),
-        },
-        "rewards": rewards,
-        "lora": {
-            "rank": _int(form.get("lora_rank")),
-            "alpha": form.get("lora_alpha"),
-            "target_modules": _targets(form.get("lora_targets")),
-            "dropout": form.get("lora_dropout") or 0.0,
-        },
-        "grpo": {
-            key: form.get(key)
-            for key in (
-                "num_generations",
-                "completions_per_step",
-                "max_completion_length",
-                "learning_rate",
-                "max_steps",
-                "max_staleness",
-                "temperature",
-                "top_p",
-                "top_k",
-                "weight_sync_steps",
-                "max_inflight",
-                "token_budget",
-                "gradient_checkpointing",
-                "save_steps",
-                "seed",
-                "adam_beta2",
-                "epsilon",
-                "audit_every",
-            )
-        }
-        | {"queue_size": _positive(form.get("queue_size"))},
-        "compute": {
-            "backend": form.get("backend"),
-            "namespace": _text(form.get("namespace")) if hf_jobs else None,
-            "trainer_flavor": _text(form.get("trainer_flavor")) or "cpu-basic",
-            "replica_flavor": _text(form.get("replica_flavor")) or "cpu-basic",
-            "replicas": _int(form.get("replicas")),
-            "timeout": (form.get("timeout") or "").strip(),
-            "queue_timeout": (form.get("queue_timeout") or "").strip() or None,
-            "startup_timeout": _text(form.get("startup_timeout")),
-            "engine": form.get("engine"),
-            "cost_cap_usd": form.get("cost_cap") or None,
-            "trainer_image": (form.get("trainer_image") or "").strip(),
-            "replica_image": (form.get("replica_image") or "").strip(),
-        },
-        "storage": {
-            "uri": (form.get("storage_uri") or "").strip(),
-            "endpoint": _text(form.get("storage_endpoint")) if form.get("bucket_kind") in ("r2", "minio") else None,
-            "region": _text(form.get("storage_region")) if form.get("bucket_kind") in ("aws", "r2", "minio") else None,
-        },
-    }
-    for section in ("model", "grpo", "compute", "lora", "dataset"):
-        spec[section] = {k: v for k, v in spec[section].items() if v is not None or k in _NULLABLE}
-    return Built(spec, slots)
-
-
-_NULLABLE = {
-    "revision", "answer_column", "system_prompt", "limit", "queue_size", "namespace", "cost_cap_usd", "startup_timeout",
-}  # fmt: skip
-
-
-def form_from_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """Form values for a spec dict (a preset, or a parent run's spec): the inverse of `spec_from_form`."""
-    model, dataset, lora = spec.get("model", {}), spec.get("dataset", {}), spec.get("lora", {})
-    grpo, compute, storage = spec.get("grpo", {}), spec.get("compute", {}), spec.get("storage", {})
-    builtins = [r for r in spec.get("rewards", []) if r.get("kind", "builtin") == "builtin"]
-    code = next((r for r in spec.get("rewards", []) if r.get("kind") == "code"), None)
+def _reward_inputs(rewards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reward inputs of the form for a spec's rewards: the inverse of `rewards_of`."""
+    builtins = [r for r in rewards if r.get("kind", "builtin") == "builtin"]
+    code = next((r for r in rewards if r.get("kind") == "code"), None) or {}
     params = {r["name"]: r.get("params") or {} for r in builtins}
-    targets = lora.get("target_modules", "all-linear")
-    uri = storage.get("uri", "")
-    form = {
-        "run_id": spec.get("run_id", ""),
-        "name": spec.get("name", ""),
-        "model_id": model.get("id", ""),
-        "model_revision": model.get("revision") or "",
-        "max_model_len": model.get("max_model_len", 4096),
-        "dtype": model.get("dtype", "bfloat16"),
-        "dataset_source": dataset.get("source", "hub"),
-        "dataset_id": dataset.get("id", ""),
-        "dataset_split": dataset.get("split", "train"),
-        "prompt_column": dataset.get("prompt_column", "prompt"),
-        "answer_column": dataset.get("answer_column") or "",
-        "system_prompt": dataset.get("system_prompt") or "",
-        "dataset_limit": dataset.get("limit") or 0,
+    return {
         "builtin_rewards": [r["name"] for r in builtins],
         "format_tags": " ".join(params.get("format", {}).get("tags", ["<think>", "</think>", "<answer>", "</answer>"])),
         "length_target": params.get("length", {}).get("target", 256),
         "regex_pattern": params.get("regex", {}).get("pattern", ""),
-        "code_enabled": code is not None,
-        "code_name": (code or {}).get("name", "custom"),
-        "code_entry": (code or {}).get("entry_point", "reward"),
-        "code_weight": (code or {}).get("weight", 1.0),
-        "code_source": (code or {}).get("source") or CODE_TEMPLATE,
-        "bucket_kind": bucket_kind(uri, storage.get("endpoint")),
-        "storage_uri": uri,
-        "storage_endpoint": storage.get("endpoint") or "",
-        "storage_region": storage.get("region") or "",
-        "backend": compute.get("backend", "local"),
-        "namespace": compute.get("namespace") or "",
-        "trainer_flavor": compute.get("trainer_flavor", "h200x2"),
-        "replica_flavor": compute.get("replica_flavor", "h200"),
-        "replicas": compute.get("replicas", 2),
-        "timeout": compute.get("timeout", "4h"),
-        "queue_timeout": compute.get("queue_timeout", "30m"),
-        "startup_timeout": compute.get("startup_timeout") or "",
-        "engine": compute.get("engine", "auto"),
-        "cost_cap": compute.get("cost_cap_usd") or 0,
-        "trainer_image": compute.get("trainer_image", "vllm/vllm-openai:v0.27.1"),
-        "replica_image": compute.get("replica_image", "vllm/vllm-openai:v0.27.1"),
-        "lora_rank": lora.get("rank", 1),
-        "lora_alpha": lora.get("alpha", 2.0),
-        "lora_targets": targets if isinstance(targets, str) else ", ".join(targets),
-        "lora_dropout": lora.get("dropout", 0.0),
-        "queue_size": grpo.get("queue_size") or 0,
+        "code_enabled": bool(code),
+        "code_name": code.get("name", "custom"),
+        "code_entry": code.get("entry_point", "reward"),
+        "code_weight": code.get("weight", 1.0),
+        "code_source": code.get("source") or CODE_TEMPLATE,
     }
-    defaults = {
-        "num_generations": 8, "completions_per_step": 128, "max_completion_length": 3000, "learning_rate": 4e-5,
-        "max_steps": 500, "max_staleness": 4, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "weight_sync_steps": 4,
-        "max_inflight": 128, "token_budget": 0, "gradient_checkpointing": True, "save_steps": 50, "seed": 42,
-        "adam_beta2": 0.95, "epsilon": 0.2, "audit_every": 10,
-    }  # fmt: skip
-    form.update({key: grpo.get(key, default) for key, default in defaults.items()})
-    return form
 
 
 def bucket_kind(uri: str, endpoint: str | None) -> str:
@@ -355,73 +449,21 @@ def field_path(key: str) -> str:
     return re.sub(r"\[(\d+)\]", r".\1", key.strip())
 
 
-def _field_label(path: str) -> str | None:
-    """The label of `path`, or of the field it lies in (`lora.target_modules.0`, a union member such as
-    `lora.target_modules.list[str]`): the longest labelled prefix that names a field, not only a section."""
-    parts = path.split(".")
-    for end in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:end])
-        if prefix in LABELS and (end == len(parts) or prefix not in _SECTIONS):
-            return LABELS[prefix]
-    return None
-
-
-def label(dotted: str, rewards: list[dict[str, Any]] | None = None) -> str:
-    """The human label of an error key (a spec field, or one of preflight's own), never the raw key."""
-    path = field_path(dotted)
-    match = _REWARD.match(path)
-    if match:
-        index, rest = int(match.group(1)), match.group(2)
-        name = (rewards[index].get("name") if rewards and index < len(rewards) else None) or ""
-        reward = f"reward {index + 1}" + (f" ({name})" if name else "")
-        if rest is None:
-            return reward[0].upper() + reward[1:]
-        field_name = rest.split(".", 1)[0]
-        return f"{REWARD_LABELS.get(field_name, _words(field_name).capitalize())} of {reward}"
-    known = _field_label(path)
-    if known is not None:
-        return known
-    head, _, rest = path.partition(".")
-    section = LABELS.get(head, "Settings")
-    return f"{section}: {_words(rest)}" if rest else f"{section}: {_words(head)}"
-
-
 def _words(name: str) -> str:
     """A field name nobody gave a label (a misspelt one, say) as words: `max_stalenes` -> `max stalenes`."""
     return re.sub(r"[_.\[\]]+", " ", name).strip()
 
 
-def _in(path: str, fields: set[str]) -> bool:
-    """Whether `path` is one of `fields` or lies inside one of them."""
-    return any(path == name or path.startswith(name + ".") for name in fields)
-
-
-def slot_of(dotted: str, reward_slots: list[str], code_enabled: bool) -> str:
-    """Which note under the form shows an error about `dotted` (a field name from Preflight.errors)."""
-    path = field_path(dotted)
-    if _in(path, ADVANCED):
-        return "advanced"
-    match = _REWARD.match(path)
-    if match and int(match.group(1)) < len(reward_slots):
-        return reward_slots[int(match.group(1))]
-    head = path.split(".", 1)[0]
-    if head == "rewards":
-        return "rewards_code" if code_enabled else "rewards_builtin"
-    return SECTION_SLOTS.get(head, "general")
-
-
-def route_errors(errors: dict[str, str], built: Built | None, code_enabled: bool) -> dict[str, list[str]]:
-    """{slot: ["Label: message", ...]} for every slot (empty lists included, so stale notes are cleared)."""
-    routed: dict[str, list[str]] = {slot: [] for slot in SLOTS}
-    slots = built.reward_slots if built else []
-    rewards = built.spec.get("rewards") if built else None
-    for dotted, message in errors.items():
-        # A reward's own errors already start with its name ("custom (row 2): ..."): no label in front.
-        whole_reward = re.fullmatch(r"rewards\.\d+", field_path(dotted))
-        text = message if whole_reward else f"{label(dotted, rewards)}: {message}"
-        routed[slot_of(dotted, slots, code_enabled)].append(text)
-    return routed
-
-
 def builtin_choices() -> list[tuple[str, str]]:
     return [(f"{name} — {BUILTIN_DESCRIPTIONS.get(name, '')}", name) for name in BUILTIN_REWARDS]
+
+
+# The form of RunSpec, and its operations under the names the pages and tests use.
+FORM = FormSchema(RunSpec)
+KEYS = FORM.keys
+LABELS = FORM.labels
+spec_from_form = FORM.spec_from_form
+form_from_spec = FORM.form_from_spec
+label = FORM.label
+slot_of = FORM.slot_of
+route_errors = FORM.route_errors

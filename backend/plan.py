@@ -1,8 +1,9 @@
 """What a launch submits, built in one place: `python -m backend plan` prints it, and the launchers submit it.
 
 A `RunPlan` holds one `JobPlan` per job (role, image, flavor, full command, the environment we set, the names of the
-secrets it gets — never their values —, exposed ports, timeout, labels) and the derived values that decide how the
-hardware is used: trainer processes and batch shape, replica tensor parallelism, LoRA slots, dtype per side.
+secrets it gets — never their values —, exposed ports, timeout, labels), the derived values that decide how the
+hardware is used (trainer processes and batch shape, replica tensor parallelism, LoRA slots, dtype per side), and the
+spec every job reads, so a setting shows in the plan as soon as the spec has it.
 `HfJobsLauncher` submits each JobPlan as it is (tests compare what the Hub emulator received with the plan);
 `LocalLauncher` runs the same commands as local processes, putting a free port where a plan says `PORT`.
 """
@@ -56,6 +57,7 @@ class RunPlan:
     namespace: str | None
     jobs: list[JobPlan]
     derived: dict[str, Any]
+    spec: dict[str, Any]  # the settings every job reads (spec.json), each field as the check validated it
 
     def job(self, role: str) -> JobPlan:
         return next(job for job in self.jobs if job.role == role)
@@ -67,6 +69,7 @@ class RunPlan:
             "namespace": self.namespace,
             "jobs": [job.to_json(full) for job in self.jobs],
             "derived": self.derived,
+            "spec": self.spec,
         }
 
 

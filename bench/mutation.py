@@ -16,8 +16,9 @@ function in the pytest process, stopping at the first failure. Code that only a 
 as reached by no test; a subprocess started from the repository root (tests run with cwd `mutants/`) does run the
 mutant, so it can still kill one that an in-process test reaches too. Hypothesis runs derandomized and without its
 example database (a profile loaded by a plugin written into the copy), so a verdict does not depend on luck or on
-which mutants ran before. The launch form's target mutates only `slot_of`, `route_errors` and the module-level
-functions they call: mutmut 3 selects mutants by name, so it generates the whole file's but runs and counts only those.
+which mutants ran before. The launch form's target mutates only `FormSchema.slot_of`, `FormSchema.route_errors`
+and the functions and methods they call: mutmut 3 selects mutants by name, so it generates the whole file's but runs
+and counts only those.
 
 Per target it prints the number of mutants and how many were killed, survived, timed out, were suspicious or reached
 by no selected test, the mutation score (SCORE below) and every surviving mutant with its change on one line, for a
@@ -91,7 +92,7 @@ TARGETS = (
         "launch-form-errors",
         modules=("app/launch_form.py",),
         tests=("tests/test_form_errors.py", "tests/test_bad_input.py"),
-        roots=("slot_of", "route_errors"),
+        roots=("FormSchema.slot_of", "FormSchema.route_errors"),
     ),
 )
 
@@ -128,8 +129,13 @@ def existing(tree: Path, patterns: tuple[str, ...]) -> list[str]:
 
 
 def called_functions(source: str, roots: tuple[str, ...]) -> list[str]:
-    """`roots` and every module-level function of `source` they call, directly or through each other."""
-    defs = {node.name: node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)}
+    """`roots` (functions, or methods as `Class.method`) and every module-level function and method of the same
+    class they call (`self.method(...)`), directly or through each other."""
+    tree = ast.parse(source)
+    defs: dict[str, ast.FunctionDef] = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            defs.update({f"{node.name}.{item.name}": item for item in node.body if isinstance(item, ast.FunctionDef)})
     found: set[str] = set()
     pending = [name for name in roots if name in defs]
     while pending:
@@ -137,8 +143,14 @@ def called_functions(source: str, roots: tuple[str, ...]) -> list[str]:
         if name in found:
             continue
         found.add(name)
-        calls = (node for node in ast.walk(defs[name]) if isinstance(node, ast.Call))
-        pending += [call.func.id for call in calls if isinstance(call.func, ast.Name) and call.func.id in defs]
+        owner = name.rpartition(".")[0]
+        for call in (node for node in ast.walk(defs[name]) if isinstance(node, ast.Call)):
+            if isinstance(call.func, ast.Name) and call.func.id in defs:
+                pending.append(call.func.id)
+            elif isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name):
+                method = f"{owner}.{call.func.attr}"
+                if owner and call.func.value.id == "self" and method in defs:
+                    pending.append(method)
     return sorted(found)
 
 
@@ -148,7 +160,13 @@ def mutant_patterns(modules: list[str], functions: list[str], sample: str) -> li
     dotted = [module.removesuffix(".py").replace("/", ".") for module in modules]
     if not functions:
         return [f"{module}.*__mutmut_*{ending}" for module in dotted] if sample else []
-    return [f"{module}.x_{name}__mutmut_*{ending}" for module in dotted for name in functions]
+    return [f"{module}.{_mangled(name)}__mutmut_*{ending}" for module in dotted for name in functions]
+
+
+def _mangled(function: str) -> str:
+    """mutmut's name for a function (`x_slot_of`) or a method (`xǁFormSchemaǁslot_of`)."""
+    owner, _, name = function.rpartition(".")
+    return f"xǁ{owner}ǁ{name}" if owner else f"x_{name}"
 
 
 def copy_tree(source: Path, destination: Path) -> None:

@@ -14,16 +14,17 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import gradio as gr
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, ValidationError
 
 from app.launch_form import (
     CODE_TEMPLATE,
     KEYS,
     SLOTS,
+    FormSchema,
     form_from_spec,
     label,
     route_errors,
@@ -34,7 +35,8 @@ from app.pages.launch import LaunchPage
 from app.panel import Panel
 from backend.context import PanelContext
 from backend.db import Database
-from jobs.contract import RunSpec, SpecError, parse_spec
+from jobs.contract import GrpoSpec, RunSpec, SpecError, parse_spec
+from jobs.contract.spec import shown
 from jobs.demo.preset import demo_spec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -406,3 +408,76 @@ def test_a_secret_in_reward_code_is_shown_under_the_code_editor(tmp_path, form):
     assert [slot for slot, note in notes.items() if note.visible] == ["rewards_code"]
     assert outputs[page.launch_button].interactive is False
     panel.ctx.db.close()
+
+
+# --- the form is generated from the spec ----------------------------------------------------------------------------
+
+
+def _ancestors(component: Any) -> list[Any]:
+    chain, node = [], getattr(component, "parent", None)
+    while node is not None:
+        chain.append(node)
+        node = getattr(node, "parent", None)
+    return chain
+
+
+@pytest.mark.parametrize(
+    ("section", "advanced", "slot"),
+    [("training", False, "training"), ("compute", True, "advanced")],
+)
+def test_a_field_added_to_the_spec_is_on_the_form_in_its_spec_and_in_its_errors(tmp_path, section, advanced, slot):
+    """One declaration in a copy of the spec model, no other edit: the Launch page shows the field in its section
+    with its label, help and default, the form puts it in the spec (where it is validated), reads it back from a
+    spec, and an error about it lands in its section's note under its label."""
+
+    class WarmupGrpo(GrpoSpec):
+        warmup_steps: Annotated[
+            int,
+            Field(ge=0, le=100),
+            shown("Warm-up steps", section, "optimizer steps at a rising learning rate", advanced=advanced),
+        ] = 3
+
+    class WarmupSpec(RunSpec):
+        grpo: Annotated[WarmupGrpo, shown("Training", "training")] = Field(default_factory=WarmupGrpo)
+
+    schema = FormSchema(WarmupSpec)
+    assert "grpo.warmup_steps" in schema.keys and "grpo.warmup_steps" not in FormSchema(RunSpec).keys
+    panel = Panel(PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path / "panel"), space=False)
+    page = LaunchPage(panel, schema)
+    with gr.Blocks():
+        page.build()
+    widget = page.inputs["grpo.warmup_steps"]
+    assert isinstance(widget, gr.Number) and widget.precision == 0
+    assert (widget.label, widget.info, widget.value) == (
+        "Warm-up steps",
+        "optimizer steps at a rising learning rate; 0 to 100",
+        3,
+    )
+    assert (page.advanced in _ancestors(widget)) is advanced
+
+    form = {
+        **schema.form_from_spec(demo_spec("warmup", "file:///tmp/warmup-store").model_dump()),
+        "grpo.warmup_steps": 7,
+    }
+    built = schema.spec_from_form(form)
+    assert built.spec["grpo"]["warmup_steps"] == 7
+    assert WarmupSpec.model_validate(built.spec).grpo.warmup_steps == 7
+    assert schema.form_from_spec(built.spec)["grpo.warmup_steps"] == 7
+
+    refused = schema.spec_from_form({**form, "grpo.warmup_steps": 500}).spec
+    with pytest.raises(ValidationError) as caught:
+        WarmupSpec.model_validate(refused)
+    errors = {".".join(map(str, error["loc"])): error["msg"] for error in caught.value.errors()}
+    assert list(errors) == ["grpo.warmup_steps"]
+    routed = schema.route_errors(errors, built, code_enabled=False)
+    assert routed[slot] == [f"Warm-up steps: {errors['grpo.warmup_steps']}"]
+    assert [name for name, texts in routed.items() if texts] == [slot]
+    panel.ctx.db.close()
+
+
+def test_every_field_of_the_form_is_labelled_as_its_errors_are():
+    """The widget's label is the one the error notes use: one name per field, from the spec."""
+    schema = FormSchema(RunSpec)
+    for form_field in schema.fields:
+        assert schema.label(form_field.path) == form_field.label, form_field.path
+    assert {"compute.trainer_processes", "compute.trainer_sharding"} <= set(schema.keys)

@@ -147,6 +147,7 @@ def test_a_passing_check_carries_the_plan_launch_would_submit(tmp_path):
     roles = [job["role"] for job in result.plan["jobs"]]
     assert roles == ["replica-0", "replica-1", "trainer"]
     assert result.plan["derived"]["trainer"]["processes"] == 2
+    assert result.plan["spec"] == json.loads(spec.to_json())  # every setting, as the jobs will read it
     failing = run_preflight(ctx, "local", {**json.loads(spec.to_json()), "dataset": {"source": "hub", "id": ""}})
     assert not failing.ok and failing.plan is None
     ctx.db.close()

@@ -43,7 +43,7 @@ from app import cards
 from app.launch_form import KEYS, form_from_spec
 from app.pages.account import AccountPage
 from app.pages.adapters import AdaptersPage
-from app.pages.launch import LaunchPage, _fingerprint
+from app.pages.launch import LaunchPage
 from app.pages.monitor import SUBTABS, MonitorPage
 from app.pages.runs import RunsPage
 from app.panel import Panel, SignInRequired
@@ -738,10 +738,12 @@ def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_ne
     bob, page = profile(BOB), pages.launch
     form = form_from_spec(demo_spec("bob-launch", owners.bucket_uri).model_dump())
     form.update(
-        bucket_kind="minio",
-        storage_endpoint=owners.endpoint,
-        store_credential=str(owners.alice_keys),
-        hf_credential=str(owners.alice_hf),
+        {
+            "bucket_kind": "minio",
+            "storage.endpoint": owners.endpoint,
+            "store_credential": str(owners.alice_keys),
+            "hf_credential": str(owners.alice_hf),
+        }
     )
     values = {page.inputs[key]: form[key] for key in KEYS}
     outputs = dict(zip(page._check_outputs(), page.check(values, bob), strict=True))
@@ -750,16 +752,21 @@ def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_ne
     connection = page.test_connection({**values, page.access_key: "", page.secret_key: ""}, bob)
     assert f"no credential {owners.alice_keys} for this account" in connection[0].value
     # Even a "passed" check naming alice's keys (as if the check had been fooled) launches nothing.
-    run_id, _ = page.launch({**values, page.checked: _fingerprint(form)}, bob)
+    run_id, _ = page.launch({**values, page.checked: page._fingerprint(form)}, bob)
     assert run_id is None
-    hub_form = {**form, "backend": "hf_jobs"}
+    hub_form = {**form, "compute.backend": "hf_jobs"}
     cost = page.estimate_cost({page.inputs[key]: hub_form[key] for key in KEYS}, bob)[0]
     assert "$—/h" in cost and f"no credential {owners.alice_hf} for this account" in cost
-    smoke_form = {**hub_form, "namespace": BOB, "trainer_flavor": "cpu-basic", "replica_flavor": "cpu-basic"}
+    smoke_form = {
+        **hub_form,
+        "compute.namespace": BOB,
+        "compute.trainer_flavor": "cpu-basic",
+        "compute.replica_flavor": "cpu-basic",
+    }
     smoke_values = {page.inputs[key]: smoke_form[key] for key in KEYS}
-    assert _fingerprint(smoke_form), "the form must be valid for the next check to mean anything"
+    assert page._fingerprint(smoke_form), "the form must be valid for the next check to mean anything"
     assert "Press Check settings first" in page.smoke_test({**smoke_values, page.checked: ""}, bob)
-    smoke = page.smoke_test({**smoke_values, page.checked: _fingerprint(smoke_form)}, bob)  # as if the check passed
+    smoke = page.smoke_test({**smoke_values, page.checked: page._fingerprint(smoke_form)}, bob)  # as if the check passed
     assert "Smoke test not started" in smoke and f"no credential {owners.alice_hf} for this account" in smoke
     assert [run.id for run in RunService(owners.ctx, BOB).list()] == ["bob-draft"]
 
@@ -961,7 +968,12 @@ def test_a_typed_flavor_and_a_hub_error_are_escaped_on_the_launch_page(tmp_path)
     panel = Panel(PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path / "panel"), space=False)
     page = LaunchPage(panel)
     markup = '<img src=x onerror="alert(1)">'
-    form = {"backend": "hf_jobs", "trainer_flavor": markup, "replica_flavor": "cpu-basic", "replicas": 1}
+    form = {
+        "compute.backend": "hf_jobs",
+        "compute.trainer_flavor": markup,
+        "compute.replica_flavor": "cpu-basic",
+        "compute.replicas": 1,
+    }
     unknown_flavor = page._cost_html(form, {"cpu-basic": 0.01})
     hub_error = page._cost_html(form, None, f"Could not read prices from the Hub: {markup}")
     for html in (unknown_flavor, hub_error):

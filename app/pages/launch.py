@@ -8,10 +8,12 @@ typed here go straight to the vault; the form only ever shows them masked.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import gradio as gr
 import pandas as pd
+from gradio.components import Component
 from pydantic import ValidationError
 
 from app import cards
@@ -20,16 +22,14 @@ from app.formatting import money
 from app.launch_form import (
     BUCKET_HINTS,
     BUCKET_KINDS,
-    KEYS,
+    FORM,
     SLOTS,
+    FormField,
+    FormSchema,
     builtin_choices,
     credentials,
-    form_from_spec,
     new_run_id,
     rewards_of,
-    route_errors,
-    slot_of,
-    spec_from_form,
 )
 from app.panel import Panel
 from backend import presets
@@ -37,12 +37,45 @@ from backend.api import PanelServices
 from backend.limits import LimitReached
 from backend.sandbox import SandboxError
 from jobs.contract import RewardSpec, RunSpec, parse_spec, timeout_seconds
-from jobs.contract.spec import SpecError
+from jobs.contract.spec import MAX_REPLICAS, SpecError
 
 PRESETS = {"demo": "Demo on this machine", "math": "Math sanity recipe on HF Jobs"}
 COMMON_FLAVORS = ["cpu-basic", "cpu-upgrade", "t4-small", "l4x1", "a10g-small", "a10g-large", "l40sx1", "a100-large",
                   "h100", "h200", "h200x2", "h200x4", "h200x8"]  # fmt: skip
 PREVIEW_CHARS = 240
+# Spec fields with a widget of their own (a radio, a slider, a flavor list) or shown only in some cases; every other
+# field of the spec is generated in its section by `LaunchPage._generated`.
+PLACED_BY_HAND = frozenset(
+    {
+        "run_id", "name", "model.id", "dataset.source", "dataset.id", "storage.uri", "storage.endpoint",
+        "storage.region", "compute.backend", "compute.namespace", "compute.trainer_flavor", "compute.replica_flavor",
+        "compute.replicas", "compute.timeout", "compute.queue_timeout",
+    }
+)  # fmt: skip
+# The order of generated fields across the spec's sections: the training loop's settings before the adapter's.
+_SPEC_ORDER = ("run_id", "name", "model", "dataset", "grpo", "lora", "compute", "storage")
+FIELDS_PER_ROW = 5
+# Shown only when the jobs run on HF Jobs.
+_HUB_ONLY = ("compute.namespace", "compute.trainer_flavor", "compute.replica_flavor", "compute.queue_timeout")
+# What the cost estimate reads.
+_COST_INPUTS = (
+    "compute.backend", "hf_credential", "compute.trainer_flavor", "compute.replica_flavor", "compute.replicas",
+    "compute.timeout",
+)  # fmt: skip
+_GENERATED_WIDGETS: dict[str, Callable[..., Component]] = {
+    "bool": gr.Checkbox,
+    "choice": gr.Dropdown,
+    "int": gr.Number,
+    "float": gr.Number,
+    "text": gr.Textbox,
+    "other": gr.Textbox,
+}
+
+
+def _widget_options(form_field: FormField) -> dict[str, Any]:
+    """Limits are not given to the widget: Gradio would refuse an out-of-range number in a toast that names no
+    field; the spec's check names it in place instead."""
+    return {"precision": 0} if form_field.kind == "int" else {}
 
 
 def _short(text: Any, limit: int = PREVIEW_CHARS) -> str:
@@ -84,8 +117,10 @@ def trials_table(rows: list[dict[str, Any]], completions: list[str], trials: lis
 
 
 class LaunchPage:
-    def __init__(self, panel: Panel):
+    def __init__(self, panel: Panel, form: FormSchema = FORM):
         self.panel = panel
+        self.form = form
+        self.initial: dict[str, Any] = {}
         self.inputs: dict[str, gr.components.Component] = {}
         self.slots: dict[str, gr.HTML] = {}
 
@@ -94,8 +129,39 @@ class LaunchPage:
     def _slot(self, name: str) -> None:
         self.slots[name] = gr.HTML("", elem_id=f"error-{name}", padding=False, visible=False)
 
+    def _field(self, path: str, component: Callable[..., Component], **options: Any) -> Component:
+        """The widget of spec field `path`, of a kind the page chooses, labelled and explained by the spec."""
+        form_field = self.form.by_path[path]
+        if form_field.kind == "choice" and component in (gr.Radio, gr.Dropdown):
+            options.setdefault("choices", form_field.choices())
+        widget = component(
+            value=self.initial[path],
+            label=form_field.label,
+            info=form_field.info or None,
+            elem_id=form_field.elem_id,
+            **options,
+        )
+        self.inputs[path] = widget
+        return widget
+
+    def _generated(self, section: str | None, advanced: bool = False) -> None:
+        """Every field of `section` (of every section when None) the page does not lay out by hand, in rows."""
+        fields = [
+            form_field
+            for form_field in self.form.fields
+            if form_field.advanced == advanced
+            and section in (None, form_field.section)
+            and form_field.path not in PLACED_BY_HAND
+        ]
+        fields.sort(key=lambda form_field: _SPEC_ORDER.index(form_field.path.split(".")[0]))
+        for start in range(0, len(fields), FIELDS_PER_ROW):
+            with gr.Row():
+                for form_field in fields[start : start + FIELDS_PER_ROW]:
+                    self._field(form_field.path, _GENERATED_WIDGETS[form_field.kind], **_widget_options(form_field))
+
     def build(self) -> None:
-        initial = form_from_spec(self._preset_spec("demo", None))
+        initial = self.form.form_from_spec(self._preset_spec("demo", None))
+        self.initial = initial
         i = self.inputs
         gr.Markdown(
             "Start from a preset, adjust what you need, press **Check settings** — the bucket, the dataset, the "
@@ -109,52 +175,19 @@ class LaunchPage:
                 scale=2,
                 elem_id="preset",
             )
-            i["run_id"] = gr.Textbox(
-                initial["run_id"],
-                label="Run id",
-                elem_id="run-id",
-                scale=1,
-                info="3-48 lowercase letters, digits and '-'",
-            )
-            i["name"] = gr.Textbox(initial["name"], label="Name", scale=1)
+            self._field("run_id", gr.Textbox, scale=1)
+            self._field("name", gr.Textbox, scale=1)
+        self._generated("run")
         self._slot("run")
 
         gr.Markdown("### 1 · Model and data", elem_classes="gp-section-title")
         with gr.Row():
-            i["model_id"] = gr.Textbox(
-                initial["model_id"],
-                label="Model",
-                elem_id="model-id",
-                scale=2,
-                info="Hub id (owner/name), an absolute local path, or builtin:tiny-qwen2",
-            )
-            i["dataset_source"] = gr.Radio(
-                [("Hub", "hub"), ("File in the bucket", "store"), ("Built-in", "builtin")],
-                value=initial["dataset_source"],
-                label="Dataset source",
-                scale=1,
-            )
-            i["dataset_id"] = gr.Textbox(
-                initial["dataset_id"],
-                label="Dataset",
-                elem_id="dataset-id",
-                scale=2,
-                info="owner/name on the Hub, a path in the bucket, or 'digits'",
-            )
+            self._field("model.id", gr.Textbox, scale=2)
+            self._field("dataset.source", gr.Radio, scale=1)
+            self._field("dataset.id", gr.Textbox, scale=2)
+        self._generated("model")
         self._slot("model")
-        with gr.Row():
-            i["dataset_split"] = gr.Textbox(initial["dataset_split"], label="Split", scale=1)
-            i["prompt_column"] = gr.Textbox(initial["prompt_column"], label="Prompt column", scale=1)
-            i["answer_column"] = gr.Textbox(
-                initial["answer_column"],
-                label="Answer column",
-                scale=1,
-                info="passed to rewards as `answer`; a.b reaches into a struct column",
-            )
-            i["dataset_limit"] = gr.Number(
-                initial["dataset_limit"], label="Row limit (0 = all)", precision=0, minimum=0, scale=1
-            )
-        i["system_prompt"] = gr.Textbox(initial["system_prompt"], label="System prompt (optional)", lines=1)
+        self._generated("dataset")
         self._slot("dataset")
         with gr.Row():
             self.preview_button = gr.Button("Preview rows", size="sm", scale=0, min_width=140)
@@ -230,17 +263,11 @@ class LaunchPage:
                 elem_id="bucket-kind",
                 scale=3,
             )
-            i["storage_uri"] = gr.Textbox(
-                initial["storage_uri"], label="Location", placeholder=uri_hint, elem_id="storage-uri", scale=3
-            )
+            self._field("storage.uri", gr.Textbox, placeholder=uri_hint, scale=3)
         remote = initial["bucket_kind"] != "local"
         with gr.Row(visible=remote) as self.remote_row:
-            i["storage_endpoint"] = gr.Textbox(
-                initial["storage_endpoint"], label="Endpoint", placeholder=endpoint_hint, elem_id="storage-endpoint"
-            )
-            i["storage_region"] = gr.Textbox(
-                initial["storage_region"], label="Region", placeholder=region_hint, elem_id="storage-region"
-            )
+            self._field("storage.endpoint", gr.Textbox, placeholder=endpoint_hint)
+            self._field("storage.region", gr.Textbox, placeholder=region_hint)
             i["store_credential"] = gr.Dropdown(
                 credential_choices(None, "s3", "no keys"), value=NONE, label="Saved keys", elem_id="store-credential"
             )
@@ -257,6 +284,7 @@ class LaunchPage:
                 elem_id="secret-key",
                 placeholder="stored encrypted, shown masked",
             )
+        self._generated("storage")
         with gr.Row(elem_classes="gp-align-end"):
             self.test_connection_button = gr.Button(
                 "Test connection", elem_id="test-connection", scale=0, min_width=170
@@ -268,15 +296,9 @@ class LaunchPage:
         self._slot("storage")
 
         gr.Markdown("### 4 · Compute", elem_classes="gp-section-title")
-        hf = initial["backend"] == "hf_jobs"
+        hf = initial["compute.backend"] == "hf_jobs"
         with gr.Row():
-            i["backend"] = gr.Radio(
-                [("This machine (local processes)", "local"), ("Hugging Face Jobs", "hf_jobs")],
-                value=initial["backend"],
-                label="Where the jobs run",
-                elem_id="backend",
-                scale=2,
-            )
+            self._field("compute.backend", gr.Radio, scale=2)
             i["hf_credential"] = gr.Dropdown(
                 credential_choices(None, "hf_token", "no token"),
                 value=NONE,
@@ -285,98 +307,22 @@ class LaunchPage:
                 elem_id="hf-credential",
                 info="for HF Jobs, gated or private models, and publishing",
             )
-            i["namespace"] = gr.Textbox(initial["namespace"], label="Namespace (billed)", visible=hf, scale=1)
+            self._field("compute.namespace", gr.Textbox, visible=hf, scale=1)
         with gr.Row():
-            i["trainer_flavor"] = gr.Dropdown(
-                COMMON_FLAVORS,
-                value=initial["trainer_flavor"],
-                allow_custom_value=True,
-                label="Trainer hardware",
-                visible=hf,
-            )
-            i["replica_flavor"] = gr.Dropdown(
-                COMMON_FLAVORS,
-                value=initial["replica_flavor"],
-                allow_custom_value=True,
-                label="Replica hardware",
-                visible=hf,
-            )
-            i["replicas"] = gr.Slider(
-                1, 16, value=initial["replicas"], step=1, label="Inference replicas", elem_id="replicas"
-            )
-            i["timeout"] = gr.Textbox(initial["timeout"], label="Timeout", info="e.g. 90m, 4h")
-            i["queue_timeout"] = gr.Textbox(
-                initial["queue_timeout"],
-                label="Queue limit",
-                info="how long a replica may wait for its hardware",
-                visible=hf,
-            )
+            for path in ("compute.trainer_flavor", "compute.replica_flavor"):
+                self._field(path, gr.Dropdown, choices=COMMON_FLAVORS, allow_custom_value=True, visible=hf)
+            self._field("compute.replicas", gr.Slider, minimum=1, maximum=MAX_REPLICAS, step=1)
+            self._field("compute.timeout", gr.Textbox)
+            self._field("compute.queue_timeout", gr.Textbox, visible=hf)
+        self._generated("compute")
         self.cost = gr.HTML(self._cost_html(initial, None), elem_id="cost-estimate", padding=False)
         self._slot("compute")
 
         gr.Markdown("### 5 · Training", elem_classes="gp-section-title")
-        with gr.Row():
-            i["max_steps"] = gr.Number(
-                initial["max_steps"], label="Max steps", precision=0, minimum=1, elem_id="max-steps"
-            )
-            i["num_generations"] = gr.Number(initial["num_generations"], label="Generations per prompt", precision=0)
-            i["completions_per_step"] = gr.Number(
-                initial["completions_per_step"], label="Completions per step", precision=0
-            )
-            i["max_completion_length"] = gr.Number(
-                initial["max_completion_length"], label="Max completion tokens", precision=0
-            )
-        with gr.Row():
-            i["learning_rate"] = gr.Number(initial["learning_rate"], label="Learning rate")
-            i["max_staleness"] = gr.Number(initial["max_staleness"], label="Max staleness (versions)", precision=0)
-            i["lora_rank"] = gr.Number(initial["lora_rank"], label="LoRA rank", precision=0)
-            i["lora_alpha"] = gr.Number(initial["lora_alpha"], label="LoRA alpha")
-            i["lora_targets"] = gr.Textbox(
-                initial["lora_targets"], label="Target modules", info="all-linear, or names separated by commas"
-            )
+        self._generated("training")
         self._slot("training")
         with gr.Accordion("Advanced settings (the recipe's defaults)", open=False) as self.advanced:
-            with gr.Row():
-                i["temperature"] = gr.Number(initial["temperature"], label="Temperature")
-                i["top_p"] = gr.Number(initial["top_p"], label="Top-p")
-                i["top_k"] = gr.Number(initial["top_k"], label="Top-k (0 = off)", precision=0)
-                i["weight_sync_steps"] = gr.Number(
-                    initial["weight_sync_steps"], label="Weight sync every (steps)", precision=0
-                )
-                i["max_inflight"] = gr.Number(initial["max_inflight"], label="Max in flight", precision=0)
-            with gr.Row():
-                i["queue_size"] = gr.Number(initial["queue_size"], label="Queue size (0 = auto)", precision=0)
-                i["token_budget"] = gr.Number(initial["token_budget"], label="Token budget (0 = off)", precision=0)
-                i["save_steps"] = gr.Number(initial["save_steps"], label="Checkpoint every (steps)", precision=0)
-                i["audit_every"] = gr.Number(initial["audit_every"], label="Policy audit every (versions)", precision=0)
-                i["seed"] = gr.Number(initial["seed"], label="Seed", precision=0)
-            with gr.Row():
-                i["adam_beta2"] = gr.Number(initial["adam_beta2"], label="Adam β2")
-                i["epsilon"] = gr.Number(initial["epsilon"], label="Clip ε")
-                i["lora_dropout"] = gr.Number(initial["lora_dropout"], label="LoRA dropout")
-                i["gradient_checkpointing"] = gr.Checkbox(
-                    initial["gradient_checkpointing"], label="Gradient checkpointing"
-                )
-            with gr.Row():
-                i["max_model_len"] = gr.Number(initial["max_model_len"], label="Max model length", precision=0)
-                i["dtype"] = gr.Dropdown(
-                    ["auto", "bfloat16", "float16", "float32"], value=initial["dtype"], label="Dtype"
-                )
-                i["model_revision"] = gr.Textbox(initial["model_revision"], label="Model revision")
-                i["engine"] = gr.Dropdown(
-                    [("auto", "auto"), ("vLLM", "vllm"), ("CPU engine", "cpu")],
-                    value=initial["engine"],
-                    label="Inference engine",
-                )
-                i["cost_cap"] = gr.Number(initial["cost_cap"], label="Cost cap $ (0 = none)", minimum=0)
-            with gr.Row():
-                i["trainer_image"] = gr.Textbox(initial["trainer_image"], label="Trainer image")
-                i["replica_image"] = gr.Textbox(initial["replica_image"], label="Replica image")
-                i["startup_timeout"] = gr.Textbox(
-                    initial["startup_timeout"],
-                    label="Start-up limit",
-                    info="from a replica's start to healthy; empty: 15m on HF Jobs, 5m here",
-                )
+            self._generated(None, advanced=True)
             self._slot("advanced")
 
         with gr.Column(elem_classes="gp-launch-bar"):
@@ -411,7 +357,7 @@ class LaunchPage:
                 self.smoke_result = gr.HTML("", padding=False, elem_id="smoke-result")
         self.checked = gr.State("")  # the spec JSON of the last passing check
         self.rows = gr.State([])  # the dataset rows of the last preview
-        assert set(self.inputs) == set(KEYS), set(KEYS) ^ set(self.inputs)
+        assert set(self.inputs) == set(self.form.keys), set(self.form.keys) ^ set(self.inputs)
         self._wire()
 
     # --- wiring -------------------------------------------------------------------------------------------------
@@ -427,7 +373,7 @@ class LaunchPage:
 
     def _wire(self) -> None:
         i = self.inputs
-        form_outputs = [i[key] for key in KEYS]
+        form_outputs = [i[key] for key in self.form.keys]
         self.preset.change(
             self.apply_preset,
             [self.preset],
@@ -446,8 +392,8 @@ class LaunchPage:
         )
         i["bucket_kind"].input(
             self.on_bucket_kind,
-            [i["bucket_kind"], i["storage_uri"]],
-            [i["storage_uri"], i["storage_endpoint"], i["storage_region"], self.remote_row, self.keys_row],
+            [i["bucket_kind"], i["storage.uri"]],
+            [i["storage.uri"], i["storage.endpoint"], i["storage.region"], self.remote_row, self.keys_row],
         )
         i["builtin_rewards"].change(
             lambda names: [gr.update(visible=n in (names or [])) for n in ("format", "length", "regex")],
@@ -455,19 +401,17 @@ class LaunchPage:
             [i["format_tags"], i["length_target"], i["regex_pattern"]],
         )
         i["code_enabled"].change(lambda on: gr.Group(visible=on), [i["code_enabled"]], [self.code_group])
-        i["backend"].change(
-            lambda backend: [gr.update(visible=backend == "hf_jobs")] * 4,
-            [i["backend"]],
-            [i["namespace"], i["trainer_flavor"], i["replica_flavor"], i["queue_timeout"]],
+        i["compute.backend"].change(
+            lambda backend: [gr.update(visible=backend == "hf_jobs")] * len(_HUB_ONLY),
+            [i["compute.backend"]],
+            [i[key] for key in _HUB_ONLY],
         )
-        cost_inputs = [
-            i[k] for k in ("backend", "hf_credential", "trainer_flavor", "replica_flavor", "replicas", "timeout")
-        ]
+        cost_inputs = [i[key] for key in _COST_INPUTS]
         for component in cost_inputs:
             component.change(
                 self.estimate_cost,
                 {*cost_inputs},
-                [self.cost, i["trainer_flavor"], i["replica_flavor"]],
+                [self.cost, i["compute.trainer_flavor"], i["compute.replica_flavor"]],
                 show_progress="hidden",
             )
         for component in self.inputs.values():
@@ -529,22 +473,22 @@ class LaunchPage:
         return presets.demo(new_run_id("demo"), f"file://{self.panel.ctx.folder / 'store'}")
 
     def apply_preset(self, preset: str, profile: gr.OAuthProfile | None = None) -> list:
-        form = form_from_spec(self._preset_spec(preset, self.panel.owner(profile)))
+        form = self.form.form_from_spec(self._preset_spec(preset, self.panel.owner(profile)))
         kind = form["bucket_kind"]
         remote = kind != "local"
         hint = BUCKET_HINTS[kind]
         values = []
-        for key in KEYS:
-            if key == "storage_uri":
+        for key in self.form.keys:
+            if key == "storage.uri":
                 values.append(gr.update(value=form[key], placeholder=hint[0]))
-            elif key == "storage_endpoint":
+            elif key == "storage.endpoint":
                 values.append(gr.update(value=form[key], placeholder=hint[1], interactive=kind in ("r2", "minio")))
-            elif key == "storage_region":
+            elif key == "storage.region":
                 values.append(
                     gr.update(value=form[key], placeholder=hint[2], interactive=kind in ("aws", "r2", "minio"))
                 )
-            elif key in ("namespace", "trainer_flavor", "replica_flavor", "queue_timeout"):
-                values.append(gr.update(value=form[key], visible=form["backend"] == "hf_jobs"))
+            elif key in _HUB_ONLY:
+                values.append(gr.update(value=form[key], visible=form["compute.backend"] == "hf_jobs"))
             elif key in ("format_tags", "length_target", "regex_pattern"):
                 values.append(gr.update(value=form[key], visible=key.split("_")[0] in form["builtin_rewards"]))
             elif key in ("store_credential", "hf_credential"):
@@ -589,7 +533,7 @@ class LaunchPage:
 
     def _prices(self, values: dict[str, Any], services: PanelServices | None) -> tuple[dict[str, float] | None, str]:
         credential = values.get("hf_credential")
-        if values.get("backend") != "hf_jobs":
+        if values.get("compute.backend") != "hf_jobs":
             return None, ""
         if not credential or services is None:
             return None, "Select an HF token to see the Hub's live prices."
@@ -599,18 +543,19 @@ class LaunchPage:
             return None, f"Could not read prices from the Hub: {error}"
 
     def _cost_html(self, form: dict[str, Any], prices: dict[str, float] | None, problem: str = "") -> str:
-        if form.get("backend") != "hf_jobs":
+        if form.get("compute.backend") != "hf_jobs":
             return cards.cost_line("$0.00/h", "— runs on this machine's CPU")
         if prices is None:
             return cards.cost_line("$—/h", problem)
-        trainer, replica = form.get("trainer_flavor"), form.get("replica_flavor")
-        count = int(form.get("replicas") or 1)
+        trainer, replica = form.get("compute.trainer_flavor"), form.get("compute.replica_flavor")
+        count = int(form.get("compute.replicas") or 1)
         if trainer not in prices or replica not in prices:
             unknown = trainer if trainer not in prices else replica
             return cards.cost_line("$—/h", f"the Hub has no flavor {unknown!r}")
         total = prices[trainer] + count * prices[replica]
         try:
-            cap = f" · at most {money(total * timeout_seconds(form.get('timeout') or '4h') / 3600)} for the timeout"
+            hours = timeout_seconds(form.get("compute.timeout") or "4h") / 3600
+            cap = f" · at most {money(total * hours)} for the timeout"
         except ValueError:
             cap = ""
         return cards.cost_line(
@@ -620,10 +565,7 @@ class LaunchPage:
         )
 
     def estimate_cost(self, values: dict, profile: gr.OAuthProfile | None = None) -> list:
-        form = {
-            key: values[self.inputs[key]]
-            for key in ("backend", "hf_credential", "trainer_flavor", "replica_flavor", "replicas", "timeout")
-        }
+        form = {key: values[self.inputs[key]] for key in _COST_INPUTS}
         prices, problem = self._prices(form, self.panel.services_or_none(profile))
         flavors = sorted(prices) if prices else COMMON_FLAVORS
         return [
@@ -636,13 +578,13 @@ class LaunchPage:
         """Run the backend's preflight on the form; enable Launch only if it passes."""
         services = self.panel.services(profile)
         form = self._form(values)
-        built = spec_from_form(form)
+        built = self.form.spec_from_form(form)
         store_credential, hf_credential = credentials(form)
         try:
             result = services.preflight(built.spec, store_credential, hf_credential)
         except LimitReached as error:
             raise gr.Error(str(error)) from None
-        routed = route_errors(result.errors, built, bool(form["code_enabled"]))
+        routed = self.form.route_errors(result.errors, built, bool(form["code_enabled"]))
         open_advanced = bool(routed["advanced"])
         rows = [dict(row) for row in result.preview]
         trials = (
@@ -676,14 +618,14 @@ class LaunchPage:
             gr.Button(interactive=result.ok),
             status,
             gr.Accordion(open=True) if open_advanced else gr.update(),
-            _fingerprint(form) if result.ok else "",
+            self._fingerprint(form) if result.ok else "",
             rows,
             gr.Accordion(visible=result.plan is not None),
             cards.json_block(result.plan) if result.plan is not None else "",
         ]
 
     def _cost_total(self, form: dict[str, Any], result) -> str:
-        if form.get("backend") != "hf_jobs":
+        if form.get("compute.backend") != "hf_jobs":
             return self._cost_html(form, None)
         return cards.cost_line(money(result.cost_per_hour, per_hour=True), "at the Hub's current prices")
 
@@ -707,7 +649,7 @@ class LaunchPage:
         preview = gr.update()
         if not rows and specs and not any(errors.values()):
             store_credential, hf_credential = credentials(form)
-            result = services.preflight(spec_from_form(form).spec, store_credential, hf_credential)
+            result = services.preflight(self.form.spec_from_form(form).spec, store_credential, hf_credential)
             rows = [dict(row) for row in result.preview]
             preview = preview_table(rows)
             if not rows:
@@ -727,7 +669,7 @@ class LaunchPage:
                 for index, trial in enumerate(trials):
                     if trial.error:
                         where = f" (row {trial.row + 1})" if trial.row is not None else ""
-                        slot = slot_of(f"rewards.{index}", reward_slots, code_enabled)
+                        slot = self.form.slot_of(f"rewards.{index}", reward_slots, code_enabled)
                         errors[slot].append(f"{trial.name}{where}: {trial.error}")
         return [
             table,
@@ -745,7 +687,7 @@ class LaunchPage:
         credential_id = credentials(form)[0]
         kind = form["bucket_kind"]
         if kind != "local" and access_key and secret_key:
-            name = f"{BUCKET_KINDS[kind]} · {_bucket_name(form['storage_uri'])}"
+            name = f"{BUCKET_KINDS[kind]} · {_bucket_name(form['storage.uri'])}"
             credential = services.credentials.save(
                 services.owner, name, "s3", {"access_key_id": access_key, "secret_access_key": secret_key}
             )
@@ -757,7 +699,7 @@ class LaunchPage:
                 "",
                 "",
             ]
-        built = spec_from_form(form).spec["storage"]
+        built = self.form.spec_from_form(form).spec["storage"]
         try:
             where = services.test_connection(
                 built["uri"], built.get("endpoint"), built.get("region"), credential_id if kind != "local" else None
@@ -776,9 +718,9 @@ class LaunchPage:
         services = self.panel.services(profile)
         form = self._form(values)
         checked = values[self.checked]
-        if form.get("backend") != "hf_jobs":
+        if form.get("compute.backend") != "hf_jobs":
             return cards.note("The smoke test runs on Hugging Face Jobs; choose it under Compute first.", "warn")
-        if not checked or checked != _fingerprint(form):
+        if not checked or checked != self._fingerprint(form):
             return cards.note("Press Check settings first: the smoke test runs the settings that passed it.", "warn")
         store_credential, hf_credential = credentials(form)
         spec = RunSpec.model_validate(json.loads(checked)["spec"])
@@ -793,7 +735,7 @@ class LaunchPage:
         services = self.panel.services(profile)
         form = self._form(values)
         checked = values[self.checked]
-        if not checked or checked != _fingerprint(form):
+        if not checked or checked != self._fingerprint(form):
             return None, [
                 gr.Button(interactive=False),
                 cards.note("Settings changed since the last check: press Check settings again.", "warn"),
@@ -810,6 +752,14 @@ class LaunchPage:
             cards.note(f"Launched {run.id}: its jobs are starting. Opening the monitor…", "good"),
         ]
 
+    def _fingerprint(self, form: dict[str, Any]) -> str:
+        """What a passing check vouches for: the validated spec and the credentials chosen with it."""
+        try:
+            spec = json.loads(parse_spec(self.form.spec_from_form(form).spec).to_json())
+        except SpecError:
+            return ""
+        return json.dumps({"spec": spec, "credentials": list(credentials(form))}, sort_keys=True)
+
     def wire_launch(self, navigate, outputs: list) -> None:
         """Launch, then open the new run: `navigate(run_id, profile)` gives the updates for `outputs`."""
 
@@ -824,15 +774,6 @@ class LaunchPage:
             {*self._form_inputs(), self.checked},
             [self.launch_button, self.status, self.checked, self.inputs["run_id"], *outputs],
         )
-
-
-def _fingerprint(form: dict[str, Any]) -> str:
-    """What a passing check vouches for: the validated spec and the credentials chosen with it."""
-    try:
-        spec = json.loads(parse_spec(spec_from_form(form).spec).to_json())
-    except SpecError:
-        return ""
-    return json.dumps({"spec": spec, "credentials": list(credentials(form))}, sort_keys=True)
 
 
 def _errors(messages: list[str]) -> gr.HTML:

@@ -187,6 +187,7 @@ class Launcher(ABC):
             namespace=spec.compute.namespace,
             jobs=[self.plan_job(spec, role, secrets) for role in roles],
             derived=derived_values(spec, self.trainer_cuda(spec), parameters),
+            spec=spec.model_dump(mode="json"),
         )
 
     def prepare(self, spec: RunSpec, secrets: RunSecrets, store: ObjectStore) -> None:

@@ -71,16 +71,50 @@ class SpecError(ValueError):
         super().__init__("; ".join(f"{field}: {message}" for field, message in errors.items()))
 
 
+def shown(
+    label: str,
+    section: str,
+    help: str = "",
+    *,
+    advanced: bool = False,
+    unset: str = "",
+    choices: dict[str, str] | None = None,
+) -> Any:
+    """A field's place on the panel's Launch form, which is generated from these (app/launch_form.py).
+
+    `label` names the field on the form and in every error about it; `section` is the part of the form it sits in
+    (and whose note shows its errors): run, model, dataset, storage, compute or training; `advanced` folds it into
+    the Advanced settings. `unset` says what an empty optional value means ("auto", "all rows"): a number box shows
+    it as 0. `choices` gives a literal's values their words.
+    """
+    form: dict[str, Any] = {"section": section, "advanced": advanced}
+    if unset:
+        form["unset"] = unset
+    if choices:
+        form["choices"] = choices
+    return Field(title=label, description=help or None, json_schema_extra={"form": form})
+
+
 class _Section(BaseModel):
     # Unknown keys are errors, so a typo ("max_stalenes") is reported rather than silently ignored.
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelSpec(_Section):
-    id: str = "Qwen/Qwen2.5-Math-1.5B"
-    revision: str | None = None
-    max_model_len: Annotated[int, Field(ge=64, le=1_048_576)] = 4096
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    id: Annotated[str, shown("Model", "model", f"Hub id (owner/name), an absolute local path, or {DEMO_MODEL_ID}")] = (
+        "Qwen/Qwen2.5-Math-1.5B"
+    )
+    revision: Annotated[
+        str | None, shown("Revision", "model", "a branch, tag or commit; empty: main", advanced=True)
+    ] = None
+    max_model_len: Annotated[
+        int,
+        Field(ge=64, le=1_048_576),
+        shown("Max model length", "model", "prompt and completion tokens", advanced=True),
+    ] = 4096
+    dtype: Annotated[Literal["auto", "bfloat16", "float16", "float32"], shown("Dtype", "model", advanced=True)] = (
+        "bfloat16"
+    )
 
     @field_validator("id")
     @classmethod
@@ -97,14 +131,24 @@ class ModelSpec(_Section):
 
 
 class DatasetSpec(_Section):
-    source: Literal["hub", "store", "builtin"] = "hub"
+    source: Annotated[
+        Literal["hub", "store", "builtin"],
+        shown(
+            "Dataset source", "dataset", choices={"hub": "Hub", "store": "File in the bucket", "builtin": "Built-in"}
+        ),
+    ] = "hub"
     # A Hub dataset id, a JSONL/CSV/Parquet path relative to the store root, or a built-in dataset name.
-    id: str = "sail/Sanity-Test-R1D-1.5B"
-    split: str = "train"
-    prompt_column: str = "prompt"
-    answer_column: str | None = "reward_model.ground_truth"  # a dotted path reaches into a struct column
-    system_prompt: str | None = None
-    limit: Annotated[int, Field(ge=1)] | None = None
+    id: Annotated[
+        str, shown("Dataset", "dataset", f"owner/name on the Hub, a path in the bucket, or '{DEMO_DATASET_ID}'")
+    ] = "sail/Sanity-Test-R1D-1.5B"
+    split: Annotated[str, shown("Split", "dataset")] = "train"
+    prompt_column: Annotated[str, shown("Prompt column", "dataset")] = "prompt"
+    answer_column: Annotated[
+        str | None,
+        shown("Answer column", "dataset", "passed to rewards as `answer`; a.b reaches into a struct column"),
+    ] = "reward_model.ground_truth"
+    system_prompt: Annotated[str | None, shown("System prompt", "dataset", "optional; sent before every prompt")] = None
+    limit: Annotated[int | None, Field(ge=1), shown("Row limit", "dataset", unset="all rows")] = None
 
     @field_validator("limit")
     @classmethod
@@ -146,13 +190,13 @@ class DatasetSpec(_Section):
 
 
 class RewardSpec(_Section):
-    kind: Literal["builtin", "code"] = "builtin"
+    kind: Annotated[Literal["builtin", "code"], Field(title="Kind")] = "builtin"
     # Built-in name, or for code the name shown in metrics (`rewards/<name>`).
-    name: str = "math_boxed"
-    params: dict[str, float | int | str | bool | list[str]] = Field(default_factory=dict)
-    source: str | None = None
-    entry_point: str | None = None
-    weight: float = 1.0
+    name: Annotated[str, Field(title="Name")] = "math_boxed"
+    params: dict[str, float | int | str | bool | list[str]] = Field(default_factory=dict, title="Parameters")
+    source: Annotated[str | None, Field(title="Code")] = None
+    entry_point: Annotated[str | None, Field(title="Function to call")] = None
+    weight: Annotated[float, Field(title="Weight")] = 1.0
 
     @model_validator(mode="after")
     def _reward(self) -> RewardSpec:
@@ -181,10 +225,12 @@ class RewardSpec(_Section):
 
 
 class LoraSpec(_Section):
-    rank: int = 1
-    alpha: float = 2.0
-    target_modules: str | list[str] = "all-linear"
-    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    rank: Annotated[int, shown("LoRA rank", "training", "1 to 512")] = 1
+    alpha: Annotated[float, shown("LoRA alpha", "training")] = 2.0
+    target_modules: Annotated[
+        str | list[str], shown("Target modules", "training", "all-linear, or names separated by commas")
+    ] = "all-linear"
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0), shown("LoRA dropout", "training", advanced=True)] = 0.0
 
     @field_validator("rank")
     @classmethod
@@ -207,25 +253,43 @@ class LoraSpec(_Section):
 
 
 class GrpoSpec(_Section):
-    num_generations: Annotated[int, Field(ge=2, le=64)] = 8
-    completions_per_step: Annotated[int, Field(ge=2)] = 128
-    max_completion_length: Annotated[int, Field(ge=1)] = 3000
-    temperature: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
-    learning_rate: Annotated[float, Field(gt=0.0, lt=1.0)] = 4e-5
-    adam_beta2: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.95
-    epsilon: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.2
-    max_steps: Annotated[int, Field(ge=1)] = 500
-    max_staleness: int = 4
-    weight_sync_steps: Annotated[int, Field(ge=1)] = 4
-    max_inflight: Annotated[int, Field(ge=1)] = 128
-    queue_size: Annotated[int, Field(ge=1)] | None = None  # None: max_staleness x 128, as in the recipe
-    token_budget: Annotated[int, Field(ge=0)] = 0  # 0: exactly completions_per_step per step
-    gradient_checkpointing: bool = True
-    save_steps: Annotated[int, Field(ge=1)] = 50
-    seed: Annotated[int, Field(ge=0)] = 42
-    audit_every: Annotated[int, Field(ge=0)] = 10  # policy audit every k-th version (0: only the final one)
+    num_generations: Annotated[int, Field(ge=2, le=64), shown("Generations per prompt", "training")] = 8
+    completions_per_step: Annotated[
+        int, Field(ge=2), shown("Completions per step", "training", "a multiple of the generations per prompt")
+    ] = 128
+    max_completion_length: Annotated[int, Field(ge=1), shown("Max completion tokens", "training")] = 3000
+    temperature: Annotated[float, Field(gt=0.0, le=10.0), shown("Temperature", "training", advanced=True)] = 1.0
+    top_p: Annotated[
+        float, Field(gt=0.0, le=1.0), shown("Top-p", "training", "1: TRL 1.16 does not model truncation", advanced=True)
+    ] = 1.0
+    top_k: Annotated[int, Field(ge=0), shown("Top-k", "training", "0 = off", advanced=True)] = 0
+    learning_rate: Annotated[float, Field(gt=0.0, lt=1.0), shown("Learning rate", "training")] = 4e-5
+    adam_beta2: Annotated[float, Field(gt=0.0, lt=1.0), shown("Adam β2", "training", advanced=True)] = 0.95
+    epsilon: Annotated[float, Field(gt=0.0, lt=1.0), shown("Clip ε", "training", advanced=True)] = 0.2
+    max_steps: Annotated[int, Field(ge=1), shown("Max steps", "training", "optimizer steps")] = 500
+    max_staleness: Annotated[
+        int, shown("Max staleness", "training", f"adapter versions a rollout may lag, 1 to {MAX_STALENESS}")
+    ] = 4
+    weight_sync_steps: Annotated[
+        int, Field(ge=1), shown("Weight sync every", "training", "optimizer steps per adapter version", advanced=True)
+    ] = 4
+    max_inflight: Annotated[
+        int, Field(ge=1), shown("Max in flight", "training", "requests at the replicas at once", advanced=True)
+    ] = 128
+    queue_size: Annotated[
+        int | None, Field(ge=1), shown("Queue size", "training", unset="auto: max staleness × 128", advanced=True)
+    ] = None
+    token_budget: Annotated[
+        int, Field(ge=0), shown("Token budget", "training", "0 = off: completions per step", advanced=True)
+    ] = 0
+    gradient_checkpointing: Annotated[bool, shown("Gradient checkpointing", "training", advanced=True)] = True
+    save_steps: Annotated[int, Field(ge=1), shown("Checkpoint every", "training", "optimizer steps", advanced=True)] = (
+        50
+    )
+    seed: Annotated[int, Field(ge=0), shown("Seed", "training", advanced=True)] = 42
+    audit_every: Annotated[
+        int, Field(ge=0), shown("Policy audit every", "training", "versions; 0 = only the final one", advanced=True)
+    ] = 10
 
     @field_validator("max_steps")
     @classmethod
@@ -289,25 +353,59 @@ class GrpoSpec(_Section):
 
 
 class ComputeSpec(_Section):
-    backend: Literal["local", "hf_jobs"] = "local"
-    namespace: str | None = None
-    trainer_flavor: str = "h200x2"
-    replica_flavor: str = "h200"
-    replicas: int = 2
-    timeout: str = "4h"
+    backend: Annotated[
+        Literal["local", "hf_jobs"],
+        shown(
+            "Where the jobs run",
+            "compute",
+            choices={"local": "This machine (local processes)", "hf_jobs": "Hugging Face Jobs"},
+        ),
+    ] = "local"
+    namespace: Annotated[str | None, shown("Namespace", "compute", "the user or organisation billed")] = None
+    trainer_flavor: Annotated[str, shown("Trainer hardware", "compute")] = "h200x2"
+    replica_flavor: Annotated[str, shown("Replica hardware", "compute")] = "h200"
+    replicas: Annotated[int, shown("Replicas", "compute", f"inference replicas, 1 to {MAX_REPLICAS}")] = 2
+    timeout: Annotated[str, shown("Timeout", "compute", "e.g. 90m, 4h")] = "4h"
     # How long a replica may wait for its flavor (SCHEDULING), and then take from its start to answering /health
     # (None: the backend's default, 15 min on HF Jobs). Bounded apart: a busy flavor is not a broken replica.
-    queue_timeout: str = "30m"
-    startup_timeout: str | None = None
-    replica_image: str = "vllm/vllm-openai:v0.27.1"
-    trainer_image: str = "vllm/vllm-openai:v0.27.1"
-    engine: Literal["auto", "vllm", "cpu"] = "auto"  # auto: vLLM where CUDA is present, else the CPU engine
-    cost_cap_usd: Annotated[float, Field(gt=0)] | None = None
+    queue_timeout: Annotated[str, shown("Queue limit", "compute", "how long a replica may wait for its hardware")] = (
+        "30m"
+    )
+    startup_timeout: Annotated[
+        str | None,
+        shown(
+            "Start-up limit",
+            "compute",
+            "from a replica's start to healthy; empty: 15m on HF Jobs, 5m here",
+            advanced=True,
+        ),
+    ] = None
+    replica_image: Annotated[str, shown("Replica image", "compute", advanced=True)] = "vllm/vllm-openai:v0.27.1"
+    trainer_image: Annotated[str, shown("Trainer image", "compute", advanced=True)] = "vllm/vllm-openai:v0.27.1"
+    engine: Annotated[  # auto: vLLM where CUDA is present, else the CPU engine
+        Literal["auto", "vllm", "cpu"],
+        shown(
+            "Inference engine",
+            "compute",
+            advanced=True,
+            choices={"auto": "auto", "vllm": "vLLM", "cpu": "CPU engine"},
+        ),
+    ] = "auto"
+    cost_cap_usd: Annotated[
+        float | None, Field(gt=0), shown("Cost cap", "compute", "US dollars", unset="none", advanced=True)
+    ] = None
     # Data-parallel training processes. None: one per GPU of the trainer flavor on HF Jobs, one locally.
-    trainer_processes: Annotated[int, Field(ge=1, le=8)] | None = None
+    trainer_processes: Annotated[
+        int | None,
+        Field(ge=1, le=8),
+        shown("Trainer processes", "compute", "one per GPU", unset="auto", advanced=True),
+    ] = None
     # How several trainer processes hold the model: "ddp" a whole float32 copy each, "fsdp" sharded over them (FSDP2),
     # "auto" FSDP exactly when a whole copy does not fit one GPU of the flavor (decided from the model's size).
-    trainer_sharding: Literal["auto", "ddp", "fsdp"] = "auto"
+    trainer_sharding: Annotated[
+        Literal["auto", "ddp", "fsdp"],
+        shown("Trainer sharding", "compute", "auto: FSDP when one model copy does not fit a GPU", advanced=True),
+    ] = "auto"
 
     @field_validator("replicas")
     @classmethod
@@ -356,9 +454,9 @@ class ComputeSpec(_Section):
 
 
 class StorageSpec(_Section):
-    uri: str = "file:///tmp/grpo-panel/store"
-    endpoint: str | None = None
-    region: str | None = None
+    uri: Annotated[str, shown("Bucket location", "storage")] = "file:///tmp/grpo-panel/store"
+    endpoint: Annotated[str | None, shown("Endpoint", "storage")] = None
+    region: Annotated[str | None, shown("Region", "storage")] = None
 
     @model_validator(mode="after")
     def _location(self) -> StorageSpec:
@@ -371,24 +469,24 @@ class StorageSpec(_Section):
 
 
 class ParentSpec(_Section):
-    run_id: str
-    version: Annotated[int, Field(ge=1)]
+    run_id: Annotated[str, Field(title="Parent run id")]
+    version: Annotated[int, Field(ge=1, title="Parent version")]
 
 
 class RunSpec(_Section):
-    schema_version: Literal[1] = SCHEMA_VERSION
-    run_id: str
-    name: Annotated[str, Field(max_length=120)] = ""
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    dataset: DatasetSpec = Field(default_factory=DatasetSpec)
-    rewards: Annotated[list[RewardSpec], Field(min_length=1, max_length=8)] = Field(
+    schema_version: Annotated[Literal[1], Field(title="Spec version")] = SCHEMA_VERSION
+    run_id: Annotated[str, shown("Run id", "run", "3-48 lowercase letters, digits and '-'")]
+    name: Annotated[str, Field(max_length=120), shown("Name", "run")] = ""
+    model: Annotated[ModelSpec, shown("Model", "model")] = Field(default_factory=ModelSpec)
+    dataset: Annotated[DatasetSpec, shown("Dataset", "dataset")] = Field(default_factory=DatasetSpec)
+    rewards: Annotated[list[RewardSpec], Field(min_length=1, max_length=8, title="Rewards")] = Field(
         default_factory=lambda: [RewardSpec()]
     )
-    lora: LoraSpec = Field(default_factory=LoraSpec)
-    grpo: GrpoSpec = Field(default_factory=GrpoSpec)
-    compute: ComputeSpec = Field(default_factory=ComputeSpec)
-    storage: StorageSpec = Field(default_factory=StorageSpec)
-    parent: ParentSpec | None = None
+    lora: Annotated[LoraSpec, shown("LoRA", "training")] = Field(default_factory=LoraSpec)
+    grpo: Annotated[GrpoSpec, shown("Training", "training")] = Field(default_factory=GrpoSpec)
+    compute: Annotated[ComputeSpec, shown("Compute", "compute")] = Field(default_factory=ComputeSpec)
+    storage: Annotated[StorageSpec, shown("Bucket", "storage")] = Field(default_factory=StorageSpec)
+    parent: Annotated[ParentSpec | None, Field(title="Parent run")] = None
 
     @model_validator(mode="before")
     @classmethod

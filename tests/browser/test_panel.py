@@ -33,7 +33,7 @@ def demo_run(browser: Browser, panel: RunningPanel) -> str:
     expect(launch).to_be_disabled()
     run_id = page.locator("#run-id").locator("textarea, input").first.input_value()
     assert run_id.startswith("demo-")
-    fill(page, "max-steps", str(DEMO_STEPS))
+    fill(page, "grpo-max-steps", str(DEMO_STEPS))
     page.locator("#check").click()
     expect(page.locator("#launch-status")).to_contain_text("All checks passed", timeout=90_000)
     expect(launch).to_be_enabled()
