@@ -16,6 +16,7 @@ import signal
 from app.panel import Panel
 from app.theme import CSS, theme
 from app.ui import build_app
+from backend import settings
 from backend.context import PanelContext
 from backend.db import default_db_path
 from backend.hosting import on_space
@@ -28,8 +29,8 @@ DEFAULT_PORT = 7860
 
 def bind_address(space: bool) -> tuple[str, int]:
     """0.0.0.0 in a Space (its proxy must reach us), loopback elsewhere unless GRADIO_SERVER_NAME says otherwise."""
-    host = "0.0.0.0" if space else os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1")
-    return host, int(os.environ.get("GRADIO_SERVER_PORT") or DEFAULT_PORT)
+    host = "0.0.0.0" if space else settings.SERVER_NAME.get() or "127.0.0.1"
+    return host, int(settings.SERVER_PORT.get() or DEFAULT_PORT)
 
 
 def main() -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
+from backend import settings
 from backend.db import Database, data_dir
 from backend.launchers.base import JobHandle, Launcher, RunSecrets
 from backend.launchers.local import LocalLauncher
@@ -23,7 +23,7 @@ class PanelContext:
     def __init__(self, db: Database | None = None, folder: Path | None = None, hub_endpoint: str | None = None):
         self.db = db or Database()
         # The Hub the HF Jobs launcher talks to: huggingface.co unless HF_ENDPOINT (or this argument) says otherwise.
-        self.hub_endpoint = hub_endpoint or os.environ.get("HF_ENDPOINT") or None
+        self.hub_endpoint = hub_endpoint or settings.HF_ENDPOINT.get()
         self.folder = Path(folder or data_dir())
         self.vault = Vault(self.db)
         self.limits = OwnerLimiter()  # per-owner limits on runs, checks and reward tests (backend/limits.py)

@@ -15,14 +15,14 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, create_engine
 
-from backend import schema
+from backend import schema, settings
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def data_dir() -> Path:
     """The panel's data folder: $GRPO_PANEL_DATA, else `data/` in the project."""
-    folder = Path(os.environ.get("GRPO_PANEL_DATA") or PROJECT_ROOT / "data")
+    folder = Path(settings.DATA.get() or PROJECT_ROOT / "data")
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

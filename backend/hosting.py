@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
+from backend import settings
 
 
 def on_space() -> bool:
     """True inside a Hugging Face Space: many signed-in users share this process, so their code must be confined."""
-    return bool(os.environ.get("SPACE_ID")) or os.environ.get("SYSTEM") == "spaces"
+    return bool(settings.SPACE_ID.get()) or settings.SYSTEM.get() == "spaces"

@@ -11,7 +11,6 @@ On this machine there is one owner and the limits are generous; a Space sets its
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -19,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
-ENV_LIMITS = "GRPO_PANEL_LIMITS"
+from backend import settings
 
 
 class LimitReached(RuntimeError):
@@ -35,14 +34,14 @@ class OwnerLimits:
     @classmethod
     def from_env(cls, text: str | None = None) -> OwnerLimits:
         """`runs=2,checks=1,reward_tests=10` (any subset; the rest keep their defaults)."""
-        text = os.environ.get(ENV_LIMITS, "") if text is None else text
+        text = (settings.LIMITS.get() or "") if text is None else text
         names = {field.name for field in fields(cls)}
         values: dict[str, int] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, _, value = item.partition("=")
             if name.strip() not in names or not value.strip().isdigit() or int(value) < 1:
                 raise ValueError(
-                    f"{ENV_LIMITS}: {item!r} is not a limit; use e.g. runs=2,checks=1,reward_tests=10 "
+                    f"{settings.LIMITS.name}: {item!r} is not a limit; use e.g. runs=2,checks=1,reward_tests=10 "
                     f"(names: {', '.join(sorted(names))}; each a whole number of at least 1)"
                 )
             values[name.strip()] = int(value)

@@ -21,7 +21,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
-ENV_SNAPSHOTS = "GRPO_PANEL_SNAPSHOTS"
+from backend import settings
+
 SNAPSHOT_NAME = "panel.sqlite3.snapshot"
 INTERVAL_S = 300.0
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def snapshot_folder(environ: dict[str, str] | None = None) -> Path | None:
-    value = (environ if environ is not None else os.environ).get(ENV_SNAPSHOTS)
+    value = settings.SNAPSHOTS.get(environ)
     return Path(value) if value else None
 
 

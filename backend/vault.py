@@ -15,12 +15,12 @@ from pathlib import Path
 from cryptography.fernet import Fernet, InvalidToken
 from sqlmodel import select
 
+from backend import settings
 from backend.db import Database, data_dir
 from backend.models import Credential
 from jobs.secrets import register_secret
 from jobs.store import StoreCredentials
 
-KEY_ENV = "GRPO_PANEL_KEY"
 KINDS = ("hf_token", "s3")
 
 
@@ -29,8 +29,9 @@ class CredentialError(ValueError):
 
 
 def load_key(folder: Path | None = None) -> bytes:
-    if os.environ.get(KEY_ENV):
-        return os.environ[KEY_ENV].encode()
+    key = settings.KEY.get()
+    if key:
+        return key.encode()
     path = (folder or data_dir()) / "secret.key"
     if not path.exists():
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -112,7 +113,8 @@ class Vault:
             plain = self.fernet.decrypt(credential.ciphertext).decode()
         except InvalidToken:
             raise CredentialError(
-                f"credential {credential.name!r} cannot be decrypted with this panel's key ({KEY_ENV}); enter it again"
+                f"credential {credential.name!r} cannot be decrypted with this panel's key ({settings.KEY.name}); "
+                "enter it again"
             ) from None
         return plain
 

@@ -11,25 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from jobs import settings
 from jobs.contract import RunSpec, layout, parse_storage_uri
 from jobs.contract.spec import StorageSpec
 from jobs.secrets import install_log_redaction, register_secret
 from jobs.store import ObjectStore, StoreCredentials, open_store
-
-# Environment variables that carry secrets into jobs.
-ENV_HF_TOKEN = "HF_TOKEN"
-ENV_UPSTREAM_TOKEN = "UPSTREAM_TOKEN"  # the bearer token the proxy sends to replicas
-ENV_REPLICA_TOKEN = "REPLICA_TOKEN"  # the bearer token a replica demands (when nothing in front checks it)
-SECRET_ENV = (ENV_HF_TOKEN, ENV_UPSTREAM_TOKEN, ENV_REPLICA_TOKEN, "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-# Not secret, but not part of an s3:// URI either.
-ENV_STORE_ENDPOINT = "STORE_ENDPOINT"
-ENV_STORE_REGION = "STORE_REGION"
 
 _SPEC_SUFFIX = "spec.json"
 
@@ -37,8 +28,9 @@ _SPEC_SUFFIX = "spec.json"
 def setup_logging(role: str, level: int = logging.INFO) -> None:
     """Log to stderr with the role in every line; mask every secret this process was given."""
     install_log_redaction()
-    for name in SECRET_ENV:
-        register_secret(os.environ.get(name))
+    for variable in settings.JOB_VARIABLES:
+        if variable.secret:
+            register_secret(variable.get())
     logging.basicConfig(
         level=level,
         stream=sys.stderr,
@@ -59,9 +51,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--store-endpoint",
         default=None,
-        help=f"S3 endpoint URL, which an s3:// URI does not hold (default: ${ENV_STORE_ENDPOINT})",
+        help=f"S3 endpoint URL, which an s3:// URI does not hold (default: ${settings.STORE_ENDPOINT.name})",
     )
-    group.add_argument("--store-region", default=None, help=f"S3 region (default: ${ENV_STORE_REGION})")
+    group.add_argument("--store-region", default=None, help=f"S3 region (default: ${settings.STORE_REGION.name})")
 
 
 @dataclass
@@ -78,8 +70,8 @@ def open_run(
 ) -> RunContext:
     """Read the spec a job was pointed at and open its store (S3 credentials from the environment by default)."""
     root, run_id = _split_spec_uri(uri)
-    endpoint = endpoint or os.environ.get(ENV_STORE_ENDPOINT) or None
-    region = region or os.environ.get(ENV_STORE_REGION) or None
+    endpoint = endpoint or settings.STORE_ENDPOINT.get()
+    region = region or settings.STORE_REGION.get()
     store = open_store(parse_storage_uri(root, endpoint=endpoint, region=region), credentials)
     spec = RunSpec.from_json(store.get_bytes(layout.spec_key(run_id)))
     if spec.run_id != run_id:

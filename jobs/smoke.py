@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
 
+from jobs import settings
 from jobs.contract import duration, layout
 from jobs.runtime import add_run_arguments, open_run, setup_logging
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-for", type=float, default=600.0, help="seconds to serve before ending by itself")
     args = parser.parse_args(argv)
     setup_logging("smoke")
-    job_id = os.environ.get("JOB_ID") or f"local-{os.getpid()}"
+    job_id = settings.JOB_ID.get() or f"local-{os.getpid()}"
     steps = run_steps(args, job_id)
     for step in steps:
         log.info("%s: %s in %.2fs (%s)", step.name, "ok" if step.ok else "FAILED", step.seconds, step.detail)

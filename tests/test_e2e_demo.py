@@ -431,10 +431,12 @@ def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(tmp
     across a panel restart."""
     from cryptography.fernet import Fernet
 
+    from backend import settings
     from backend.snapshots import restore_snapshot, write_snapshot
-    from backend.vault import KEY_ENV
 
-    monkeypatch.setenv(KEY_ENV, Fernet.generate_key().decode())  # a Space's key is a secret, not in the data folder
+    monkeypatch.setenv(
+        settings.KEY.name, Fernet.generate_key().decode()
+    )  # a Space's key is a secret, not in the data folder
     run_id, volume = "demo-snap", tmp_path / "volume"
     ctx, poller = start_demo(tmp_path, run_id, 20)
     token = ctx.vault.save(OWNER, "my token", "hf_token", "hf_SnapshotTestToken000000000000000")

@@ -14,8 +14,8 @@ from functools import partial
 import pytest
 import requests
 
+from jobs import settings
 from jobs.contract import RunSpec, layout
-from jobs.runtime import ENV_UPSTREAM_TOKEN
 from tests.support.fake_replica import FakeReplica, Seen
 from tests.support.loop_thread import LoopThread
 from tests.support.net import free_port
@@ -143,7 +143,7 @@ def test_the_command_line_proxy_serves_until_sigterm(local_store, tmp_path):
     loop = LoopThread("replica")
     replica = loop.run(FakeReplica().start())
     port = free_port()
-    env = {**os.environ, ENV_UPSTREAM_TOKEN: TOKEN, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, settings.UPSTREAM_TOKEN.name: TOKEN, "PYTHONPATH": os.getcwd()}
     spec_uri = f"file://{local_store.root}/{layout.spec_key(RUN_ID)}"
     command = [sys.executable, "-m", "jobs.proxy", "--spec", spec_uri, "--port", str(port), "--upstream", replica.url]
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)

@@ -50,6 +50,7 @@ from app.panel import Panel, SignInRequired
 from app.public_api import PUBLIC_ENDPOINTS, PublicApi, make_private
 from app.ui import build_app
 from backend import landlock
+from backend import settings as backend_settings
 from backend.api import PanelServices
 from backend.context import PanelContext
 from backend.db import Database
@@ -60,11 +61,11 @@ from backend.sandbox import confinement as sandbox_confinement
 from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
-from backend.vault import KEY_ENV, CredentialError
+from backend.vault import CredentialError
+from jobs import settings
 from jobs.contract import RewardSpec, RunSpec, layout
 from jobs.contract.control import STOP
 from jobs.demo.preset import demo_spec
-from jobs.runtime import ENV_UPSTREAM_TOKEN
 from jobs.store import LocalStore
 from jobs.telemetry import encode_jsonl
 from tests.support.echo_server import EchoServer
@@ -388,7 +389,7 @@ def proxy_process(tmp_path):
     token = "upstream-token-the-replicas-expect"
     command = [sys.executable, "-m", "jobs.proxy", "--spec", f"file://{store.root}/{layout.spec_key('proxy-run')}"]
     command += ["--port", str(port), "--upstream", upstream.url]
-    env = {**os.environ, ENV_UPSTREAM_TOKEN: token, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, settings.UPSTREAM_TOKEN.name: token, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
@@ -766,7 +767,9 @@ def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_ne
     smoke_values = {page.inputs[key]: smoke_form[key] for key in KEYS}
     assert page._fingerprint(smoke_form), "the form must be valid for the next check to mean anything"
     assert "Press Check settings first" in page.smoke_test({**smoke_values, page.checked: ""}, bob)
-    smoke = page.smoke_test({**smoke_values, page.checked: page._fingerprint(smoke_form)}, bob)  # as if the check passed
+    smoke = page.smoke_test(
+        {**smoke_values, page.checked: page._fingerprint(smoke_form)}, bob
+    )  # as if the check passed
     assert "Smoke test not started" in smoke and f"no credential {owners.alice_hf} for this account" in smoke
     assert [run.id for run in RunService(owners.ctx, BOB).list()] == ["bob-draft"]
 
@@ -930,7 +933,7 @@ def test_the_panels_environment_is_out_of_reach(tmp_path):
         print(json.dumps({"scores": trial.scores, "error": trial.error, "control": control.stdout.strip()}))
         """
     )
-    env = {**os.environ, KEY_ENV: "panel-key-that-rewards-must-not-see", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, backend_settings.KEY.name: "panel-key-that-rewards-must-not-see", "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     trial = json.loads(done.stdout.strip().splitlines()[-1])
@@ -940,7 +943,7 @@ def test_the_panels_environment_is_out_of_reach(tmp_path):
 
 def test_the_vault_key_and_database_are_out_of_reach(tmp_path, monkeypatch):
     """Reward code runs on the panel's machine: it must not read the key that decrypts every owner's credentials."""
-    monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.delenv(backend_settings.KEY.name, raising=False)
     ctx = PanelContext(Database(tmp_path / "data" / "panel.sqlite3"), tmp_path / "data")
     ctx.vault.save(ALICE, "hub", "hf_token", HF_TOKEN)
     paths = [tmp_path / "data" / "secret.key", ctx.db.path]

@@ -21,10 +21,11 @@ from typing import Literal
 import requests
 
 from backend.plan import JobPlan, RunPlan, derived_values
+from jobs import settings
 from jobs.contract import RunSpec, derived, layout, timeout_seconds
 from jobs.contract.control import JOBS, UPSTREAMS, JobRef, JobsRecord, Upstream, UpstreamsRecord
 from jobs.contract.durations import duration
-from jobs.runtime import ENV_HF_TOKEN, ENV_REPLICA_TOKEN, ENV_UPSTREAM_TOKEN, spec_uri
+from jobs.runtime import spec_uri
 from jobs.store import ObjectStore, StoreCredentials
 
 log = logging.getLogger(__name__)
@@ -375,9 +376,9 @@ def job_env(role: str, secrets: RunSecrets, on_hf_jobs: bool) -> dict[str, str]:
     """The secret environment of one job (passed as Job secrets on HF Jobs, process environment locally)."""
     env = dict(secrets.store_env())
     if secrets.hf_token:
-        env[ENV_HF_TOKEN] = secrets.hf_token
+        env[settings.HF_TOKEN.name] = secrets.hf_token
     if role == "trainer":
-        env[ENV_UPSTREAM_TOKEN] = secrets.replica_token
+        env[settings.UPSTREAM_TOKEN.name] = secrets.replica_token
     elif not on_hf_jobs:  # on HF Jobs the platform checks the bearer in front of the replica
-        env[ENV_REPLICA_TOKEN] = secrets.replica_token
+        env[settings.REPLICA_TOKEN.name] = secrets.replica_token
     return env

@@ -24,6 +24,7 @@ from secrets import token_hex
 from backend.db import PROJECT_ROOT
 from backend.launchers.base import TERMINAL, JobHandle, JobState, Launcher, RunSecrets, job_env, job_module_args
 from backend.plan import PORT, JobPlan
+from jobs import settings
 from jobs.contract import RunSpec, timeout_seconds
 from jobs.contract.control import JobRef, JobsRecord
 from jobs.processes import group_alive, terminate_group
@@ -48,10 +49,10 @@ _INHERITED_ENV = (
     "LANG",
     "LC_ALL",
     "TMPDIR",
-    "GRPO_MODEL_CACHE",
-    "GRPO_TORCH_THREADS",
-    "GRPO_TRAINER_WORKDIR",
-    "GRPO_REPLICA_LOSS_TIMEOUT",
+    settings.MODEL_CACHE.name,
+    settings.TORCH_THREADS.name,
+    settings.TRAINER_WORKDIR.name,
+    settings.REPLICA_LOSS_TIMEOUT.name,
     "HF_HOME",
     "HF_ENDPOINT",
     "HF_HUB_OFFLINE",

@@ -21,6 +21,8 @@ import secrets
 import shutil
 from pathlib import Path
 
+from jobs import settings
+
 BUILD_VERSION = 2  # bump when anything below changes: caches are keyed on it
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2
@@ -34,7 +36,7 @@ _SYLLABLES = "ka lo mi nu re sa ti vo be da fe gi ho ju ki ma ne po ru si ta wu 
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("GRPO_MODEL_CACHE") or Path.home() / ".cache" / "grpo-panel" / "models")
+    return Path(settings.MODEL_CACHE.get() or "").expanduser()
 
 
 def ensure_tiny_model(root: str | os.PathLike | None = None) -> Path:

@@ -6,15 +6,15 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable
 
+from jobs import settings
 from jobs.contract import RunSpec
 from jobs.proxy.app import Proxy
 from jobs.proxy.config import ProxyConfig, add_arguments, from_arguments
-from jobs.runtime import ENV_UPSTREAM_TOKEN, add_run_arguments, open_run, setup_logging
+from jobs.runtime import add_run_arguments, open_run, setup_logging
 from jobs.store import ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger("jobs.proxy")
@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except (StoreError, ValueError) as error:
         log.error("cannot open the run at %s: %s", args.spec, error)
         return 2
-    token = os.environ.get(ENV_UPSTREAM_TOKEN) or None
+    token = settings.UPSTREAM_TOKEN.get()
     if token is None:
-        log.warning("%s is not set: upstream requests carry no Authorization header", ENV_UPSTREAM_TOKEN)
+        log.warning("%s is not set: upstream requests carry no Authorization header", settings.UPSTREAM_TOKEN.name)
     try:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             runner.run(serve(config, context.spec, context.store, token))

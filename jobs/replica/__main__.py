@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import ctypes
 import logging
-import os
 import shutil
 import signal
 import socket
@@ -24,12 +23,13 @@ from pathlib import Path
 
 from aiohttp import web
 
+from jobs import settings
 from jobs.models import resolve_model
 from jobs.processes import terminate_group
 from jobs.replica.engine_command import choose_engine, engine_command
 from jobs.replica.heartbeat import Heartbeat
 from jobs.replica.sidecar import Sidecar
-from jobs.runtime import ENV_REPLICA_TOKEN, RunContext, add_run_arguments, open_run, setup_logging
+from jobs.runtime import RunContext, add_run_arguments, open_run, setup_logging
 
 log = logging.getLogger("jobs.replica")
 ENGINE_STOP_GRACE_S = 20.0
@@ -86,7 +86,7 @@ class ReplicaJob:
             store=self.store,
             max_staleness=self.spec.grpo.max_staleness,
             cache_root=self.cache_root,
-            token=os.environ.get(ENV_REPLICA_TOKEN) or None,
+            token=settings.REPLICA_TOKEN.get(),
         )
         self.engine: asyncio.subprocess.Process | None = None
 

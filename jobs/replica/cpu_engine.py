@@ -40,13 +40,14 @@ from typing import Any
 
 from aiohttp import web
 
+from jobs import settings
 from jobs.replica.batcher import AdapterError, BatchEngine, EngineBusy, Sequence
 from jobs.replica.errors import error_response, no_adapter_found, success_text
 from jobs.replica.sampling import LOGPROB_FLOOR, SamplingParams, parse_sampling
 from jobs.runtime import setup_logging
 
 log = logging.getLogger("jobs.replica.cpu_engine")
-ENV_FAULT_SERVE_PREVIOUS = "GRPO_FAULT_SERVE_PREVIOUS_ADAPTER"  # the fault-injection switch: see the docstring
+FAULT_SWITCH = settings.FAULT_SERVE_PREVIOUS_ADAPTER  # the fault-injection switch: see the docstring
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 PAUSE_MODES = ("abort", "wait", "keep")
 # Completion fields whose non-default values this engine does not implement: refused rather than silently ignored.
@@ -269,7 +270,7 @@ class CpuEngineServer:
         """The stale-replica fault: the adapter asked for before this one (still on disk), else the one asked for."""
         previous, self._last_requested = self._last_requested, requested
         if previous is not None and (previous / "adapter_config.json").is_file():
-            log.warning("fault injection (%s): serving %s instead of %s", ENV_FAULT_SERVE_PREVIOUS, previous, requested)
+            log.warning("fault injection (%s): serving %s instead of %s", FAULT_SWITCH.name, previous, requested)
             return previous
         return requested
 
@@ -285,7 +286,7 @@ class CpuEngineServer:
         log.info("unloaded LoRA adapter %s", name)
         if self.serve_previous and self.heal_when_emptied and not self.engine.adapters():
             self.serve_previous = False
-            log.warning("fault injection (%s): healed, every adapter unloaded", ENV_FAULT_SERVE_PREVIOUS)
+            log.warning("fault injection (%s): healed, every adapter unloaded", FAULT_SWITCH.name)
         return success_text(f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ---- generation ------------------------------------------------------------------------------------------
@@ -629,7 +630,7 @@ async def serve(args: argparse.Namespace) -> None:
         prefill_sharing=not args.no_prefill_sharing,
     )
     engine.start()
-    fault = os.environ.get(ENV_FAULT_SERVE_PREVIOUS)
+    fault = FAULT_SWITCH.get()
     stale, heals = fault in ("1", "until-emptied"), fault == "until-emptied"
     server = CpuEngineServer(engine, tokenizer, served, serve_previous=stale, heal_when_emptied=heals)
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)

@@ -14,15 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from jobs import settings
 from jobs.contract import RunSpec
 from jobs.contract.derived import replica_tensor_parallel, vllm_max_lora_rank, vllm_max_loras
-from jobs.runtime import ENV_REPLICA_TOKEN, ENV_UPSTREAM_TOKEN
 
 # The public recipe's value: what the KV cache may take of the GPU, leaving room for LoRA slots and activations.
 GPU_MEMORY_UTILIZATION = 0.85
 _ENGINE_ENV_DROPPED = (
-    ENV_REPLICA_TOKEN,
-    ENV_UPSTREAM_TOKEN,
+    settings.REPLICA_TOKEN.name,
+    settings.UPSTREAM_TOKEN.name,
     "AWS_ACCESS_KEY_ID",
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",

@@ -29,6 +29,7 @@ from botocore.exceptions import (
     ResponseStreamingError,
 )
 
+from jobs import settings
 from jobs.contract.storage_uri import StorageLocation
 from jobs.retry import RetryPolicy, retry_call
 from jobs.secrets import register_secret
@@ -70,16 +71,18 @@ class StoreCredentials:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> StoreCredentials | None:
-        env = os.environ if environ is None else environ
-        key, secret = env.get("AWS_ACCESS_KEY_ID"), env.get("AWS_SECRET_ACCESS_KEY")
+        key, secret = settings.AWS_ACCESS_KEY_ID.get(environ), settings.AWS_SECRET_ACCESS_KEY.get(environ)
         if not key or not secret:
             return None
-        return cls(key, secret, env.get("AWS_SESSION_TOKEN") or None)
+        return cls(key, secret, settings.AWS_SESSION_TOKEN.get(environ))
 
     def as_env(self) -> dict[str, str]:
-        env = {"AWS_ACCESS_KEY_ID": self.access_key_id, "AWS_SECRET_ACCESS_KEY": self.secret_access_key}
+        env = {
+            settings.AWS_ACCESS_KEY_ID.name: self.access_key_id,
+            settings.AWS_SECRET_ACCESS_KEY.name: self.secret_access_key,
+        }
         if self.session_token:
-            env["AWS_SESSION_TOKEN"] = self.session_token
+            env[settings.AWS_SESSION_TOKEN.name] = self.session_token
         return env
 
 

@@ -19,17 +19,16 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from jobs import pins
+from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
 from jobs.models import eos_token_ids, parameter_count, resolve_model
-from jobs.runtime import ENV_UPSTREAM_TOKEN, RunContext, add_run_arguments, open_run, read_json, setup_logging, spec_uri
+from jobs.runtime import RunContext, add_run_arguments, open_run, read_json, setup_logging, spec_uri
 from jobs.store import StoreError
 from jobs.trainer import cpu_compat, ranks
 from jobs.trainer.audit import AuditCallback, PolicyAudit, PolicyAuditFailed, tolerance_for
@@ -73,24 +72,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_arguments(parser)
     parser.add_argument(
         "--output-dir",
-        default=os.environ.get("GRPO_TRAINER_WORKDIR") or None,
-        help="local working folder, the same for every rank (default: $GRPO_TRAINER_WORKDIR, else a temporary one)",
+        default=settings.TRAINER_WORKDIR.get(),
+        help=f"local working folder, the same for every rank (default: ${settings.TRAINER_WORKDIR.name}, else a "
+        "temporary one)",
     )
     parser.add_argument("--proxy-port", type=int, default=8000)
     parser.add_argument("--replica-wait", type=float, default=900.0, help="seconds to wait for healthy replicas")
     parser.add_argument(
         "--replica-loss-timeout",
         type=float,
-        default=float(os.environ.get("GRPO_REPLICA_LOSS_TIMEOUT", "180")),
-        help="seconds with no healthy replica before the run fails (default: $GRPO_REPLICA_LOSS_TIMEOUT or 180)",
+        default=settings.REPLICA_LOSS_TIMEOUT.number(),
+        help=f"seconds with no healthy replica before the run fails (default: ${settings.REPLICA_LOSS_TIMEOUT.name} "
+        f"or {settings.REPLICA_LOSS_TIMEOUT.default})",
     )
     parser.add_argument(
         "--store-outage-timeout",
         type=float,
-        default=float(os.environ.get("GRPO_STORE_OUTAGE_TIMEOUT", "300")),
-        help="seconds the bucket may fail every call before the run stops (default: $GRPO_STORE_OUTAGE_TIMEOUT or 300)",
+        default=settings.STORE_OUTAGE_TIMEOUT.number(),
+        help=f"seconds the bucket may fail every call before the run stops (default: "
+        f"${settings.STORE_OUTAGE_TIMEOUT.name} or {settings.STORE_OUTAGE_TIMEOUT.default})",
     )
-    parser.add_argument("--torch-threads", type=int, default=int(os.environ.get("GRPO_TORCH_THREADS", "0")) or None)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=int(settings.TORCH_THREADS.number() or 0) or None,
+        help=f"CPU threads for torch (default: ${settings.TORCH_THREADS.name}, else torch's own choice)",
+    )
     return parser.parse_args(argv)
 
 
@@ -268,7 +275,7 @@ def watch_trainer(
         ctx.store,
         spec.run_id,
         proxy.replicas,
-        os.environ.get(ENV_UPSTREAM_TOKEN),
+        settings.UPSTREAM_TOKEN.get(),
         spec.grpo.temperature,
         tolerance_for(audit_dtype(spec, cuda)),
         telemetry,

@@ -7,13 +7,12 @@ means it has: the HF token it was given (HF Jobs), or the process groups (local)
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
+from jobs import settings
 from jobs.contract import layout
 from jobs.contract.control import JOBS, JobsRecord
 from jobs.processes import terminate_group
-from jobs.runtime import ENV_HF_TOKEN
 from jobs.store import ObjectNotFound, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -71,7 +70,7 @@ def cancel_hf_job(job_id: str, namespace: str | None) -> None:
 
     def cancel() -> None:
         try:
-            cancel_unless_ended(HfApi(token=os.environ.get(ENV_HF_TOKEN)), job_id, namespace)
+            cancel_unless_ended(HfApi(token=settings.HF_TOKEN.get()), job_id, namespace)
         except BaseException as error:
             errors.append(error)
 
