@@ -49,18 +49,20 @@ def build_app(panel: Panel) -> gr.Blocks:
     return app
 
 
-def _timers(page: str) -> list[gr.Timer]:
-    """Timer updates for [Runs, Monitor, Adapters]: only the open page's timer runs."""
-    return [gr.Timer(active=page == name) for name in ("runs", "monitor", "adapters")]
-
-
 def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, account, tab_of: dict) -> None:
-    timers = [runs.timer, monitor.timer, adapters.timer]
+    timer_of = {"runs": runs.timer, "monitor": monitor.timer, "adapters": adapters.timer}
+    timers = list(timer_of.values())
 
-    def navigate(run_id: str, profile: gr.OAuthProfile | None = None) -> list:
+    def _timers(page: str) -> dict:
+        """Only the open page's timer runs."""
+        return {timer: gr.Timer(active=page == name) for name, timer in timer_of.items()}
+
+    def navigate(run_id: str, profile: gr.OAuthProfile | None = None) -> dict:
         """Open `run_id` in the monitor."""
         choices = run_choices(panel.services_or_none(profile))
-        return [gr.Tabs(selected="monitor"), gr.Dropdown(choices=choices, value=run_id), *_timers("monitor")]
+        return {tabs: gr.Tabs(selected="monitor"), monitor.run: gr.Dropdown(choices=choices, value=run_id)} | _timers(
+            "monitor"
+        )
 
     nav_outputs = [tabs, monitor.run, *timers]
     launch.wire_launch(navigate, nav_outputs)
@@ -89,8 +91,8 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     )
     child = gr.State(None)
 
-    def follow_branch(run_id: str | None, started: bool, profile: gr.OAuthProfile | None = None) -> list:
-        return navigate(run_id, profile) if run_id and started else [gr.skip()] * len(nav_outputs)
+    def follow_branch(run_id: str | None, started: bool, profile: gr.OAuthProfile | None = None) -> dict:
+        return navigate(run_id, profile) if run_id and started else {}
 
     runs.branch_button.click(
         runs.branch, [runs.selected, runs.branch_version, runs.branch_id, runs.branch_now], [child]
@@ -99,8 +101,8 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     )
 
     # A branch from the Adapters page: show it in Runs, overlaid on its parent.
-    def show_branch(run_id: str, parent_id: str, profile: gr.OAuthProfile | None = None) -> list:
-        return [gr.Tabs(selected="runs"), *_timers("runs"), *runs.refresh([parent_id, run_id], None, profile)]
+    def show_branch(run_id: str, parent_id: str, profile: gr.OAuthProfile | None = None) -> dict:
+        return {tabs: gr.Tabs(selected="runs")} | _timers("runs") | runs.refresh([parent_id, run_id], None, profile)
 
     adapters.branch_button.click(
         adapters.branch, [adapters.run, adapters.version, adapters.branch_id, adapters.branch_now], [child]

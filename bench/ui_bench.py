@@ -139,7 +139,7 @@ def tick_costs(ctx: PanelContext, repeats: int) -> dict[str, float]:
             started = time.perf_counter()
             outputs = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "")
             times.append((time.perf_counter() - started) * 1000)
-            drawn = outputs[-1]
+            drawn = outputs[monitor.drawn]
         costs[f"redraw {subtab}"] = statistics.median(times)
         idle = []
         for _ in range(repeats):

@@ -801,7 +801,8 @@ def test_the_launch_form_will_not_launch_what_its_check_refused(gate):
         page.build()
     form = {**form_from_spec(gate.spec(lora={"rank": 0})), "store_credential": "", "hf_credential": ""}
     values = {page.inputs[key]: form[key] for key in KEYS}
-    outputs = dict(zip(page._check_outputs(), page.check(values), strict=True))
+    outputs = page.check(values)
+    assert set(outputs) == set(page._check_outputs())
     assert outputs[page.checked] == ""
     assert outputs[page.launch_button].interactive is False
     assert "LoRA rank: 0 is out of range" in outputs[page.slots["training"]].value

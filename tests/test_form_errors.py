@@ -400,7 +400,8 @@ def test_a_secret_in_reward_code_is_shown_under_the_code_editor(tmp_path, form):
         page.build()
     source = f'TOKEN = "{SECRET}"\n' + CODE_TEMPLATE
     values = {page.inputs[key]: value for key, value in {**form, "code_source": source}.items() if key in KEYS}
-    outputs = dict(zip(page._check_outputs(), page.check(values), strict=True))
+    outputs = page.check(values)
+    assert set(outputs) == set(page._check_outputs())
     notes = {slot: outputs[page.slots[slot]] for slot in SLOTS}
     code_note = notes["rewards_code"]
     assert code_note.visible and "Code of reward 2 (custom): holds what looks like" in code_note.value

@@ -341,7 +341,7 @@ def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
     for subtab in SUBTABS:
         shown = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", alice)
         scan.scan(f"monitor {subtab}", repr(shown))
-        assert RUN_ID in repr(shown[0])  # alice does see her run
+        assert RUN_ID in repr(shown[pages.monitor.header])  # alice does see her run
     scan.scan("adapters page", repr(pages.adapters.show_run(RUN_ID, alice)))
     scan.scan("launch page credentials", repr(pages.launch.on_open("", "", alice)))
     pages.adapters.prepare_download(RUN_ID, 1, alice)
@@ -730,9 +730,10 @@ def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
     assert [value for value in alices if value in repr(shown)] == []
     assert "bob-draft" in repr(shown[0]) and "bobs token" in repr(shown[3])  # bob does see his own
     for subtab in SUBTABS:  # asked for alice's run by id, the monitor answers as for a run that does not exist
-        header, banner, *rest, drawn = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", bob)
-        assert header == cards.empty_state(f"No run {RUN_ID}.") and drawn == {}
-        assert banner.visible is False and all(isinstance(item, dict) for item in rest)
+        monitor = pages.monitor
+        shown = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", bob)
+        assert shown[monitor.header] == cards.empty_state(f"No run {RUN_ID}.") and shown[monitor.drawn] == {}
+        assert shown[monitor.alerts].visible is False and set(shown) == {monitor.header, monitor.alerts, monitor.drawn}
 
 
 def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_new_runs):
@@ -747,16 +748,16 @@ def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_ne
         }
     )
     values = {page.inputs[key]: form[key] for key in KEYS}
-    outputs = dict(zip(page._check_outputs(), page.check(values, bob), strict=True))
+    outputs = page.check(values, bob)
     assert outputs[page.checked] == "" and outputs[page.launch_button].interactive is False
     assert f"no credential {owners.alice_keys} for this account" in outputs[page.slots["storage"]].value
     connection = page.test_connection({**values, page.access_key: "", page.secret_key: ""}, bob)
-    assert f"no credential {owners.alice_keys} for this account" in connection[0].value
+    assert f"no credential {owners.alice_keys} for this account" in connection[page.slots["storage"]].value
     # Even a "passed" check naming alice's keys (as if the check had been fooled) launches nothing.
     run_id, _ = page.launch({**values, page.checked: page._fingerprint(form)}, bob)
     assert run_id is None
     hub_form = {**form, "compute.backend": "hf_jobs"}
-    cost = page.estimate_cost({page.inputs[key]: hub_form[key] for key in KEYS}, bob)[0]
+    cost = page.estimate_cost({page.inputs[key]: hub_form[key] for key in KEYS}, bob)[page.cost]
     assert "$—/h" in cost and f"no credential {owners.alice_hf} for this account" in cost
     smoke_form = {
         **hub_form,

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import time
 
+import boto3
 import pytest
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError
 
 from jobs.contract import layout, parse_storage_uri
 from jobs.retry import RetryPolicy
@@ -227,6 +230,30 @@ def test_a_read_timeout_is_retried(moto_server):
         assert store.get_bytes("k") == b"v"
     finally:
         proxy.stop()
+
+
+def test_a_body_cut_mid_read_is_read_again_which_botocores_own_retries_do_not(faulty_s3, moto_server):
+    """Why the store retries with jobs.retry rather than botocore's retry modes: botocore retries a request until its
+    answer's head arrives, and the body is read after that, outside its loop; a body cut mid-read (a reset gateway,
+    a dropped connection on a long download) reaches the caller. The store's retry wraps the whole read."""
+    store, proxy = faulty_s3
+    payload = bytes(range(256)) * 64
+    store.put_bytes("k", payload)
+    proxy.inject("cut", count=2, methods=("GET",))
+    assert store.get_bytes("k") == payload
+    assert proxy.injected == 2
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=proxy.url,
+        region_name="us-east-1",
+        aws_access_key_id=moto_server.credentials.access_key_id,
+        aws_secret_access_key=moto_server.credentials.secret_access_key,
+        config=Config(retries={"mode": "standard", "max_attempts": 5}, s3={"addressing_style": "path"}),
+    )
+    proxy.inject("cut", count=1, methods=("GET",))
+    with pytest.raises(BotoCoreError):
+        client.get_object(Bucket=store.bucket, Key=store._key("k"))["Body"].read()
 
 
 def test_persistent_5xx_ends_in_a_clear_transient_error(faulty_s3):

@@ -53,16 +53,16 @@ class AccountPage:
     def refresh_outputs(self) -> list:
         return [self.who, self.table, self.delete_id]
 
-    def refresh(self, profile: gr.OAuthProfile | None = None, token: gr.OAuthToken | None = None) -> list:
+    def refresh(self, profile: gr.OAuthProfile | None = None, token: gr.OAuthToken | None = None) -> dict:
         """On page load and after changes; in a Space this also keeps the sign-in token for the user's Jobs."""
         self.panel.remember_oauth_token(profile, token)
         services = self.panel.services_or_none(profile)
         if services is None:
-            return [
-                cards.note("Not signed in: sign in with Hugging Face to launch and see your runs.", "warn"),
-                pd.DataFrame(columns=COLUMNS),
-                gr.Dropdown(choices=[], value=None),
-            ]
+            return {
+                self.who: cards.note("Not signed in: sign in with Hugging Face to launch and see your runs.", "warn"),
+                self.table: pd.DataFrame(columns=COLUMNS),
+                self.delete_id: gr.Dropdown(choices=[], value=None),
+            }
         if services.owner == LOCAL_OWNER:
             who = cards.note(
                 "This machine has a single owner, “local”: every run here is yours. Add an HF token "
@@ -86,18 +86,19 @@ class AccountPage:
         if not saved:
             table = pd.DataFrame([["No credentials saved yet", "", "", ""]], columns=COLUMNS)
         choices = [(f"{c.name} · {c.masked}", c.id) for c in saved]
-        return [who, table, gr.Dropdown(choices=choices, value=None)]
+        return {self.who: who, self.table: table, self.delete_id: gr.Dropdown(choices=choices, value=None)}
 
-    def save_token(self, name: str, token: str, profile: gr.OAuthProfile | None = None) -> list:
+    def save_token(self, name: str, token: str, profile: gr.OAuthProfile | None = None) -> dict:
         services = self.panel.services(profile)
         if not (token or "").strip():
-            return [cards.field_error(["Paste a token first."]), "", *self.refresh(profile)]
+            return {self.result: cards.field_error(["Paste a token first."]), self.token: "", **self.refresh(profile)}
         credential = services.credentials.save(services.owner, (name or "hf-token").strip(), "hf_token", token)
-        return [cards.note(f"Saved {credential.name} ({credential.masked}).", "good"), "", *self.refresh(profile)]
+        saved = cards.note(f"Saved {credential.name} ({credential.masked}).", "good")
+        return {self.result: saved, self.token: "", **self.refresh(profile)}
 
-    def delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> list:
+    def delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> dict:
         services = self.panel.services(profile)
         if credential_id is None:
-            return [cards.note("Pick a credential to delete.", "warn"), *self.refresh(profile)]
+            return {self.result: cards.note("Pick a credential to delete.", "warn"), **self.refresh(profile)}
         services.credentials.delete(services.owner, int(credential_id))
-        return [cards.note("Deleted.", "good"), *self.refresh(profile)]
+        return {self.result: cards.note("Deleted.", "good"), **self.refresh(profile)}

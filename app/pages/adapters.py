@@ -138,22 +138,17 @@ class AdaptersPage:
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
+    def _listing_outputs(self) -> list:
+        return [self.lineage, self.table, self.version, self.version_a, self.version_b, self.listed]
+
     def _wire(self) -> None:
-        listing = [self.lineage, self.table, self.version, self.version_a, self.version_b, self.download, self.listed]
-        self.run.change(self.show_run, [self.run], listing)
-        self.timer.tick(
-            self.refresh,
-            [self.run, self.listed],
-            [self.lineage, self.table, self.version, self.version_a, self.version_b, self.listed],
-            show_progress="hidden",
-        )
+        self.run.change(self.show_run, [self.run], [*self._listing_outputs(), self.download])
+        self.timer.tick(self.refresh, [self.run, self.listed], self._listing_outputs(), show_progress="hidden")
         self.table.select(_picked_version, None, self.version)
         self.version.change(lambda: gr.DownloadButton(visible=False), None, self.download)
         self.prepare_button.click(self.prepare_download, [self.run, self.version], [self.download, self.action])
         self.current_button.click(self.make_current, [self.run, self.version], [self.action]).then(
-            self.refresh,
-            [self.run],
-            [self.lineage, self.table, self.version, self.version_a, self.version_b, self.listed],
+            self.refresh, [self.run], self._listing_outputs()
         )
         self.publish_button.click(self.publish, [self.run, self.version, self.repo, self.private], [self.action])
         self.compare_button.click(
@@ -176,45 +171,48 @@ class AdaptersPage:
         value = current if current in ids else (run_id if run_id in ids else (ids[0] if ids else None))
         return gr.Dropdown(choices=choices, value=value)
 
-    def show_run(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> list:
+    def show_run(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> dict:
         """A run was picked: list its versions and preselect the current one, and the pair to compare."""
         services = self.panel.services_or_none(profile)
         if services is None or not run_id:
             empty = gr.Dropdown(choices=[], value=None)
-            return [cards.empty_state("Pick a run to see its adapter versions."), versions_table(None, []), empty,
-                    empty, empty, gr.DownloadButton(visible=False), None]  # fmt: skip
+            return {
+                self.lineage: cards.empty_state("Pick a run to see its adapter versions."),
+                self.table: versions_table(None, []),
+                **{picker: empty for picker in (self.version, self.version_a, self.version_b)},
+                self.download: gr.DownloadButton(visible=False),
+                self.listed: None,
+            }
         run = services.runs.get(run_id)
         versions = services.adapters.versions(run_id)
-        lineage, table, choices, key = self._listing(services, run, versions)
+        listing, choices = self._listing(services, run, versions)
         latest = versions[-1].version if versions else None
         trained = [v.version for v in versions if v.step and v.version != latest]  # skip the untrained initial one
         first = trained[0] if trained else (versions[0].version if versions else None)
         chosen = run.current_version if run.current_version is not None else latest
-        return [
-            lineage,
-            table,
-            gr.Dropdown(choices=choices, value=chosen),
-            gr.Dropdown(choices=choices, value=first),
-            gr.Dropdown(choices=choices, value=latest),
-            gr.DownloadButton(visible=False),
-            key,
-        ]
+        return listing | {
+            self.version: gr.Dropdown(choices=choices, value=chosen),
+            self.version_a: gr.Dropdown(choices=choices, value=first),
+            self.version_b: gr.Dropdown(choices=choices, value=latest),
+            self.download: gr.DownloadButton(visible=False),
+        }
 
-    def refresh(self, run_id: str | None, listed: list | None = None, profile: gr.OAuthProfile | None = None) -> list:
+    def refresh(self, run_id: str | None, listed: list | None = None, profile: gr.OAuthProfile | None = None) -> dict:
         """A tick: when versions were added (or an alias moved), update the list, keeping every selection."""
         services = self.panel.services_or_none(profile)
         if services is None or not run_id:
-            return [gr.skip()] * 6
+            return {}
         run = services.runs.get(run_id)
         versions = services.adapters.versions(run_id)
-        lineage, table, choices, key = self._listing(services, run, versions)
-        if key == listed:
-            return [gr.skip()] * 6
-        return [lineage, table, gr.Dropdown(choices=choices), gr.Dropdown(choices=choices),
-                gr.Dropdown(choices=choices), key]  # fmt: skip
+        listing, choices = self._listing(services, run, versions)
+        if listing[self.listed] == listed:
+            return {}
+        return listing | {
+            picker: gr.Dropdown(choices=choices) for picker in (self.version, self.version_a, self.version_b)
+        }
 
-    @staticmethod
-    def _listing(services: PanelServices, run: Run, versions: list[AdapterVersion]) -> tuple:
+    def _listing(self, services: PanelServices, run: Run, versions: list[AdapterVersion]) -> tuple[dict, list]:
+        """The lineage, the versions table and what they were drawn from; the versions as choices."""
         children = [r for r in services.runs.list() if r.parent_run_id == run.id]
         lineage = cards.lineage(run, children)
         if not versions:
@@ -225,17 +223,21 @@ class AdaptersPage:
         choices = [(f"v{v.version} · step {v.step}", v.version) for v in reversed(versions)]
         key = [run.id, [v.version for v in versions], run.current_version, run.best_version,
                [(c.id, c.status) for c in children]]  # fmt: skip
-        return lineage, versions_table(run, versions), choices, key
+        return {self.lineage: lineage, self.table: versions_table(run, versions), self.listed: key}, choices
 
-    def prepare_download(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> list:
+    def prepare_download(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> dict:
         services = self.panel.services(profile)
         if not run_id or version is None:
             raise gr.Error("Pick a run and a version first.")
         path = Path(shutil.copy(services.adapters.download_zip(run_id, int(version)), self.downloads))
-        return [
-            gr.DownloadButton(f"Save {path.name} ({size(path.stat().st_size)})", value=str(path), visible=True),
-            cards.note(f"v{version} fetched from the bucket and checked against its manifest: press Save.", "good"),
-        ]
+        return {
+            self.download: gr.DownloadButton(
+                f"Save {path.name} ({size(path.stat().st_size)})", value=str(path), visible=True
+            ),
+            self.action: cards.note(
+                f"v{version} fetched from the bucket and checked against its manifest: press Save.", "good"
+            ),
+        }
 
     def make_current(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> str:
         services = self.panel.services(profile)
@@ -268,16 +270,16 @@ class AdaptersPage:
 
     def compare(
         self, run_id: str | None, version_a: int | None, version_b: int | None, profile: gr.OAuthProfile | None = None
-    ) -> list:
+    ) -> dict:
         services = self.panel.services(profile)
         if not run_id or version_a is None or version_b is None:
             raise gr.Error("Pick two versions to compare.")
         comparison = services.adapters.compare(run_id, int(version_a), int(version_b))
-        return [
-            cards.comparison_stats(comparison),
-            norms_heatmap(comparison),
-            gr.Dataframe(metrics_table(comparison), visible=True),
-        ]
+        return {
+            self.summary: cards.comparison_stats(comparison),
+            self.heatmap: norms_heatmap(comparison),
+            self.metrics: gr.Dataframe(metrics_table(comparison), visible=True),
+        }
 
     def generate(
         self,

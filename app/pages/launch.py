@@ -368,28 +368,9 @@ class LaunchPage:
     def _form(self, values: dict) -> dict[str, Any]:
         return {key: values[component] for key, component in self.inputs.items()}
 
-    def _slot_outputs(self) -> list[gr.HTML]:
-        return [self.slots[name] for name in SLOTS]
-
     def _wire(self) -> None:
         i = self.inputs
-        form_outputs = [i[key] for key in self.form.keys]
-        self.preset.change(
-            self.apply_preset,
-            [self.preset],
-            [
-                *form_outputs,
-                *self._slot_outputs(),
-                self.launch_button,
-                self.status,
-                self.code_group,
-                self.remote_row,
-                self.keys_row,
-                self.cost,
-                self.trials,
-                self.preview,
-            ],
-        )
+        self.preset.change(self.apply_preset, [self.preset], self._preset_outputs())
         i["bucket_kind"].input(
             self.on_bucket_kind,
             [i["bucket_kind"], i["storage.uri"]],
@@ -438,7 +419,7 @@ class LaunchPage:
 
     def _check_outputs(self) -> list:
         return [
-            *self._slot_outputs(),
+            *self.slots.values(),
             self.preview,
             self.trials,
             self.cost,
@@ -455,14 +436,16 @@ class LaunchPage:
         """What refreshes when the page is opened: the credential dropdowns (they may have changed elsewhere)."""
         return [self.inputs["store_credential"], self.inputs["hf_credential"]]
 
-    def on_open(self, store_value: str, hf_value: str, profile: gr.OAuthProfile | None) -> list:
+    def on_open(self, store_value: str, hf_value: str, profile: gr.OAuthProfile | None) -> dict:
         services = self.panel.services_or_none(profile)
         store = credential_choices(services, "s3", "no keys")
         token = credential_choices(services, "hf_token", "no token")
-        return [
-            gr.Dropdown(choices=store, value=store_value if store_value in {v for _, v in store} else NONE),
-            gr.Dropdown(choices=token, value=hf_value if hf_value in {v for _, v in token} else _default(token)),
-        ]
+        store_value = store_value if store_value in {v for _, v in store} else NONE
+        hf_value = hf_value if hf_value in {v for _, v in token} else _default(token)
+        return {
+            self.inputs["store_credential"]: gr.Dropdown(choices=store, value=store_value),
+            self.inputs["hf_credential"]: gr.Dropdown(choices=token, value=hf_value),
+        }
 
     # --- handlers -----------------------------------------------------------------------------------------------
 
@@ -472,64 +455,72 @@ class LaunchPage:
             return presets.math_recipe(new_run_id("math"), namespace, "grpo-runs")
         return presets.demo(new_run_id("demo"), f"file://{self.panel.ctx.folder / 'store'}")
 
-    def apply_preset(self, preset: str, profile: gr.OAuthProfile | None = None) -> list:
+    def _preset_outputs(self) -> list:
+        return [
+            *self.inputs.values(),
+            *self.slots.values(),
+            self.launch_button,
+            self.status,
+            self.code_group,
+            self.remote_row,
+            self.keys_row,
+            self.cost,
+            self.trials,
+            self.preview,
+        ]
+
+    def apply_preset(self, preset: str, profile: gr.OAuthProfile | None = None) -> dict:
         form = self.form.form_from_spec(self._preset_spec(preset, self.panel.owner(profile)))
         kind = form["bucket_kind"]
         remote = kind != "local"
-        hint = BUCKET_HINTS[kind]
-        values = []
-        for key in self.form.keys:
-            if key == "storage.uri":
-                values.append(gr.update(value=form[key], placeholder=hint[0]))
-            elif key == "storage.endpoint":
-                values.append(gr.update(value=form[key], placeholder=hint[1], interactive=kind in ("r2", "minio")))
-            elif key == "storage.region":
-                values.append(
-                    gr.update(value=form[key], placeholder=hint[2], interactive=kind in ("aws", "r2", "minio"))
-                )
-            elif key in _HUB_ONLY:
-                values.append(gr.update(value=form[key], visible=form["compute.backend"] == "hf_jobs"))
-            elif key in ("format_tags", "length_target", "regex_pattern"):
-                values.append(gr.update(value=form[key], visible=key.split("_")[0] in form["builtin_rewards"]))
-            elif key in ("store_credential", "hf_credential"):
-                values.append(gr.update())
-            else:
-                values.append(form[key])
-        return [
-            *values,
-            *[_errors([])] * len(SLOTS),
-            gr.Button(interactive=False),
-            cards.note("Preset loaded. Press Check settings: Launch is enabled once every check passes."),
-            gr.Group(visible=form["code_enabled"]),
-            gr.Row(visible=remote),
-            gr.Row(visible=remote),
-            self._cost_html(form, None),
-            gr.Dataframe(visible=False),
-            preview_table([]),
-        ]
+        uri_hint, endpoint_hint, region_hint = BUCKET_HINTS[kind]
+        i = self.inputs
+        updates: dict = {i[key]: value for key, value in form.items()}
+        updates |= {
+            i["storage.uri"]: gr.update(value=form["storage.uri"], placeholder=uri_hint),
+            i["storage.endpoint"]: gr.update(
+                value=form["storage.endpoint"], placeholder=endpoint_hint, interactive=kind in ("r2", "minio")
+            ),
+            i["storage.region"]: gr.update(
+                value=form["storage.region"], placeholder=region_hint, interactive=kind in ("aws", "r2", "minio")
+            ),
+            **{i[key]: gr.update(value=form[key], visible=form["compute.backend"] == "hf_jobs") for key in _HUB_ONLY},
+            **{
+                i[key]: gr.update(value=form[key], visible=key.split("_")[0] in form["builtin_rewards"])
+                for key in ("format_tags", "length_target", "regex_pattern")
+            },
+        }
+        return updates | {
+            **{slot: _errors([]) for slot in self.slots.values()},
+            self.launch_button: gr.Button(interactive=False),
+            self.status: cards.note("Preset loaded. Press Check settings: Launch is enabled once every check passes."),
+            self.code_group: gr.Group(visible=form["code_enabled"]),
+            self.remote_row: gr.Row(visible=remote),
+            self.keys_row: gr.Row(visible=remote),
+            self.cost: self._cost_html(form, None),
+            self.trials: gr.Dataframe(visible=False),
+            self.preview: preview_table([]),
+        }
 
-    @staticmethod
-    def on_bucket_kind(kind: str, uri: str) -> list:
+    def on_bucket_kind(self, kind: str, uri: str) -> dict:
         uri_hint, endpoint_hint, region_hint = BUCKET_HINTS[kind]
         scheme = {"local": "file://", "hf": "hf://"}.get(kind, "s3://")
         remote = kind != "local"
-        return [
-            gr.update(placeholder=uri_hint, value=uri if uri.startswith(scheme) else ""),
-            gr.update(placeholder=endpoint_hint, interactive=kind in ("r2", "minio")),
-            gr.update(placeholder=region_hint, interactive=kind in ("aws", "r2", "minio")),
-            gr.Row(visible=remote),
-            gr.Row(visible=remote),
-        ]
+        i = self.inputs
+        return {
+            i["storage.uri"]: gr.update(placeholder=uri_hint, value=uri if uri.startswith(scheme) else ""),
+            i["storage.endpoint"]: gr.update(placeholder=endpoint_hint, interactive=kind in ("r2", "minio")),
+            i["storage.region"]: gr.update(placeholder=region_hint, interactive=kind in ("aws", "r2", "minio")),
+            self.remote_row: gr.Row(visible=remote),
+            self.keys_row: gr.Row(visible=remote),
+        }
 
-    @staticmethod
-    def mark_changed(checked: str) -> list:
+    def mark_changed(self, checked: str) -> dict:
         if not checked:
-            return [gr.Button(interactive=False), gr.update(), gr.update()]
-        return [
-            gr.Button(interactive=False),
-            cards.note("Settings changed since the last check: press Check settings again.", "warn"),
-            gr.Accordion(visible=False),  # the plan shown was that of the settings checked
-        ]
+            return {self.launch_button: gr.Button(interactive=False)}
+        return self._launch_status("Settings changed since the last check: press Check settings again.", "warn") | {
+            self.plan_group: gr.Accordion(visible=False)  # the plan shown was that of the settings checked
+        }
 
     def _prices(self, values: dict[str, Any], services: PanelServices | None) -> tuple[dict[str, float] | None, str]:
         credential = values.get("hf_credential")
@@ -564,17 +555,17 @@ class LaunchPage:
             f"{money(prices[replica], per_hour=True)}{cap}",
         )
 
-    def estimate_cost(self, values: dict, profile: gr.OAuthProfile | None = None) -> list:
+    def estimate_cost(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
         form = {key: values[self.inputs[key]] for key in _COST_INPUTS}
         prices, problem = self._prices(form, self.panel.services_or_none(profile))
         flavors = sorted(prices) if prices else COMMON_FLAVORS
-        return [
-            self._cost_html(form, prices, problem),
-            gr.Dropdown(choices=flavors),
-            gr.Dropdown(choices=flavors),
-        ]
+        return {
+            self.cost: self._cost_html(form, prices, problem),
+            self.inputs["compute.trainer_flavor"]: gr.Dropdown(choices=flavors),
+            self.inputs["compute.replica_flavor"]: gr.Dropdown(choices=flavors),
+        }
 
-    def check(self, values: dict, profile: gr.OAuthProfile | None = None) -> list:
+    def check(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
         """Run the backend's preflight on the form; enable Launch only if it passes."""
         services = self.panel.services(profile)
         form = self._form(values)
@@ -610,26 +601,26 @@ class LaunchPage:
                 "field). Launch stays disabled until Check settings passes.",
                 "bad",
             )
-        return [
-            *[_errors(routed[slot]) for slot in SLOTS],
-            preview_table(rows),
-            trials,
-            cost,
-            gr.Button(interactive=result.ok),
-            status,
-            gr.Accordion(open=True) if open_advanced else gr.update(),
-            self._fingerprint(form) if result.ok else "",
-            rows,
-            gr.Accordion(visible=result.plan is not None),
-            cards.json_block(result.plan) if result.plan is not None else "",
-        ]
+        return {
+            **{self.slots[slot]: _errors(routed[slot]) for slot in SLOTS},
+            self.preview: preview_table(rows),
+            self.trials: trials,
+            self.cost: cost,
+            self.launch_button: gr.Button(interactive=result.ok),
+            self.status: status,
+            self.advanced: gr.Accordion(open=True) if open_advanced else gr.update(),
+            self.checked: self._fingerprint(form) if result.ok else "",
+            self.rows: rows,
+            self.plan_group: gr.Accordion(visible=result.plan is not None),
+            self.plan: cards.json_block(result.plan) if result.plan is not None else "",
+        }
 
     def _cost_total(self, form: dict[str, Any], result) -> str:
         if form.get("compute.backend") != "hf_jobs":
             return self._cost_html(form, None)
         return cards.cost_line(money(result.cost_per_hour, per_hour=True), "at the Hub's current prices")
 
-    def test_rewards(self, values: dict, profile: gr.OAuthProfile | None = None) -> list:
+    def test_rewards(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
         """Score sample rows with the rewards on screen, in the sandbox; each error goes next to its reward."""
         services = self.panel.services(profile)
         form = self._form(values)
@@ -671,15 +662,15 @@ class LaunchPage:
                         where = f" (row {trial.row + 1})" if trial.row is not None else ""
                         slot = self.form.slot_of(f"rewards.{index}", reward_slots, code_enabled)
                         errors[slot].append(f"{trial.name}{where}: {trial.error}")
-        return [
-            table,
-            _errors(errors["rewards_builtin"]),
-            _errors(errors["rewards_code"]),
-            rows,
-            preview,
-        ]
+        return {
+            self.trials: table,
+            self.slots["rewards_builtin"]: _errors(errors["rewards_builtin"]),
+            self.slots["rewards_code"]: _errors(errors["rewards_code"]),
+            self.rows: rows,
+            self.preview: preview,
+        }
 
-    def test_connection(self, values: dict, profile: gr.OAuthProfile | None = None) -> list:
+    def test_connection(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
         """Save typed keys to the vault (never echoed back), then probe the bucket with them."""
         services = self.panel.services(profile)
         form = self._form(values)
@@ -693,12 +684,7 @@ class LaunchPage:
             )
             credential_id = credential.id
         elif kind != "local" and (access_key or secret_key):
-            return [
-                _errors(["Bucket keys: enter both the access key id and the secret."]),
-                gr.update(),
-                "",
-                "",
-            ]
+            return {self.slots["storage"]: _errors(["Bucket keys: enter both the access key id and the secret."])}
         built = self.form.spec_from_form(form).spec["storage"]
         try:
             where = services.test_connection(
@@ -711,7 +697,12 @@ class LaunchPage:
             result = _errors([f"Connection failed: {error}"])
         choices = credential_choices(services, "s3", "no keys")
         value = str(credential_id) if credential_id is not None and kind != "local" else NONE
-        return [result, gr.Dropdown(choices=choices, value=value), "", ""]
+        return {
+            self.slots["storage"]: result,
+            self.inputs["store_credential"]: gr.Dropdown(choices=choices, value=value),
+            self.access_key: "",  # typed keys are never shown back: they are in the vault now
+            self.secret_key: "",
+        }
 
     def smoke_test(self, values: dict, profile: gr.OAuthProfile | None = None) -> str:
         """Run the smoke test on the settings that passed the check (it submits a job: no unchecked settings)."""
@@ -730,27 +721,27 @@ class LaunchPage:
             return cards.note(f"Smoke test not started: {error}", "bad")
         return cards.smoke_report(report)
 
-    def launch(self, values: dict, profile: gr.OAuthProfile | None = None) -> tuple[str | None, list]:
+    def launch(self, values: dict, profile: gr.OAuthProfile | None = None) -> tuple[str | None, dict]:
         """Create and start the run whose settings passed the check; returns its id (None if nothing launched)."""
         services = self.panel.services(profile)
         form = self._form(values)
         checked = values[self.checked]
         if not checked or checked != self._fingerprint(form):
-            return None, [
-                gr.Button(interactive=False),
-                cards.note("Settings changed since the last check: press Check settings again.", "warn"),
-            ]
+            return None, self._launch_status(
+                "Settings changed since the last check: press Check settings again.", "warn"
+            )
         store_credential, hf_credential = credentials(form)
         try:
             spec = RunSpec.model_validate(json.loads(checked)["spec"])
             run = services.runs.create(spec, store_credential, hf_credential)
             services.runs.launch(run.id)
         except Exception as error:  # run id taken since the check, bucket gone, ...
-            return None, [gr.Button(interactive=False), cards.note(f"Not launched: {error}", "bad")]
-        return run.id, [
-            gr.Button(interactive=False),
-            cards.note(f"Launched {run.id}: its jobs are starting. Opening the monitor…", "good"),
-        ]
+            return None, self._launch_status(f"Not launched: {error}", "bad")
+        return run.id, self._launch_status(f"Launched {run.id}: its jobs are starting. Opening the monitor…", "good")
+
+    def _launch_status(self, message: str, tone: str) -> dict:
+        """After Launch was pressed it stays disabled: a launched run needs a new check, a refused one too."""
+        return {self.launch_button: gr.Button(interactive=False), self.status: cards.note(message, tone)}
 
     def _fingerprint(self, form: dict[str, Any]) -> str:
         """What a passing check vouches for: the validated spec and the credentials chosen with it."""
@@ -763,11 +754,12 @@ class LaunchPage:
     def wire_launch(self, navigate, outputs: list) -> None:
         """Launch, then open the new run: `navigate(run_id, profile)` gives the updates for `outputs`."""
 
-        def launch_and_open(values: dict, profile: gr.OAuthProfile | None = None) -> list:
+        def launch_and_open(values: dict, profile: gr.OAuthProfile | None = None) -> dict:
             run_id, updates = self.launch(values, profile)
-            follow = navigate(run_id, profile) if run_id else [gr.update()] * len(outputs)
-            fresh = gr.update(value=new_run_id(run_id.split("-")[0])) if run_id else gr.update()
-            return [*updates, "" if run_id else gr.update(), fresh, *follow]
+            if not run_id:
+                return updates
+            fresh = new_run_id(run_id.split("-")[0])
+            return updates | {self.checked: "", self.inputs["run_id"]: fresh} | navigate(run_id, profile)
 
         self.launch_button.click(
             launch_and_open,

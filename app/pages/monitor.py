@@ -113,17 +113,18 @@ class MonitorPage:
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
-    def _figure_outputs(self) -> dict[str, list]:
-        return {
-            "training": [self.reward_plot, self.functions_plot, self.ratio_plot, self.time_plot],
-            "rollouts": [self.queue_plot, self.staleness_plot, self.tokens_plot, self.versions_plot],
-            "replicas": [self.held, self.routing_plot, self.load_plot, self.sync_plot],
-            "samples": [self.step, self.samples, self.best, self.worst],
-            "jobs": [self.jobs],
-        }
-
     def refresh_outputs(self) -> list:
-        return [self.header, self.alerts, *[c for name in SUBTABS for c in self._figure_outputs()[name]], self.drawn]
+        """Everything a tick may redraw; each tick answers only what changed (`refresh`)."""
+        return [
+            self.header,
+            self.alerts,
+            self.drawn,
+            *(self.reward_plot, self.functions_plot, self.ratio_plot, self.time_plot),
+            *(self.queue_plot, self.staleness_plot, self.tokens_plot, self.versions_plot),
+            *(self.held, self.routing_plot, self.load_plot, self.sync_plot),
+            *(self.step, self.samples, self.best, self.worst),
+            self.jobs,
+        ]
 
     def refresh_inputs(self) -> list:
         return [self.run, self.subtab, self.drawn, self.step, self.follow, self.min_reward, self.max_reward]
@@ -165,7 +166,7 @@ class MonitorPage:
         min_reward: str,
         max_reward: str,
         profile: gr.OAuthProfile | None = None,
-    ) -> list:
+    ) -> dict:
         """Like a tick, but redraws the visible sub-tab even if nothing changed (a new run or sub-tab was picked)."""
         return self.refresh(run_id, subtab, {}, step, follow, min_reward, max_reward, profile)
 
@@ -179,9 +180,9 @@ class MonitorPage:
         min_reward: str,
         max_reward: str,
         profile: gr.OAuthProfile | None = None,
-    ) -> list:
-        """One tick: the header and alerts always; the visible sub-tab only when the run logged something new."""
-        skip_all = [gr.skip()] * sum(len(v) for v in self._figure_outputs().values())
+    ) -> dict:
+        """One tick: the header and alerts always; the visible sub-tab only when the run logged something new
+        (what a tick leaves out of its answer stays as it is on the page)."""
         services = self.panel.services_or_none(profile)
         if services is None or not run_id:
             message = (
@@ -189,11 +190,11 @@ class MonitorPage:
                 if services is None
                 else "Pick a run above, or launch one from the Launch tab."
             )
-            return [cards.empty_state(message), gr.HTML(visible=False), *skip_all, {}]
+            return self._frame(cards.empty_state(message), "", {})
         try:
             run = services.runs.get(run_id)
         except RunNotFound:
-            return [cards.empty_state(f"No run {run_id}."), gr.HTML(visible=False), *skip_all, {}]
+            return self._frame(cards.empty_state(f"No run {run_id}."), "", {})
         state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version]
         step_seconds = (
             _recent_step_seconds(self.panel, services, run.id) if run.status not in ("finished", "stopped") else None
@@ -203,92 +204,96 @@ class MonitorPage:
         if run.status == "failed" and run.status_message:
             banner = cards.note(f"The run failed: {run.status_message}", "bad") + banner
         drawn = dict(drawn or {})
-        outputs = []
-        for name in SUBTABS:
-            count = len(self._figure_outputs()[name])
-            if name != subtab:
-                outputs += [gr.skip()] * count
-            elif name == "jobs":
-                jobs, beats = services.queries.jobs(run.id), services.queries.heartbeats(run.id)
-                outputs += [cards.job_cards(jobs, beats, local=run.backend == "local")]
-            elif name == "samples":
-                outputs += self._samples(
-                    services, run, step, follow, min_reward, max_reward, fresh=drawn.get(name) != state
-                )
-                drawn[name] = state
-            elif drawn.get(name) == state:
-                outputs += [gr.skip()] * count
-            else:
-                outputs += getattr(self, f"_{name}")(services, run)
-                drawn[name] = state
-        return [header, gr.HTML(banner, visible=bool(banner)), *outputs, drawn]
+        figures: dict = {}
+        if subtab == "jobs":
+            jobs, beats = services.queries.jobs(run.id), services.queries.heartbeats(run.id)
+            figures = {self.jobs: cards.job_cards(jobs, beats, local=run.backend == "local")}
+        elif subtab == "samples":
+            figures = self._samples(
+                services, run, step, follow, min_reward, max_reward, fresh=drawn.get(subtab) != state
+            )
+            drawn[subtab] = state
+        elif subtab in SUBTABS and drawn.get(subtab) != state:
+            figures = getattr(self, f"_{subtab}")(services, run)
+            drawn[subtab] = state
+        return self._frame(header, banner, drawn) | figures
 
-    def _training(self, services: PanelServices, run: Run) -> list:
+    def _frame(self, header: str, banner: str, drawn: dict) -> dict:
+        """What every tick answers: the header, the alert banner (hidden when empty), what has been drawn."""
+        return {self.header: header, self.alerts: gr.HTML(banner, visible=bool(banner)), self.drawn: drawn}
+
+    def _training(self, services: PanelServices, run: Run) -> dict:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
         functions = {r.name: series(run.id, f"rewards/{r.name}", MAX_POINTS) for r in spec.rewards}
-        return [
-            training_charts.reward_figure(series(run.id, "reward", MAX_POINTS)),
-            training_charts.reward_functions_figure(functions),
-            training_charts.ratio_kl_figure(series(run.id, "ratio", MAX_POINTS), series(run.id, "kl", MAX_POINTS)),
-            training_charts.step_time_figure(
+        return {
+            self.reward_plot: training_charts.reward_figure(series(run.id, "reward", MAX_POINTS)),
+            self.functions_plot: training_charts.reward_functions_figure(functions),
+            self.ratio_plot: training_charts.ratio_kl_figure(
+                series(run.id, "ratio", MAX_POINTS), series(run.id, "kl", MAX_POINTS)
+            ),
+            self.time_plot: training_charts.step_time_figure(
                 series(run.id, "perf/step_s", MAX_POINTS),
                 series(run.id, "perf/fwd_bwd_s", MAX_POINTS),
                 series(run.id, "perf/rollout_wait_s", MAX_POINTS),
                 series(run.id, "perf/weight_sync_s", MAX_POINTS),
             ),
-        ]
+        }
 
-    def _rollouts(self, services: PanelServices, run: Run) -> list:
+    def _rollouts(self, services: PanelServices, run: Run) -> dict:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
         queue_max = derived.queue_size(spec.grpo)
-        return [
-            rollout_charts.queue_figure(
+        return {
+            self.queue_plot: rollout_charts.queue_figure(
                 series(run.id, "sample/rollout_queue_size", MAX_POINTS),
                 queue_max,
                 series(run.id, "rollout/backpressure_s", MAX_POINTS),
             ),
-            rollout_charts.staleness_figure(
+            self.staleness_plot: rollout_charts.staleness_figure(
                 series(run.id, "sample/staleness_mean", MAX_POINTS),
                 series(run.id, "sample/staleness_max", MAX_POINTS),
                 spec.grpo.max_staleness,
             ),
-            rollout_charts.tokens_figure(series(run.id, "rollout/generated_tok_s", MAX_POINTS)),
-            rollout_charts.sample_versions_figure(services.queries.sample_versions(run.id)),
-        ]
+            self.tokens_plot: rollout_charts.tokens_figure(series(run.id, "rollout/generated_tok_s", MAX_POINTS)),
+            self.versions_plot: rollout_charts.sample_versions_figure(services.queries.sample_versions(run.id)),
+        }
 
-    def _replicas(self, services: PanelServices, run: Run) -> list:
+    def _replicas(self, services: PanelServices, run: Run) -> dict:
         snapshots = services.queries.proxy_snapshots(run.id, limit=360)
         latest = snapshots[-1] if snapshots else None
         versions = services.queries.versions(run.id)
         newest = versions[-1].version if versions else None
-        return [
-            cards.versions_held(latest, services.queries.heartbeats(run.id), newest),
-            replica_charts.routing_figure(snapshots),
-            replica_charts.replica_load_figure(latest),
-            replica_charts.sync_figure(latest),
-        ]
+        return {
+            self.held: cards.versions_held(latest, services.queries.heartbeats(run.id), newest),
+            self.routing_plot: replica_charts.routing_figure(snapshots),
+            self.load_plot: replica_charts.replica_load_figure(latest),
+            self.sync_plot: replica_charts.sync_figure(latest),
+        }
 
-    def _samples(self, services, run, step, follow, min_reward, max_reward, fresh: bool) -> list:
+    def _samples(self, services, run, step, follow, min_reward, max_reward, fresh: bool) -> dict:
         if not fresh:  # nothing new arrived since the last draw; the filters redraw through their own events
-            return [gr.skip()] * 4
+            return {}
         bounds = services.queries.sample_steps(run.id)
         if bounds is None:
-            return [
-                gr.Slider(minimum=1, maximum=2, value=1),
-                _samples_table([]),
-                cards.empty_state("Samples appear as soon as the trainer pulls its first batch of rollouts."),
-                cards.empty_state("Each sample shows its prompt, completion, scores, advantage and version."),
-            ]
+            return {
+                self.step: gr.Slider(minimum=1, maximum=2, value=1),
+                self.samples: _samples_table([]),
+                self.best: cards.empty_state(
+                    "Samples appear as soon as the trainer pulls its first batch of rollouts."
+                ),
+                self.worst: cards.empty_state(
+                    "Each sample shows its prompt, completion, scores, advantage and version."
+                ),
+            }
         low, high = bounds
         target = high if follow or not step else min(max(int(step), low), high)
         if not follow:  # the reader is on an older step: only let the slider reach the new ones
-            return [gr.Slider(minimum=low, maximum=max(high, low + 1)), gr.skip(), gr.skip(), gr.skip()]
-        table, best, worst = self._browse(services, run.id, target, min_reward, max_reward)
-        return [gr.Slider(minimum=low, maximum=max(high, low + 1), value=target), table, best, worst]
+            return {self.step: gr.Slider(minimum=low, maximum=max(high, low + 1))}
+        slider = {self.step: gr.Slider(minimum=low, maximum=max(high, low + 1), value=target)}
+        return slider | self._browse(services, run.id, target, min_reward, max_reward)
 
-    def _browse(self, services, run_id, step, min_reward, max_reward) -> tuple:
+    def _browse(self, services, run_id, step, min_reward, max_reward) -> dict:
         """One step's samples (reward-filtered), and the best and worst of the first group listed."""
         rows = services.queries.samples(
             run_id,
@@ -302,30 +307,30 @@ class MonitorPage:
         rows = sorted(
             rows, key=lambda s: (s.dropped, s.group_id, -(s.reward if s.reward is not None else float("-inf")))
         )
-        best, worst = self._group_cards(services, run_id, step, rows[0].group_id if rows else None)
-        return _samples_table(rows), best, worst
+        group = rows[0].group_id if rows else None
+        return {self.samples: _samples_table(rows)} | self._group_cards(services, run_id, step, group)
 
-    def _group_cards(self, services, run_id, step, group) -> tuple[str, str]:
+    def _group_cards(self, services, run_id, step, group) -> dict:
         if group is None:
-            return (
-                cards.empty_state("No sample at this step matches the reward filter."),
-                cards.empty_state("Widen the reward filter or pick another step."),
-            )
+            return {
+                self.best: cards.empty_state("No sample at this step matches the reward filter."),
+                self.worst: cards.empty_state("Widen the reward filter or pick another step."),
+            }
         members = services.queries.group(run_id, int(step), int(group))
         if not members:
-            return cards.empty_state("This group has no samples."), ""
-        return (
-            cards.sample_card(f"Best of group {group} ({len(members)} samples)", members[0]),
-            cards.sample_card(f"Worst of group {group}", members[-1]),
-        )
+            return {self.best: cards.empty_state("This group has no samples."), self.worst: ""}
+        return {
+            self.best: cards.sample_card(f"Best of group {group} ({len(members)} samples)", members[0]),
+            self.worst: cards.sample_card(f"Worst of group {group}", members[-1]),
+        }
 
     def browse(
         self, run_id: str | None, step: float, min_reward: str, max_reward: str, profile: gr.OAuthProfile | None = None
-    ) -> list:
+    ) -> dict:
         services = self.panel.services(profile)
         if not run_id:
-            return [gr.skip()] * 3
-        return list(self._browse(services, run_id, int(step), min_reward, max_reward))
+            return {}
+        return self._browse(services, run_id, int(step), min_reward, max_reward)
 
     def pick_group(
         self,
@@ -334,12 +339,10 @@ class MonitorPage:
         table: pd.DataFrame,
         event: gr.SelectData,
         profile: gr.OAuthProfile | None = None,
-    ) -> list:
+    ) -> dict:
         services = self.panel.services(profile)
         row = event.index[0] if isinstance(event.index, list | tuple) else event.index
-        group = int(table.iloc[row]["group"])
-        best, worst = self._group_cards(services, run_id, int(step), group)
-        return [best, worst]
+        return self._group_cards(services, run_id, int(step), int(table.iloc[row]["group"]))
 
     def stop(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> None:
         services = self.panel.services(profile)

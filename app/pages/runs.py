@@ -121,23 +121,29 @@ class RunsPage:
 
     def refresh(
         self, ticked: list[str] | None, drawn: list | None = None, profile: gr.OAuthProfile | None = None
-    ) -> list:
+    ) -> dict:
         """The table, the run choices, and the overlay (redrawn only when a ticked run moved on)."""
         services = self.panel.services_or_none(profile)
         if services is None:
-            return [runs_table([]), gr.CheckboxGroup(choices=[]), overlay_figure([]), None, gr.HTML(visible=False)]
+            return {
+                self.table: runs_table([]),
+                self.compare: gr.CheckboxGroup(choices=[]),
+                self.overlay: overlay_figure([]),
+                self.drawn: None,
+                self.empty: gr.HTML(visible=False),
+            }
         runs = services.runs.list()
         by_id = {run.id: run for run in runs}
         ticked = [run_id for run_id in ticked or [] if run_id in by_id]
         key = [[run_id, by_id[run_id].step, by_id[run_id].status] for run_id in ticked]
         overlay = gr.skip() if key == drawn else overlay_figure(self._curves(services, by_id, ticked))
-        return [
-            runs_table(runs),
-            gr.CheckboxGroup(choices=[(f"{r.name or r.id} ({r.id})", r.id) for r in runs], value=ticked),
-            overlay,
-            key,
-            gr.HTML(visible=not runs),
-        ]
+        return {
+            self.table: runs_table(runs),
+            self.compare: gr.CheckboxGroup(choices=[(f"{r.name or r.id} ({r.id})", r.id) for r in runs], value=ticked),
+            self.overlay: overlay,
+            self.drawn: key,
+            self.empty: gr.HTML(visible=not runs),
+        }
 
     def _curves(self, services: PanelServices, runs: dict[str, Run], ticked: list[str]) -> list[Curve]:
         curves = []
@@ -160,7 +166,7 @@ class RunsPage:
             )
         return curves
 
-    def select(self, table: pd.DataFrame, event: gr.SelectData, profile: gr.OAuthProfile | None = None) -> list:
+    def select(self, table: pd.DataFrame, event: gr.SelectData, profile: gr.OAuthProfile | None = None) -> dict:
         services = self.panel.services(profile)
         row = event.index[0] if isinstance(event.index, list | tuple) else event.index
         run = services.runs.get(str(table.iloc[row]["run id"]))
@@ -171,16 +177,16 @@ class RunsPage:
         ]
         default = run.best_version if run.best_version is not None else (versions[-1].version if versions else None)
         active = run.status not in (*TERMINAL_STATUSES, "draft")
-        return [
-            run.id,
-            cards.selected_run(run, len(versions)),
-            gr.Button(interactive=True),
-            gr.Button(interactive=run.status == "draft"),
-            gr.Button(interactive=active),
-            gr.Dropdown(choices=choices, value=default),
-            new_run_id("branch"),
-            gr.Button(interactive=bool(versions)),
-        ]
+        return {
+            self.selected: run.id,
+            self.selection: cards.selected_run(run, len(versions)),
+            self.open_button: gr.Button(interactive=True),
+            self.launch_button: gr.Button(interactive=run.status == "draft"),
+            self.stop_button: gr.Button(interactive=active),
+            self.branch_version: gr.Dropdown(choices=choices, value=default),
+            self.branch_id: new_run_id("branch"),
+            self.branch_button: gr.Button(interactive=bool(versions)),
+        }
 
     def stop(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> str:
         services = self.panel.services(profile)

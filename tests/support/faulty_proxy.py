@@ -1,4 +1,4 @@
-"""A loopback HTTP forwarder that injects faults: 5xx answers, connection resets and stalls.
+"""A loopback HTTP forwarder that injects faults: 5xx answers, connection resets, stalls and answers cut short.
 
 Put it in front of a real server (moto, a replica) and tell it what the next N requests should suffer. Everything
 else is forwarded unchanged, so a client sees a real service misbehaving for a while, not a mock.
@@ -29,7 +29,9 @@ _HOP_BY_HOP = {
 
 @dataclass
 class Fault:
-    kind: str  # "status": answer `status`; "reset": drop the connection; "stall": wait `seconds`, then forward
+    # "status": answer `status`; "reset": drop the connection; "stall": wait `seconds`, then forward; "cut": forward,
+    # then send the answer's head and only half of its body, and close (the client sees a body cut mid-read)
+    kind: str
     status: int = 503
     seconds: float = 0.0
     methods: tuple[str, ...] = ()  # empty: any method
@@ -73,7 +75,7 @@ class FaultyProxy:
                         self.wfile.write(payload)
                         return
                     time.sleep(fault.seconds)
-                proxy._forward(self, body)
+                proxy._forward(self, body, cut=fault is not None and fault.kind == "cut")
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
@@ -110,7 +112,7 @@ class FaultyProxy:
                 return self._faults.popleft()
             return None
 
-    def _forward(self, handler: BaseHTTPRequestHandler, body: bytes) -> None:
+    def _forward(self, handler: BaseHTTPRequestHandler, body: bytes, cut: bool = False) -> None:
         connection = http.client.HTTPConnection(self.upstream_host, self.upstream_port, timeout=60)
         headers = {k: v for k, v in handler.headers.items() if k.lower() not in _HOP_BY_HOP}
         connection.request(handler.command, handler.path, body=body or None, headers=headers)
@@ -125,7 +127,10 @@ class FaultyProxy:
             handler.send_header("Content-Length", str(len(payload)))
             handler.end_headers()
             if handler.command != "HEAD":
-                handler.wfile.write(payload)
+                handler.wfile.write(payload[: len(payload) // 2] if cut else payload)
+            if cut:
+                handler.wfile.flush()
+                handler.close_connection = True
         except (BrokenPipeError, ConnectionResetError):
             handler.close_connection = True  # the client gave up waiting (a stall past its timeout)
         with self._lock:
