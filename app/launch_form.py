@@ -10,7 +10,6 @@ own inputs and are shaped here by hand.
 from __future__ import annotations
 
 import re
-import time
 import types
 import typing
 from collections.abc import Callable
@@ -330,10 +329,6 @@ class Built:
 
     spec: dict[str, Any]
     reward_slots: list[str] = field(default_factory=list)
-
-
-def new_run_id(prefix: str) -> str:
-    return f"{prefix}-{time.strftime('%m%d-%H%M%S')}".lower()
 
 
 def _text(value: Any) -> str | None:

@@ -77,7 +77,7 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     # A new run in the dropdown redraws through its change event; the same run is kept current by the timer.
     tab_of["monitor"].select(monitor.open, [monitor.run], monitor.run, show_progress="hidden")
     tab_of["monitor"].select(lambda: _timers("monitor"), None, timers)
-    tab_of["adapters"].select(adapters.open, [monitor.run, adapters.run], adapters.run).then(
+    tab_of["adapters"].select(adapters.open, [monitor.run, adapters.run], [adapters.run, adapters.branch_id]).then(
         lambda: _timers("adapters"), None, timers
     )
     tab_of["account"].select(account.refresh, None, account.refresh_outputs()).then(

@@ -25,7 +25,7 @@ from backend.launchers.hf_jobs import bound_hub_calls
 from backend.models import Run
 from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_rewards
 from backend.services.costs import estimate_per_hour
-from backend.services.runs import RunStateError, check_hosting
+from backend.services.runs import RunStateError, check_hosting, run_id_taken
 from jobs.chat_templates import ADDITIONAL_TEMPLATES_DIR, ChatTemplateError, chat_template_in, response_template
 from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, derived, parse_spec
 from jobs.contract.flavors import flavor
@@ -71,6 +71,10 @@ def run_preflight(
         result.errors.update(error.errors)
         return result
     result.spec = spec
+    if run_id_taken(ctx, spec.run_id):
+        result.errors["run_id"] = (
+            f"{spec.run_id!r} is taken by another run; choose another id (the Launch page proposes a free one)"
+        )
     probe = Run(
         id=spec.run_id,
         owner=owner,

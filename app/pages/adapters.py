@@ -17,12 +17,12 @@ from app import cards
 from app.actions import branch_from
 from app.charts.adapters import norms_heatmap
 from app.formatting import clock, number, size
-from app.launch_form import new_run_id
 from app.pages.monitor import run_choices
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import AdapterVersion, Run
 from backend.services.adapters import Comparison
+from backend.services.runs import propose_run_id
 
 REFRESH_SECONDS = 5.0
 COLUMNS = ["version", "step", "reward", "size", "saved", "alias", "policy audit"]
@@ -99,7 +99,9 @@ class AdaptersPage:
                     "Save the zip", visible=False, elem_id="download-zip", variant="primary"
                 )
                 with gr.Row(elem_classes="gp-align-end"):
-                    self.branch_id = gr.Textbox(new_run_id("branch"), label="Branch run id", elem_id="branch-id")
+                    self.branch_id = gr.Textbox(
+                        propose_run_id(self.panel.ctx, "branch"), label="Branch run id", elem_id="branch-id"
+                    )
                     self.branch_now = gr.Checkbox(True, label="Start training now", elem_id="branch-now")
                 self.branch_button = gr.Button("Train a branch from here", elem_id="branch", variant="primary")
                 with gr.Row(elem_classes="gp-align-end"):
@@ -164,12 +166,16 @@ class AdaptersPage:
 
     # --- handlers -----------------------------------------------------------------------------------------------
 
-    def open(self, run_id: str | None, current: str | None, profile: gr.OAuthProfile | None = None) -> gr.Dropdown:
-        """The page was opened: list the owner's runs, keeping the one shown (or the monitor's) selected."""
+    def open(self, run_id: str | None, current: str | None, profile: gr.OAuthProfile | None = None) -> dict:
+        """The page was opened: list the owner's runs, keeping the one shown (or the monitor's) selected, and
+        propose a free id for a branch (the last one proposed may have been used since)."""
         choices = run_choices(self.panel.services_or_none(profile))
         ids = [value for _, value in choices]
         value = current if current in ids else (run_id if run_id in ids else (ids[0] if ids else None))
-        return gr.Dropdown(choices=choices, value=value)
+        return {
+            self.run: gr.Dropdown(choices=choices, value=value),
+            self.branch_id: propose_run_id(self.panel.ctx, "branch"),
+        }
 
     def show_run(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> dict:
         """A run was picked: list its versions and preselect the current one, and the pair to compare."""

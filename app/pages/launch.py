@@ -28,7 +28,6 @@ from app.launch_form import (
     FormSchema,
     builtin_choices,
     credentials,
-    new_run_id,
     rewards_of,
 )
 from app.panel import Panel
@@ -36,6 +35,7 @@ from backend import presets
 from backend.api import PanelServices
 from backend.limits import LimitReached
 from backend.sandbox import SandboxError
+from backend.services.runs import propose_run_id, run_id_taken
 from jobs.contract import RewardSpec, RunSpec, parse_spec, timeout_seconds
 from jobs.contract.spec import MAX_REPLICAS, SpecError
 
@@ -433,16 +433,21 @@ class LaunchPage:
         ]
 
     def load_outputs(self) -> list:
-        """What refreshes when the page is opened: the credential dropdowns (they may have changed elsewhere)."""
-        return [self.inputs["store_credential"], self.inputs["hf_credential"]]
+        """What refreshes when the page is opened: the credential dropdowns (they may have changed elsewhere), and
+        the run id when a run has taken it meanwhile (a page reloaded after a launch still shows the launched id)."""
+        return [self.inputs["store_credential"], self.inputs["hf_credential"], self.inputs["run_id"]]
 
-    def on_open(self, store_value: str, hf_value: str, profile: gr.OAuthProfile | None) -> dict:
+    def on_open(self, store_value: str, hf_value: str, run_id: str, profile: gr.OAuthProfile | None) -> dict:
         services = self.panel.services_or_none(profile)
+        run_id = (run_id or "").strip()
+        fresh = {}
+        if not run_id or run_id_taken(self.panel.ctx, run_id):
+            fresh = {self.inputs["run_id"]: propose_run_id(self.panel.ctx, run_id.split("-")[0] or "run")}
         store = credential_choices(services, "s3", "no keys")
         token = credential_choices(services, "hf_token", "no token")
         store_value = store_value if store_value in {v for _, v in store} else NONE
         hf_value = hf_value if hf_value in {v for _, v in token} else _default(token)
-        return {
+        return fresh | {
             self.inputs["store_credential"]: gr.Dropdown(choices=store, value=store_value),
             self.inputs["hf_credential"]: gr.Dropdown(choices=token, value=hf_value),
         }
@@ -452,8 +457,8 @@ class LaunchPage:
     def _preset_spec(self, preset: str, owner: str | None) -> dict[str, Any]:
         if preset == "math":
             namespace = owner if owner and owner != "local" else "your-namespace"
-            return presets.math_recipe(new_run_id("math"), namespace, "grpo-runs")
-        return presets.demo(new_run_id("demo"), f"file://{self.panel.ctx.folder / 'store'}")
+            return presets.math_recipe(propose_run_id(self.panel.ctx, "math"), namespace, "grpo-runs")
+        return presets.demo(propose_run_id(self.panel.ctx, "demo"), f"file://{self.panel.ctx.folder / 'store'}")
 
     def _preset_outputs(self) -> list:
         return [
@@ -758,7 +763,7 @@ class LaunchPage:
             run_id, updates = self.launch(values, profile)
             if not run_id:
                 return updates
-            fresh = new_run_id(run_id.split("-")[0])
+            fresh = propose_run_id(self.panel.ctx, run_id.split("-")[0])
             return updates | {self.checked: "", self.inputs["run_id"]: fresh} | navigate(run_id, profile)
 
         self.launch_button.click(

@@ -15,11 +15,10 @@ from app import cards
 from app.actions import branch_from
 from app.charts.runs import Curve, overlay_figure
 from app.formatting import clock, duration, money
-from app.launch_form import new_run_id
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import Run
-from backend.services.runs import TERMINAL_STATUSES
+from backend.services.runs import TERMINAL_STATUSES, propose_run_id
 
 REFRESH_SECONDS = 5.0
 COLUMNS = ["run id", "name", "status", "step", "latest reward", "elapsed", "cost", "branch of", "created"]
@@ -184,7 +183,7 @@ class RunsPage:
             self.launch_button: gr.Button(interactive=run.status == "draft"),
             self.stop_button: gr.Button(interactive=active),
             self.branch_version: gr.Dropdown(choices=choices, value=default),
-            self.branch_id: new_run_id("branch"),
+            self.branch_id: propose_run_id(self.panel.ctx, "branch"),
             self.branch_button: gr.Button(interactive=bool(versions)),
         }
 

@@ -40,6 +40,22 @@ log = logging.getLogger(__name__)
 TERMINAL_STATUSES = ("finished", "failed", "stopped")
 
 
+def run_id_taken(ctx: PanelContext, run_id: str) -> bool:
+    """Whether any run has this id (of any owner: an id names the run's folder in a bucket and its row here)."""
+    with ctx.db.session() as session:
+        return session.get(Run, run_id) is not None
+
+
+def propose_run_id(ctx: PanelContext, prefix: str) -> str:
+    """A free run id, `<prefix>-MMDD-HHMMSS`, with `-2`, `-3`, ... when that second's id is taken."""
+    base = f"{prefix}-{time.strftime('%m%d-%H%M%S')}".lower()
+    proposal, number = base, 1
+    while run_id_taken(ctx, proposal):
+        number += 1
+        proposal = f"{base}-{number}"
+    return proposal
+
+
 class RunNotFound(LookupError):
     pass
 
@@ -75,9 +91,8 @@ class RunService:
 
     def create(self, spec: RunSpec, store_credential_id: int | None = None, hf_credential_id: int | None = None) -> Run:
         """Record a run and write its spec to its store. Validation of everything else happens in preflight."""
-        with self.ctx.db.session() as session:
-            if session.get(Run, spec.run_id) is not None:
-                raise RunStateError(f"run_id: {spec.run_id!r} is taken; choose another run id")
+        if run_id_taken(self.ctx, spec.run_id):
+            raise RunStateError(f"run_id: {spec.run_id!r} is taken; choose another run id")
         for credential_id in (store_credential_id, hf_credential_id):
             if credential_id is not None:
                 self.ctx.vault.get(self.owner, credential_id)  # raises unless this owner holds it

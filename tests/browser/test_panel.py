@@ -59,6 +59,17 @@ def test_launch_demo_through_the_form(page: Page, demo_run: str) -> None:
     expect(row).to_contain_text(f"/ {DEMO_STEPS}")
 
 
+def test_a_reloaded_launch_page_proposes_a_free_run_id_and_check_refuses_a_taken_one(page: Page, demo_run: str) -> None:
+    """The page was built before the demo was launched with its proposed id: opened again, it proposes another."""
+    box = page.locator("#run-id").locator("textarea, input").first
+    expect(box).to_have_value(re.compile(r"^demo-"))
+    expect(box).not_to_have_value(demo_run)
+    fill(page, "run-id", demo_run)
+    page.locator("#check").click()
+    expect(page.locator("#error-run")).to_contain_text(f"Run id: '{demo_run}' is taken by another run")
+    expect(page.locator("#launch")).to_be_disabled()
+
+
 def test_bad_reward_code_shows_its_error_next_to_the_editor(page: Page) -> None:
     page.locator("#code-enabled input").check()
     editor = page.locator("#reward-code .cm-content")

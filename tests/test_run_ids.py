@@ -1,0 +1,79 @@
+"""Run ids: the panel proposes free ones, and Check settings refuses one that a run already has.
+
+Before, the Launch page's default id was fixed when the server started: after a first launch, a reloaded page passed
+Check settings with that id and Launch then said it was taken.
+"""
+
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from app.launch_form import FORM
+from app.pages.launch import LaunchPage
+from app.panel import Panel
+from backend.context import PanelContext
+from backend.db import Database
+from backend.preflight import run_preflight
+from backend.services import runs as run_service
+from backend.services.runs import RunService, RunStateError, propose_run_id, run_id_taken
+from jobs.demo.preset import demo_spec
+
+
+@pytest.fixture
+def panel(tmp_path):
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path / "panel")
+    yield Panel(ctx, space=False)
+    ctx.db.close()
+
+
+def _record(panel: Panel, run_id: str, owner: str = "local") -> None:
+    RunService(panel.ctx, owner).create(demo_spec(run_id, f"file://{panel.ctx.folder / 'store'}"))
+
+
+def test_check_settings_names_a_run_id_that_another_run_has(panel):
+    _record(panel, "demo-taken", owner="someone-else")
+    spec = demo_spec("demo-taken", f"file://{panel.ctx.folder / 'store'}").model_dump()
+    result = run_preflight(panel.ctx, "local", spec)
+    assert not result.ok and "is taken by another run" in result.errors["run_id"]
+    routed = FORM.route_errors(result.errors, FORM.spec_from_form(FORM.form_from_spec(spec)), code_enabled=False)
+    assert [text for text in routed["run"] if "taken" in text] == [f"Run id: {result.errors['run_id']}"]
+    with pytest.raises(RunStateError, match="is taken"):
+        _record(panel, "demo-taken")
+    free = run_preflight(panel.ctx, "local", {**spec, "run_id": "demo-free"})
+    assert "run_id" not in free.errors
+
+
+def test_a_proposed_id_is_free_even_when_that_seconds_id_is_taken(panel, monkeypatch):
+    monkeypatch.setattr(run_service.time, "strftime", lambda _: "1202-073000")
+    assert propose_run_id(panel.ctx, "demo") == "demo-1202-073000"
+    _record(panel, "demo-1202-073000")
+    _record(panel, "demo-1202-073000-2")
+    proposal = propose_run_id(panel.ctx, "demo")
+    assert proposal == "demo-1202-073000-3" and not run_id_taken(panel.ctx, proposal)
+
+
+def test_opening_the_launch_page_replaces_an_id_a_run_has_taken_and_keeps_a_free_one(panel):
+    page = LaunchPage(panel)
+    with gr.Blocks():
+        page.build()
+    run_id_box = page.inputs["run_id"]
+    shown = page.initial["run_id"]
+    assert shown.startswith("demo-") and not run_id_taken(panel.ctx, shown)
+    assert run_id_box not in page.on_open("", "", shown, None)  # still free: what is on screen stays
+    _record(panel, shown)  # launched (here, or in another tab)
+    fresh = page.on_open("", "", shown, None)[run_id_box]
+    assert fresh != shown and fresh.startswith("demo-") and not run_id_taken(panel.ctx, fresh)
+    assert page.on_open("", "", "", None)[run_id_box].startswith("run-")  # an emptied box gets one too
+
+
+def test_the_branch_forms_propose_a_free_id_each_time(panel):
+    from app.pages.adapters import AdaptersPage
+
+    page = AdaptersPage(panel)
+    with gr.Blocks():
+        page.build()
+    first = page.open(None, None, None)[page.branch_id]
+    _record(panel, first)
+    second = page.open(None, None, None)[page.branch_id]
+    assert second != first and second.startswith("branch-") and not run_id_taken(panel.ctx, second)
