@@ -12,6 +12,7 @@ from pathlib import Path
 
 import gradio as gr
 import pandas as pd
+from huggingface_hub.errors import HfHubHTTPError
 
 from app import cards
 from app.actions import branch_from
@@ -22,7 +23,7 @@ from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import AdapterVersion, Run
 from backend.services.adapters import Comparison
-from backend.services.runs import propose_run_id
+from backend.services.runs import RunStateError, propose_run_id
 
 REFRESH_SECONDS = 5.0
 COLUMNS = ["version", "step", "reward", "size", "saved", "alias", "policy audit"]
@@ -268,10 +269,14 @@ class AdaptersPage:
     def publish(
         self, run_id: str | None, version: int | None, repo: str, private: bool, profile: gr.OAuthProfile | None = None
     ) -> str:
+        """The outcome replaces the last one shown beside the buttons (a success never stays beside a failure)."""
         services = self.panel.services(profile)
         if not run_id or version is None or not (repo or "").strip():
-            raise gr.Error("Pick a version and name the Hub repo (owner/name) first.")
-        url = services.adapters.publish(run_id, int(version), repo.strip(), private=bool(private))
+            return cards.note("Pick a version and name the Hub repo (owner/name) first.", "warn")
+        try:
+            url = services.adapters.publish(run_id, int(version), repo.strip(), private=bool(private))
+        except (RunStateError, HfHubHTTPError) as error:  # no token, no write access, a repo name the Hub refuses
+            return cards.note(f"Not published: {error}", "bad")
         return cards.note(f"Published v{version} with a model card: {url}", "good")
 
     def compare(

@@ -1,7 +1,8 @@
-"""Run ids: the panel proposes free ones, and Check settings refuses one that a run already has.
+"""What a user meets on the second day: fresh run ids, and errors that stay where they belong.
 
 Before, the Launch page's default id was fixed when the server started: after a first launch, a reloaded page passed
-Check settings with that id and Launch then said it was taken.
+Check settings with that id and Launch then said it was taken; publishing without a token showed its error in a
+toast that faded while the last success message stayed.
 """
 
 from __future__ import annotations
@@ -77,3 +78,14 @@ def test_the_branch_forms_propose_a_free_id_each_time(panel):
     _record(panel, first)
     second = page.open(None, None, None)[page.branch_id]
     assert second != first and second.startswith("branch-") and not run_id_taken(panel.ctx, second)
+
+
+def test_publishing_without_a_token_says_why_where_the_last_result_was_shown(panel):
+    """Not a toast that fades beside an old success message: the answer replaces the note under the buttons."""
+    from app.pages.adapters import AdaptersPage
+
+    _record(panel, "demo-publish")
+    page = AdaptersPage(panel)
+    note = page.publish("demo-publish", 1, "me/adapter", True, None)
+    assert "Not published: publishing needs an HF token with write access" in note
+    assert "Pick a version" in page.publish("demo-publish", None, "me/adapter", True, None)
