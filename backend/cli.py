@@ -38,17 +38,18 @@ def _bar(step: int, total: int, width: int = 30) -> str:
 def follow(ctx: PanelContext, run_id: str, poller: Poller, out=sys.stdout, interval: float = 1.0) -> str:
     """Poll the run and print one progress line until it ends; Ctrl-C asks it to stop gracefully."""
     service, queries = RunService(ctx, LOCAL_OWNER), QueryService(ctx, LOCAL_OWNER)
-    started = time.monotonic()
     try:
         while True:
             poller.poll_run(run_id)
             run = service.get(run_id)
             rewards = queries.metric_series(run_id, "reward", max_points=None)
             syncs = queries.metric_series(run_id, "perf/weight_sync_s", max_points=None)
-            minutes = (time.monotonic() - started) / 60
             reward = f"{rewards[-1][1]:.3f}" if rewards else "  -  "
             sync = f"{syncs[-1][1]:.2f}s" if syncs else "  -  "
-            rate = f"{run.step / minutes:5.1f}" if minutes > 0 else "  -  "
+            # The run's own pace (its last steps), not steps over the time this command has watched: a finished
+            # run followed for a second is not 80,000 steps a minute.
+            step_seconds = queries.step_seconds(run_id)
+            rate = f"{60 / step_seconds:5.1f}" if step_seconds else "  -  "
             out.write(
                 f"\r[{_bar(run.step, run.max_steps)}] step {run.step:>4}/{run.max_steps}  reward {reward}  "
                 f"sync {sync}  {rate} steps/min  {run.status:<10}"

@@ -89,3 +89,26 @@ def test_publishing_without_a_token_says_why_where_the_last_result_was_shown(pan
     note = page.publish("demo-publish", 1, "me/adapter", True, None)
     assert "Not published: publishing needs an HF token with write access" in note
     assert "Pick a version" in page.publish("demo-publish", None, "me/adapter", True, None)
+
+
+def test_following_a_finished_run_prints_its_own_pace(panel):
+    """`python -m backend follow` on a run that ended: its steps per minute, not steps over a second of watching."""
+    import io
+
+    from backend.cli import follow
+    from backend.models import MetricPoint, Run
+    from backend.poller import Poller
+
+    _record(panel, "demo-done")
+    with panel.ctx.db.session() as session:
+        run = session.get(Run, "demo-done")
+        run.status, run.step = "finished", 40
+        session.add(run)
+        session.add_all(
+            MetricPoint(run_id="demo-done", owner="local", step=step, name="perf/step_s", value=2.0)
+            for step in range(1, 41)
+        )
+        session.commit()
+    out = io.StringIO()
+    assert follow(panel.ctx, "demo-done", Poller(panel.ctx), out=out, interval=0.01) == "finished"
+    assert " 30.0 steps/min" in out.getvalue()

@@ -8,7 +8,6 @@ everything else is skipped, so an idle viewer costs one small query per tick.
 from __future__ import annotations
 
 import json
-import statistics
 
 import gradio as gr
 import pandas as pd
@@ -33,12 +32,6 @@ def run_choices(services: PanelServices | None) -> list[tuple[str, str]]:
     if services is None:
         return []
     return [(f"{run.name or run.id} · {run.id}", run.id) for run in services.runs.list()]
-
-
-def _recent_step_seconds(panel: Panel, services: PanelServices, run_id: str) -> float | None:
-    """Seconds per step over the last 20 steps: what the time-left estimate extrapolates."""
-    recent = services.queries.recent_values(run_id, "perf/step_s", 20)
-    return statistics.fmean(recent) if recent else None
 
 
 class MonitorPage:
@@ -196,9 +189,7 @@ class MonitorPage:
         except RunNotFound:
             return self._frame(cards.empty_state(f"No run {run_id}."), "", {})
         state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version]
-        step_seconds = (
-            _recent_step_seconds(self.panel, services, run.id) if run.status not in ("finished", "stopped") else None
-        )
+        step_seconds = services.queries.step_seconds(run.id) if run.status not in ("finished", "stopped") else None
         header = cards.run_header(run, step_seconds)
         banner = cards.alert_banner(services.queries.alerts(run.id))  # the poller clears an ended run's warnings
         if run.status == "failed" and run.status_message:

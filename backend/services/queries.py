@@ -92,6 +92,11 @@ class QueryService:
             ).one()
         return None if low is None else (int(low), int(high))
 
+    def step_seconds(self, run_id: str, steps: int = 20) -> float | None:
+        """Seconds per optimizer step over the run's last `steps` steps (its own pace, whenever it is asked)."""
+        recent = self.recent_values(run_id, "perf/step_s", steps)
+        return statistics.fmean(recent) if recent else None
+
     def recent_values(self, run_id: str, name: str, count: int = 20) -> list[float]:
         """The last `count` values of one metric, newest first (an index range scan, however long the run)."""
         self._check(run_id)
