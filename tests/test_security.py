@@ -733,7 +733,12 @@ def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
         monitor = pages.monitor
         shown = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", bob)
         assert shown[monitor.header] == cards.empty_state(f"No run {RUN_ID}.") and shown[monitor.drawn] == {}
-        assert shown[monitor.alerts].visible is False and set(shown) == {monitor.header, monitor.alerts, monitor.drawn}
+        assert shown[monitor.alerts].visible is False and set(shown) == {
+            monitor.header,
+            monitor.alerts,
+            monitor.drawn,
+            monitor.stop_button,
+        }
 
 
 def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_new_runs):

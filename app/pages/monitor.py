@@ -19,7 +19,7 @@ from app.charts import training as training_charts
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import Run
-from backend.services.runs import RunNotFound
+from backend.services.runs import TERMINAL_STATUSES, RunNotFound
 from jobs.contract import RunSpec, derived
 
 REFRESH_SECONDS = 2.0
@@ -43,7 +43,9 @@ class MonitorPage:
     def build(self) -> None:
         with gr.Row(elem_classes="gp-align-end"):
             self.run = gr.Dropdown([], label="Run", elem_id="monitor-run", scale=4, allow_custom_value=False)
-            self.stop_button = gr.Button("Stop run", variant="stop", elem_id="stop-run", scale=0, min_width=130)
+            self.stop_button = gr.Button(
+                "Stop run", variant="stop", elem_id="stop-run", scale=0, min_width=130, interactive=False
+            )
         self.header = gr.HTML(
             cards.empty_state("Pick a run above, or launch one from the Launch tab."),
             elem_id="run-header",
@@ -112,6 +114,7 @@ class MonitorPage:
             self.header,
             self.alerts,
             self.drawn,
+            self.stop_button,
             *(self.reward_plot, self.functions_plot, self.ratio_plot, self.time_plot),
             *(self.queue_plot, self.staleness_plot, self.tokens_plot, self.versions_plot),
             *(self.held, self.routing_plot, self.load_plot, self.sync_plot),
@@ -183,11 +186,11 @@ class MonitorPage:
                 if services is None
                 else "Pick a run above, or launch one from the Launch tab."
             )
-            return self._frame(cards.empty_state(message), "", {})
+            return self._frame(cards.empty_state(message), "", {}, stoppable=False)
         try:
             run = services.runs.get(run_id)
         except RunNotFound:
-            return self._frame(cards.empty_state(f"No run {run_id}."), "", {})
+            return self._frame(cards.empty_state(f"No run {run_id}."), "", {}, stoppable=False)
         state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version]
         step_seconds = services.queries.step_seconds(run.id) if run.status not in ("finished", "stopped") else None
         header = cards.run_header(run, step_seconds)
@@ -207,11 +210,18 @@ class MonitorPage:
         elif subtab in SUBTABS and drawn.get(subtab) != state:
             figures = getattr(self, f"_{subtab}")(services, run)
             drawn[subtab] = state
-        return self._frame(header, banner, drawn) | figures
+        stoppable = run.status not in (*TERMINAL_STATUSES, "draft", "stopping")
+        return self._frame(header, banner, drawn, stoppable) | figures
 
-    def _frame(self, header: str, banner: str, drawn: dict) -> dict:
-        """What every tick answers: the header, the alert banner (hidden when empty), what has been drawn."""
-        return {self.header: header, self.alerts: gr.HTML(banner, visible=bool(banner)), self.drawn: drawn}
+    def _frame(self, header: str, banner: str, drawn: dict, stoppable: bool) -> dict:
+        """What every tick answers: the header, the alert banner (hidden when empty), what has been drawn, and
+        whether Stop has anything to stop."""
+        return {
+            self.header: header,
+            self.alerts: gr.HTML(banner, visible=bool(banner)),
+            self.drawn: drawn,
+            self.stop_button: gr.Button(interactive=stoppable),
+        }
 
     def _training(self, services: PanelServices, run: Run) -> dict:
         series = services.queries.metric_series

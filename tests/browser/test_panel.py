@@ -124,6 +124,7 @@ def test_monitor_fills_as_the_run_trains_then_stops(page: Page, demo_run: str) -
     )
     page.locator("#stop-run").click()
     expect(page.locator("#run-header")).to_contain_text(re.compile("stopping|stopped"))
+    expect(page.locator("#stop-run")).to_be_disabled()  # nothing left to stop
     screenshot(page, "monitor-training")
     open_tab(page, "Samples")
     expect(page.locator("#samples-table")).to_contain_text(re.compile(r"v\d+"))  # rows with their policy version
