@@ -732,7 +732,10 @@ def alices_version(tmp_path):
         session.add(AdapterVersion(run_id="alice-run", owner="alice", version=1, step=1, created_at=0.0))
         session.commit()
     panel = Panel(ctx, space=True)
-    yield panel, AdaptersPage(panel)
+    page = AdaptersPage(panel)
+    with gr.Blocks():
+        page.build()
+    yield panel, page
     ctx.db.close()
 
 
