@@ -66,7 +66,8 @@ def test_a_reloaded_launch_page_proposes_a_free_run_id_and_check_refuses_a_taken
     expect(box).not_to_have_value(demo_run)
     fill(page, "run-id", demo_run)
     page.locator("#check").click()
-    expect(page.locator("#error-run")).to_contain_text(f"Run id: '{demo_run}' is taken by another run")
+    # Check settings runs the whole preflight (bucket, dataset, rewards in the sandbox) beside the training demo.
+    expect(page.locator("#error-run")).to_contain_text(f"Run id: '{demo_run}' is taken by another run", timeout=90_000)
     expect(page.locator("#launch")).to_be_disabled()
 
 
