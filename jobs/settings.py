@@ -38,6 +38,10 @@ class Variable:
         except ValueError:
             raise ValueError(f"{self.name}={value!r} is not a number; unset it or give seconds, e.g. 300") from None
 
+    def flag_help(self, what: str) -> str:
+        """A command-line flag's help for a value this variable gives the default of."""
+        return f"{what} (default: ${self.name}, else {self.default or self.when_unset})"
+
     def markdown_row(self) -> str:
         default = f"`{self.default}`" if self.default else self.when_unset or "—"
         return f"| `{self.name}` | {self.meaning} | {default} | {self.set_by} |"

@@ -73,8 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--output-dir",
         default=settings.TRAINER_WORKDIR.get(),
-        help=f"local working folder, the same for every rank (default: ${settings.TRAINER_WORKDIR.name}, else a "
-        "temporary one)",
+        help=settings.TRAINER_WORKDIR.flag_help("local working folder, the same for every rank"),
     )
     parser.add_argument("--proxy-port", type=int, default=8000)
     parser.add_argument("--replica-wait", type=float, default=900.0, help="seconds to wait for healthy replicas")
@@ -82,21 +81,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--replica-loss-timeout",
         type=float,
         default=settings.REPLICA_LOSS_TIMEOUT.number(),
-        help=f"seconds with no healthy replica before the run fails (default: ${settings.REPLICA_LOSS_TIMEOUT.name} "
-        f"or {settings.REPLICA_LOSS_TIMEOUT.default})",
+        help=settings.REPLICA_LOSS_TIMEOUT.flag_help("seconds with no healthy replica before the run fails"),
     )
     parser.add_argument(
         "--store-outage-timeout",
         type=float,
         default=settings.STORE_OUTAGE_TIMEOUT.number(),
-        help=f"seconds the bucket may fail every call before the run stops (default: "
-        f"${settings.STORE_OUTAGE_TIMEOUT.name} or {settings.STORE_OUTAGE_TIMEOUT.default})",
+        help=settings.STORE_OUTAGE_TIMEOUT.flag_help("seconds the bucket may fail every call before the run stops"),
     )
     parser.add_argument(
         "--torch-threads",
         type=int,
         default=int(settings.TORCH_THREADS.number() or 0) or None,
-        help=f"CPU threads for torch (default: ${settings.TORCH_THREADS.name}, else torch's own choice)",
+        help=settings.TORCH_THREADS.flag_help("CPU threads for torch"),
     )
     return parser.parse_args(argv)
 
