@@ -563,14 +563,9 @@ def test_losing_every_replica_fails_the_run_after_a_bounded_wait_and_leaves_noth
     tmp_path, monkeypatch, record_property
 ):
     monkeypatch.setenv("GRPO_REPLICA_LOSS_TIMEOUT", str(LOSS_TIMEOUT))
-    # No weight sync after the replicas die: a load then is refused at once by the proxy (no replica can take it),
-    # and TRL fails the run on it before the watchdog's bounded wait; that race is a known gap of its own (a load
-    # should wait for a replica as generations do). This test is about the wait.
-    spec = demo_spec(
-        "fault-all-replicas",
-        f"file://{tmp_path / 'store'}",
-        grpo={"max_steps": 40, "seed": 0, "weight_sync_steps": 40},
-    )
+    # A weight sync every step: one is under way when the replicas die, and the proxy holds it (it must not fail
+    # the run before the watchdog can say why).
+    spec = demo_spec("fault-all-replicas", f"file://{tmp_path / 'store'}", grpo={"max_steps": 40, "seed": 0})
     run = FaultRun(tmp_path, spec)
     try:
         run.launch()

@@ -105,9 +105,31 @@ def test_a_replica_dying_mid_load_is_left_out_and_comes_back_with_the_live_versi
     assert described(harness, "upstream-1")["loaded_versions"] == [1, 2]
 
 
-def test_a_replica_dying_mid_load_below_min_healthy_fails_the_sync_cleanly(make_harness, tmp_path):
-    """Without enough replicas left the sync fails with a clear 503 and is rolled back everywhere it was loaded, so
-    the version never exists on only some replicas; the dead one comes back with the versions that are still live."""
+def test_a_replica_dying_mid_load_below_min_healthy_holds_the_sync_until_it_is_back(make_harness, tmp_path):
+    """Replicas die between two health checks: a load that finds too few left only because one died during it is
+    undone where it was taken and held, not failed (TRL would end the run at once). Once the replica is back it goes
+    through on both, so the version never existed on only some routable replicas."""
+    harness = make_harness(with_version=True, min_healthy=2, load_deadline=30.0)
+    gate = Gate()
+    harness.replicas[1].load_gate = gate
+    with ThreadPoolExecutor(1) as pool:
+        load = pool.submit(harness.load, 2, write_adapter(tmp_path / "v2", seed=2))
+        assert gate.arrived.wait(timeout=10), "the load never reached the replica"
+        harness.stop_replica(1)
+        wait_until(lambda: adapters_stats(harness)["rolled_back"] == 1, what="the load undone on upstream-0")
+        assert held(harness, 0) == names(1) and not load.done()
+        harness.replicas[1].load_gate = None
+        harness.start_replica(1, fresh=True)
+        response = load.result(timeout=25)
+    assert response.status_code == 200, response.text
+    assert [held(harness, 0), held(harness, 1)] == [names(1, 2), names(1, 2)]
+    stats = adapters_stats(harness)
+    assert (stats["live"], stats["current"], stats["loads_ok"], stats["loads_failed"]) == ([1, 2], 2, 2, 0)
+
+
+def test_a_replica_dying_mid_load_below_min_healthy_fails_the_sync_cleanly_at_the_deadline(make_harness, tmp_path):
+    """Without enough replicas back by the load deadline the sync fails with a clear 503 saying it was rolled back
+    everywhere it was loaded; the dead one comes back with the versions that are still live."""
     harness = make_harness(with_version=True, min_healthy=2)
     response = load_while_it_dies(harness, 1, 2, write_adapter(tmp_path / "v2", seed=2))
     assert response.status_code == 503

@@ -20,7 +20,8 @@ Load (`POST /v1/load_lora_adapter` from TRL, naming `trl-policy-vN` and a direct
 4. On success `adapters/CURRENT` is set to N.
 
 While fewer than `min_healthy` replicas are routable, a load, pause or resume waits for them (up to
-`load_deadline`) instead of failing the sync at once.
+`load_deadline`) instead of failing the sync at once. So does a load that fell short only because replicas became
+unreachable during it: it is undone where it was taken, and sent again once enough replicas are routable.
 
 Unload, pause, resume and reset_prefix_cache go to every healthy replica; failures are counted, never hidden. One
 lock orders all of these and the final step of a re-admission, so a replica joins between two broadcasts, never in
@@ -139,30 +140,62 @@ class AdapterSync:
             self.stats.count_error("bad_request")
             return text_response(400, f"proxy: {error}")
         trl_name = derived.trl_adapter_name(version)
-        await self._await_replicas()
-        async with self.lock:
-            replicas = list(self.membership.routable)
-            if len(replicas) < self.min_healthy:
-                self.stats.adapters["loads_failed"] += 1
-                return text_response(503, self._too_few(trl_name, len(replicas)))
-            started = time.monotonic()
-            try:
-                await asyncio.to_thread(self._publish, version, path)
-            except (StoreError, OSError, ValueError) as error:
-                self.stats.count_error("publish")
-                self.stats.adapters["loads_failed"] += 1
-                log.error("publishing %s from %s failed: %s", trl_name, path, error)
-                return text_response(500, f"proxy: publishing {trl_name} to {self.store.describe()} failed: {error}")
-            uploaded = time.monotonic()
-            deadline = started + self.load_deadline
-            outcomes = await asyncio.gather(*(self._load_on(replica, version, deadline) for replica in replicas))
-            response = await self._settle_load(trl_name, version, outcomes)
-            if response.status == 200:
-                finished = time.monotonic()
-                self.stats.upload.add(uploaded - started)
-                self.stats.broadcast.add(finished - uploaded)
-                self.stats.total.add(finished - started)
-            return response
+        started = time.monotonic()
+        deadline = started + self.load_deadline
+        uploaded: float | None = None
+        undone = ""  # what an earlier try rolled back, for the error if none succeeds
+        while True:
+            await self._await_replicas(deadline)
+            async with self.lock:
+                replicas = list(self.membership.routable)
+                if len(replicas) < self.min_healthy:
+                    self.stats.adapters["loads_failed"] += 1
+                    return text_response(503, self._too_few(trl_name, len(replicas)) + undone)
+                if uploaded is None:
+                    try:
+                        await asyncio.to_thread(self._publish, version, path)
+                    except (StoreError, OSError, ValueError) as error:
+                        self.stats.count_error("publish")
+                        self.stats.adapters["loads_failed"] += 1
+                        log.error("publishing %s from %s failed: %s", trl_name, path, error)
+                        return text_response(
+                            500, f"proxy: publishing {trl_name} to {self.store.describe()} failed: {error}"
+                        )
+                    uploaded = time.monotonic()
+                outcomes = await asyncio.gather(*(self._load_on(replica, version, deadline) for replica in replicas))
+                if self._replicas_dropped_out(outcomes) and time.monotonic() < deadline:
+                    undone = await self._drop_out(trl_name, version, outcomes)
+                    continue  # outside the lock: a replaced replica can be admitted meanwhile
+                response = await self._settle_load(trl_name, version, outcomes)
+                if response.status == 200:
+                    finished = time.monotonic()
+                    self.stats.upload.add(uploaded - started)
+                    self.stats.broadcast.add(finished - uploaded)
+                    self.stats.total.add(finished - started)
+                return response
+
+    def _replicas_dropped_out(self, outcomes: list[_Outcome]) -> bool:
+        """Whether a load fell short only because replicas became unreachable during it (none refused it).
+
+        Replicas die between two health checks: a load sent to every replica just after they were all lost finds
+        them routable, cannot reach them, and would fail the sync (fatal to TRL) before the trainer's replica
+        watchdog could end the run saying why. Such a load waits for replicas again instead, as one sent after the
+        health checks noticed would.
+        """
+        accepted = sum(outcome.kind == "ok" for outcome in outcomes)
+        return accepted < self.min_healthy and all(outcome.kind in ("ok", "unreachable") for outcome in outcomes)
+
+    async def _drop_out(self, trl_name: str, version: int, outcomes: list[_Outcome]) -> str:
+        """Eject the replicas that could not be reached and undo the load on those that took it, before a retry;
+        what the rollback did, for the error TRL gets if no retry succeeds."""
+        for outcome in outcomes:
+            if outcome.kind == "unreachable":
+                self.membership.eject(outcome.replica, f"load of {trl_name} failed: {outcome.detail}")
+        accepted = [outcome.replica for outcome in outcomes if outcome.kind == "ok"]
+        undone = await self._rollback(trl_name, version, accepted) if accepted else ""
+        self.stats.adapters["load_retries"] += 1
+        log.warning("%s%s; waiting for replicas to retry", self._too_few(trl_name, len(accepted)), undone)
+        return undone
 
     def _publish(self, version: int, path: Path) -> None:
         prefix = layout.adapter_prefix(self.run_id, version)

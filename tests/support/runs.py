@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from backend.models import Run
@@ -42,3 +44,36 @@ def follow_to_end(poller: Poller, runs: RunService, run_id: str, timeout: float,
         return run if run.status in TERMINAL_STATUSES else None
 
     return wait_until(ended, timeout, interval, what=f"the end of {run_id}")
+
+
+def job_log_tails(folder: Path, lines: int = 30) -> str:
+    """The last `lines` lines of every job's log in the local launcher's folder of a run: what a failed wait prints
+    so that a hang seen once in CI can be diagnosed from its report alone."""
+    tails = []
+    for log in sorted(folder.glob("*/log")):
+        text = log.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"--- {log.parent.name} ---\n" + "\n".join(text))
+    return "\n".join(tails)
+
+
+def wait_while_running(
+    poller: Poller, runs: RunService, run_id: str, reached: Callable[[], Any], timeout: float, what: str, folder: Path
+) -> Any:
+    """Wait until `reached()` is truthy while the run goes on; fail at once if the run ends first, and on either
+    failure say why with the tails of the jobs' logs."""
+
+    def check() -> Any:
+        if value := reached():
+            return value
+        poller.poll_run(run_id)
+        run = runs.get(run_id)
+        if run.status in TERMINAL_STATUSES:
+            raise AssertionError(
+                f"{run_id} ended ({run.status}: {run.status_message}) before {what}\n{job_log_tails(folder)}"
+            )
+        return None
+
+    try:
+        return wait_until(check, timeout, 1.0, what=what)
+    except TimeoutError as error:
+        raise AssertionError(f"{error}\n{job_log_tails(folder)}") from None
