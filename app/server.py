@@ -14,7 +14,7 @@ import os
 import signal
 
 from app.panel import Panel
-from app.theme import CSS, theme
+from app.theme import CSS, HEAD, theme
 from app.ui import build_app
 from backend import settings
 from backend.context import PanelContext
@@ -58,6 +58,7 @@ def main() -> None:
             server_port=port,
             theme=theme(),
             css=CSS,
+            head=HEAD,
             show_error=True,
             footer_links=["gradio"],
             quiet=True,

@@ -86,3 +86,17 @@ button:disabled, button[disabled] { opacity: 0.45; cursor: not-allowed; filter: 
 .gp-table-wrap td { border-bottom: 1px solid var(--border-color-primary); padding: 6px 8px; vertical-align: top; }
 @media (max-width: 900px) { .gp-stats { grid-template-columns: repeat(3, minmax(0, 1fr)); } }
 """
+
+# A slider's number box commits only when it loses focus (Gradio then sends `release`); in a box marked
+# `gp-enter-commits`, Enter commits too, as in any other field of the panel.
+HEAD = """
+<script>
+document.addEventListener("keydown", (event) => {
+  const box = event.target;
+  if (event.key === "Enter" && box instanceof HTMLInputElement && box.type === "number"
+      && box.closest(".gp-enter-commits")) {
+    box.blur();
+  }
+});
+</script>
+"""

@@ -17,6 +17,7 @@ from backend.models import Run
 from backend.preflight import Preflight, run_preflight
 from backend.sandbox import RewardTrial, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService
+from backend.services.exports import ExportService
 from backend.services.queries import QueryService
 from backend.services.runs import RunService, run_row
 from backend.services.smoke import SmokeReport, SmokeTest
@@ -31,6 +32,7 @@ class PanelServices:
         self.runs = RunService(ctx, owner)
         self.queries = QueryService(ctx, owner)
         self.adapters = AdapterService(ctx, owner)
+        self.exports = ExportService(ctx, owner)
         self.credentials = ctx.vault
 
     def preflight(

@@ -5,6 +5,10 @@ python -m backend plan --preset math --set compute.replica_flavor=h200x2
                                   print what a launch would submit, as JSON (a dry run: nothing is created)
 python -m backend smoke --spec run.json --hf-credential my-token --store-credential my-bucket
                                   one cpu-basic HF job that proves the bucket, the code and the job's URL (cents)
+python -m backend export my-run --format parquet
+                                  the run's metrics and samples as files pandas reads
+
+`python -m backend --help` lists every command; `python -m backend COMMAND --help` shows its options and examples.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from backend import presets
 from backend.api import PanelServices
 from backend.context import PanelContext
 from backend.poller import Poller
+from backend.services.adapters import VersionNotFound
+from backend.services.exports import FORMATS
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunService, run_row
+from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService, RunStateError, run_row
 from jobs.contract import RunSpec, SpecError, parse_spec
 from jobs.secrets import install_log_redaction
 
@@ -284,6 +290,33 @@ def poll(args: argparse.Namespace) -> int:
     return 0
 
 
+def make_current(args: argparse.Namespace) -> int:
+    _services(args).adapters.make_current(args.run, args.version)
+    print(f"{args.run}: adapters/CURRENT is v{args.version} (later versions are kept)")
+    return 0
+
+
+def branch(args: argparse.Namespace) -> int:
+    overrides: dict = {}
+    for assignment in args.set:
+        _assign(overrides, assignment)
+    child = _services(args).adapters.branch(args.run, args.version, args.new_run_id, overrides, launch=not args.draft)
+    print(f"{child.id}: trains on from {args.run} v{args.version} ({child.status})")
+    return 0
+
+
+def publish(args: argparse.Namespace) -> int:
+    print(_services(args).adapters.publish(args.run, args.version, args.repo_id, private=not args.public))
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    folder = Path(args.out) if args.out else None
+    for path in _services(args).exports.export(args.run, args.format, folder):
+        print(path)
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -299,16 +332,33 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", default="plan-preview", help="for a preset")
     parser.add_argument("--namespace", default="your-username", help="for the math preset")
     parser.add_argument("--bucket", default="grpo", help="for the math preset")
+    _add_credential_arguments(parser)
+
+
+def _add_credential_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-credential", help="the bucket keys: a saved credential's id or name")
     parser.add_argument("--hf-credential", help="the HF token: a saved credential's id or name")
 
 
-def main(argv: list[str] | None = None) -> int:
-    install_log_redaction()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="python -m backend")
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="run the embedded demo end to end on this machine")
+def _command(commands, name: str, handler, summary: str, *examples: str) -> argparse.ArgumentParser:
+    """One subcommand with its help line and examples (shown by `python -m backend NAME --help`)."""
+    epilog = "examples:\n" + "\n".join(f"  python -m backend {example}" for example in examples) if examples else None
+    parser = commands.add_parser(
+        name, help=summary, description=summary, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m backend",
+        description="The panel's actions from the command line, on the panel's database and data folder.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo_parser = _command(
+        commands, "demo", demo, "run the embedded demo end to end on this machine", "demo --steps 20"
+    )
     demo_parser.add_argument("--steps", type=int, default=40)
     demo_parser.add_argument("--replicas", type=int, default=2)
     demo_parser.add_argument("--seed", type=int, default=42)
@@ -320,49 +370,135 @@ def main(argv: list[str] | None = None) -> int:
         "split between them",
     )
     demo_parser.add_argument("--run-id")
-    demo_parser.set_defaults(handler=demo)
-    launch_parser = commands.add_parser("launch", help="validate, create and launch a run from a spec JSON file")
+    launch_parser = _command(
+        commands,
+        "launch",
+        launch,
+        "check, create and launch a run from a spec JSON file, then follow it",
+        "launch run.json --hf-credential my-token --store-credential my-bucket",
+    )
     launch_parser.add_argument("spec")
-    launch_parser.add_argument("--store-credential", help="the bucket keys: a saved credential's id or name")
-    launch_parser.add_argument("--hf-credential", help="the HF token: a saved credential's id or name")
-    launch_parser.set_defaults(handler=launch)
-    plan_parser = commands.add_parser("plan", help="print every job a launch would submit (a dry run), as JSON")
+    _add_credential_arguments(launch_parser)
+    plan_parser = _command(
+        commands,
+        "plan",
+        plan,
+        "print every job a launch would submit (a dry run), as JSON",
+        "plan --preset math --set compute.replica_flavor=h200x2",
+    )
     _add_spec_arguments(plan_parser)
     plan_parser.add_argument("--full", action="store_true", help="every argument in full (the bootstrap's source)")
-    plan_parser.set_defaults(handler=plan)
-    smoke_parser = commands.add_parser(
-        "smoke", help="run one cpu-basic job on HF Jobs that proves the bucket, the code bundle and the job's URL work"
+    smoke_parser = _command(
+        commands,
+        "smoke",
+        smoke,
+        "run one cpu-basic job on HF Jobs that proves the bucket, the code bundle and the job's URL work",
+        "smoke --spec run.json --hf-credential my-token --store-credential my-bucket",
     )
     _add_spec_arguments(smoke_parser)
-    smoke_parser.set_defaults(handler=smoke)
-    commands.add_parser("runs", help="list runs").set_defaults(handler=list_runs)
-    for name, handler, extra in (
-        ("follow", follow_run, ()),
-        ("stop", stop, ()),
-        ("relaunch-trainer", relaunch_trainer, ()),
-        ("versions", versions, ()),
-        ("replace-replica", replace_replica, ("role",)),
-        ("download", download, ("version",)),
-        ("compare", compare, ("a", "b")),
+    _command(commands, "runs", list_runs, "list runs", "runs")
+    for name, handler, summary in (
+        ("follow", follow_run, "print a run's progress until it ends (Ctrl-C stops it gracefully)"),
+        ("stop", stop, "stop a run: the trainer saves its adapter, then every job ends"),
+        ("relaunch-trainer", relaunch_trainer, "start the trainer job again; it resumes from its newest checkpoint"),
+        ("versions", versions, "list a run's adapter versions with their step and reward"),
     ):
-        sub = commands.add_parser(name)
-        sub.add_argument("run")
-        for argument in extra:
-            sub.add_argument(argument, type=int if argument in ("version", "a", "b") else str)
-        sub.set_defaults(handler=handler)
-    import_parser = commands.add_parser("import", help="import the runs a bucket holds")
+        _command(commands, name, handler, summary, f"{name} my-run").add_argument("run")
+    replace = _command(
+        commands,
+        "replace-replica",
+        replace_replica,
+        "replace one replica job of a running run",
+        "replace-replica my-run replica-1",
+    )
+    replace.add_argument("run")
+    replace.add_argument("role", help="e.g. replica-0")
+    download_parser = _command(
+        commands,
+        "download",
+        download,
+        "zip one adapter version (with its model card) and print the zip's path",
+        "download my-run 40",
+    )
+    download_parser.add_argument("run")
+    download_parser.add_argument("version", type=int)
+    compare_parser = _command(
+        commands, "compare", compare, "compare two adapter versions, module by module", "compare my-run 20 40"
+    )
+    compare_parser.add_argument("run")
+    compare_parser.add_argument("a", type=int)
+    compare_parser.add_argument("b", type=int)
+    current = _command(
+        commands,
+        "make-current",
+        make_current,
+        "roll back: point the run's adapters/CURRENT at an earlier version (later ones are kept)",
+        "make-current my-run 20",
+    )
+    current.add_argument("run")
+    current.add_argument("version", type=int)
+    branch_parser = _command(
+        commands,
+        "branch",
+        branch,
+        "start a new run that trains on from one version of a run, with its settings unless --set says otherwise",
+        "branch my-run 20 my-run-lr-low --set grpo.learning_rate=1e-5",
+        "branch my-run 20 my-run-b --draft",
+    )
+    branch_parser.add_argument("run")
+    branch_parser.add_argument("version", type=int)
+    branch_parser.add_argument("new_run_id")
+    branch_parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
+    branch_parser.add_argument("--draft", action="store_true", help="create the branch without launching it")
+    publish_parser = _command(
+        commands,
+        "publish",
+        publish,
+        "upload one adapter version with its model card to a Hub model repo (private unless --public); "
+        "uses the run's HF token",
+        "publish my-run 40 my-user/my-adapter",
+    )
+    publish_parser.add_argument("run")
+    publish_parser.add_argument("version", type=int)
+    publish_parser.add_argument("repo_id")
+    publish_parser.add_argument("--public", action="store_true")
+    export_parser = _command(
+        commands,
+        "export",
+        export,
+        "write a run's metrics (one row per step, TRL's names) and samples as CSV or Parquet; prints the paths",
+        "export my-run --format parquet --out ./exports",
+    )
+    export_parser.add_argument("run")
+    export_parser.add_argument("--format", choices=FORMATS, default="csv")
+    export_parser.add_argument("--out", help="the folder to write into (default: the panel's exports folder)")
+    import_parser = _command(
+        commands,
+        "import",
+        import_bucket,
+        "import the runs a bucket holds",
+        "import s3://my-bucket/panel --endpoint https://...",
+    )
     import_parser.add_argument("uri")
     import_parser.add_argument("--endpoint")
     import_parser.add_argument("--region")
     import_parser.add_argument("--store-credential", type=int)
-    import_parser.set_defaults(handler=import_bucket)
-    poll_parser = commands.add_parser("poll", help="run the poller in the foreground")
+    poll_parser = _command(commands, "poll", poll, "run the poller in the foreground", "poll --interval 5")
     poll_parser.add_argument("--interval", type=float, default=2.0, help="seconds between passes")
     poll_parser.add_argument(
         "--chunks-per-pass",
         type=_positive_int,
         help="at most this many telemetry chunks per stream and run in one pass (default: the poller's own)",
     )
-    poll_parser.set_defaults(handler=poll)
-    args = parser.parse_args(argv)
-    return args.handler(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    install_log_redaction()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (RunNotFound, VersionNotFound, RunStateError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2

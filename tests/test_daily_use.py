@@ -112,3 +112,80 @@ def test_following_a_finished_run_prints_its_own_pace(panel):
     out = io.StringIO()
     assert follow(panel.ctx, "demo-done", Poller(panel.ctx), out=out, interval=0.01) == "finished"
     assert " 30.0 steps/min" in out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        ("Qwen/Qwen2.5-0.5B-Instruct", ["base_model: Qwen/Qwen2.5-0.5B-Instruct", "AutoPeftModelForCausalLM"]),
+        ("builtin:tiny-qwen2", ["no Hub id", "ensure_tiny_model"]),
+        ("/models/my-model", ["local folder, `/models/my-model`, not a Hub id"]),
+    ],
+)
+def test_a_model_card_says_how_to_load_the_adapter_wherever_its_base_model_lives(model, says):
+    """Issue 18, item 9: the card names the base model for the Hub only when it has a Hub id, tags what trained it,
+    and gives loading code that works for that base model."""
+    from backend.services.adapters import model_card
+    from jobs.pins import pins
+
+    spec = demo_spec("demo-card", "file:///tmp/store").model_copy(deep=True)
+    spec.model.id = model
+    card = model_card(spec, 3, 12, {"reward": 0.5, "kl": None})
+    assert all(text in card for text in says), card
+    front = card.split("---")[1]
+    assert ("base_model:" in front) == (model.count("/") == 1 and not model.startswith("/"))
+    assert f"TRL {pins()['trl']}, PEFT {pins()['peft']}" in card
+    assert "| reward | 0.5000 |" in card and "| kl |" not in card
+    assert "adapter version 3, optimizer step 12" in card
+
+
+def test_samples_are_found_by_text_version_and_reward_across_steps(panel):
+    """Issue 18, item 6: the Samples tab searches prompts and completions (literally: `%` is no wildcard) and filters
+    by version and reward, in one step or in all of them; a picked row shows its own step's group."""
+    from app.pages.monitor import MonitorPage
+    from backend.models import RolloutSample
+
+    _record(panel, "demo-samples")
+    texts = {1: "apple pie", 2: "100% apple", 3: "banana"}
+    with panel.ctx.db.session() as session:
+        session.add_all(
+            RolloutSample(
+                run_id="demo-samples",
+                owner="local",
+                step=step,
+                policy_version=step - 1,
+                staleness=1,
+                group_id=group,
+                prompt="Write some numbers.",
+                completion=f"{texts[step]} {group}",
+                reward=step / 10 + group / 100,
+            )
+            for step in texts
+            for group in (0, 1)
+        )
+        session.commit()
+    page = MonitorPage(panel)
+    with gr.Blocks():
+        page.build()
+
+    def listed(step: int, *filters) -> list[tuple[int, str]]:
+        table = page.browse("demo-samples", step, *filters)[page.samples]
+        return list(zip(table["step"], table["completion"], strict=True))
+
+    assert listed(3, "", "", "apple", "", True) == [
+        (2, "100% apple 0"),
+        (2, "100% apple 1"),
+        (1, "apple pie 0"),
+        (1, "apple pie 1"),
+    ]
+    assert listed(3, "", "", "APPLE", "", False) == []  # one step unless All steps: step 3 has no apple
+    assert [c for _, c in listed(2, "", "", "0%", "", False)] == ["100% apple 0", "100% apple 1"]
+    assert listed(3, "", "", "%", "", True) == [(2, "100% apple 0"), (2, "100% apple 1")]  # literally a percent sign
+    assert listed(3, "", "", "", "v0", True) == [(1, "apple pie 0"), (1, "apple pie 1")]
+    assert listed(3, "0.205", "", "", "", True) == [(3, "banana 0"), (3, "banana 1"), (2, "100% apple 1")]
+    shown = page.browse("demo-samples", 3, "", "", "pie", "", True)
+    assert "Best of group 0" in shown[page.best] and "apple pie" in shown[page.best]
+    table = shown[page.samples]
+    event = gr.SelectData(None, {"index": [1, 0], "value": 1, "selected": True})
+    picked = page.pick_group("demo-samples", table, event)
+    assert "Best of group 1" in picked[page.best] and "apple pie 1" in picked[page.best]

@@ -16,13 +16,15 @@ from collections import Counter
 import pytest
 from sqlmodel import select
 
+from backend import settings
+from backend.cli import main
 from backend.context import PanelContext
 from backend.db import Database
 from backend.models import Job, MetricPoint, RolloutSample
 from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
-from jobs.contract import layout
+from jobs.contract import DEMO_MODEL_ID, layout
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import LocalStore, download_published, list_published, read_manifest
@@ -316,8 +318,14 @@ def test_download_zip_loads_with_peft(finished_demo, tmp_path):
     ctx, _, _, _ = finished_demo
     path = AdapterService(ctx, OWNER).download_zip("demo-e2e", STEPS)
     with zipfile.ZipFile(path) as archive:
-        assert {"adapter_config.json", "adapter_model.safetensors"} <= set(archive.namelist())
+        assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= set(archive.namelist())
         archive.extractall(tmp_path / "adapter")
+    # The card is the panel's, not PEFT's empty template; the config names the model as the spec does, never the
+    # trainer's local build folder.
+    card = (tmp_path / "adapter" / "README.md").read_text()
+    assert f"adapter version {STEPS}" in card and "no Hub id" in card and "digit_frac" in card
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == DEMO_MODEL_ID
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ensure_tiny_model()), tmp_path / "adapter")
     weights = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     key = next(k for k in weights if "lora_B" in k)
@@ -388,11 +396,11 @@ def _local(store, run_id: str, version: int):
     return target
 
 
-def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path):
+def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path, monkeypatch, capsys):
+    """`python -m backend publish` uploads the version with the panel's model card, using the run's HF token."""
     from safetensors.torch import load
 
     from backend.models import Run
-    from backend.services.adapters import AdapterService
     from tests.support.hub_emulator import HubEmulator
 
     ctx, store, _, _ = finished_demo
@@ -406,13 +414,17 @@ def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, 
             run.hf_credential_id = credential.id
             session.add(run)
             session.commit()
-        url = AdapterService(ctx, OWNER).publish("demo-e2e", STEPS, "tester/demo-adapter")
-        assert url.endswith("/tester/demo-adapter")
+        monkeypatch.setenv(settings.DATA.name, str(ctx.folder))  # the command line opens the demo's panel
+        monkeypatch.setenv(settings.HF_ENDPOINT.name, hub.url)
+        assert main(["publish", "demo-e2e", str(STEPS), "tester/demo-adapter"]) == 0
+        assert capsys.readouterr().out.strip().endswith("/tester/demo-adapter")
         files = hub.repos["tester/demo-adapter"]
         assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= set(files)
         assert "manifest.json" not in files
         card = files["README.md"].decode()
-        assert "base_model: builtin:tiny-qwen2" in card and f"version {STEPS}" in card and "digit_frac" in card
+        assert f"adapter version {STEPS}" in card and "digit_frac" in card and "TRL 1.16.0" in card
+        assert "base_model:" not in card  # the demo model has no Hub id: the card says so instead
+        assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == DEMO_MODEL_ID
         published = load(files["adapter_model.safetensors"])
         original = load(store.get_bytes(layout.adapter_prefix("demo-e2e", STEPS) + "adapter_model.safetensors"))
         assert published and published.keys() == original.keys()
@@ -425,6 +437,51 @@ def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, 
             session.commit()
         ctx.hub_endpoint = None
         hub.close()
+
+
+def test_the_command_line_exports_metrics_and_samples_that_pandas_reads(finished_demo, tmp_path, monkeypatch, capsys):
+    """Issue 18: a run's metrics (one row per step, TRL's names) and samples leave the panel as CSV and Parquet."""
+    import pandas as pd
+
+    from backend.models import RolloutSample
+
+    ctx, _, _, _ = finished_demo
+    monkeypatch.setenv(settings.DATA.name, str(ctx.folder))
+    rewards = [value for _, value in QueryService(ctx, OWNER).metric_series("demo-e2e", "reward", max_points=None)]
+    with ctx.db.session() as session:
+        stored_samples = len(session.exec(select(RolloutSample.id).where(RolloutSample.run_id == "demo-e2e")).all())
+    for fmt, read in (("csv", pd.read_csv), ("parquet", pd.read_parquet)):
+        assert main(["export", "demo-e2e", "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
+        metrics_path, samples_path = capsys.readouterr().out.split()
+        metrics, samples = read(metrics_path), read(samples_path)
+        assert list(metrics["step"]) == list(range(1, STEPS + 1))
+        assert {"time", "reward", "kl", "perf/step_s", "rewards/digit_frac"} <= set(metrics.columns)
+        assert metrics["reward"].tolist() == pytest.approx(rewards)
+        assert len(samples) == stored_samples > 0
+        assert samples["reward/digit_frac"].tolist() == pytest.approx(samples["reward"].tolist())
+        assert set(samples["step"]) == set(range(1, STEPS + 1)) and samples["completion"].fillna("").str.len().sum() > 0
+
+
+def test_the_command_line_rolls_back_and_branches_and_says_what_is_wrong(finished_demo, monkeypatch, capsys):
+    """Issue 18: every action of the Adapters page is a command; a wrong version is an error line, not a traceback."""
+    ctx, store, _, _ = finished_demo
+    monkeypatch.setenv(settings.DATA.name, str(ctx.folder))
+    before = RunService(ctx, OWNER).get("demo-e2e").current_version
+    assert main(["make-current", "demo-e2e", "7"]) == 0
+    assert store.get_bytes(layout.current_key("demo-e2e")) == b"7"
+    assert RunService(ctx, OWNER).get("demo-e2e").current_version == 7
+    assert main(["branch", "demo-e2e", "5", "demo-e2e-cli", "--set", "grpo.learning_rate=0.001", "--draft"]) == 0
+    child = RunService(ctx, OWNER).get("demo-e2e-cli")
+    assert (child.status, child.parent_run_id, child.parent_version) == ("draft", "demo-e2e", 5)
+    assert json.loads(child.spec_json)["grpo"]["learning_rate"] == 0.001
+    capsys.readouterr()
+    assert main(["make-current", "demo-e2e", "999"]) == 2
+    assert main(["branch", "demo-e2e", "5", "demo-e2e-cli", "--draft"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 2 and all(line.startswith("error: ") for line in errors), errors
+    assert "999" in errors[0] and "taken" in errors[1]
+    assert main(["make-current", "demo-e2e", str(before)]) == 0  # as the other tests of this module left it
+    RunService(ctx, OWNER).delete("demo-e2e-cli")
 
 
 def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(tmp_path, monkeypatch):

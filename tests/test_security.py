@@ -339,7 +339,7 @@ def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
     scan.scan("account page", repr(pages.account.refresh(alice)))
     scan.scan("runs page", repr(pages.runs.refresh([RUN_ID], None, alice)))
     for subtab in SUBTABS:
-        shown = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", alice)
+        shown = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False, alice)
         scan.scan(f"monitor {subtab}", repr(shown))
         assert RUN_ID in repr(shown[pages.monitor.header])  # alice does see her run
     scan.scan("adapters page", repr(pages.adapters.show_run(RUN_ID, alice)))
@@ -663,7 +663,7 @@ def test_preflight_does_not_preview_another_owners_run_data(owners, tmp_path):
 
 
 def _select(run_id: str) -> tuple[pd.DataFrame, gr.SelectData]:
-    table = pd.DataFrame([{"run id": run_id, "group": 0}])
+    table = pd.DataFrame([{"run id": run_id, "step": 1, "group": 0}])
     return table, gr.SelectData(None, {"index": [0, 0], "value": run_id, "selected": True})
 
 
@@ -675,8 +675,8 @@ def _handler_calls(p: Pages, o: Owners) -> list[tuple[str, Callable[[gr.OAuthPro
         ("RunsPage.stop", lambda who: p.runs.stop(run, who)),
         ("RunsPage.launch_draft", lambda who: p.runs.launch_draft(o.alice_draft, who)),
         ("RunsPage.branch", lambda who: p.runs.branch(run, 1, "bob-runs-branch", True, who)),
-        ("MonitorPage.browse", lambda who: p.monitor.browse(run, 1, "", "", who)),
-        ("MonitorPage.pick_group", lambda who: p.monitor.pick_group(run, 1, table, event, who)),
+        ("MonitorPage.browse", lambda who: p.monitor.browse(run, 1, "", "", "", "", True, who)),
+        ("MonitorPage.pick_group", lambda who: p.monitor.pick_group(run, table, event, who)),
         ("MonitorPage.stop", lambda who: p.monitor.stop(run, who)),
         ("AdaptersPage.show_run", lambda who: p.adapters.show_run(run, who)),
         ("AdaptersPage.refresh", lambda who: p.adapters.refresh(run, None, who)),
@@ -731,7 +731,7 @@ def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
     assert "bob-draft" in repr(shown[0]) and "bobs token" in repr(shown[3])  # bob does see his own
     for subtab in SUBTABS:  # asked for alice's run by id, the monitor answers as for a run that does not exist
         monitor = pages.monitor
-        shown = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", bob)
+        shown = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False, bob)
         assert shown[monitor.header] == cards.empty_state(f"No run {RUN_ID}.") and shown[monitor.drawn] == {}
         assert shown[monitor.alerts].visible is False and set(shown) == {
             monitor.header,

@@ -8,6 +8,10 @@ everything else is skipped, so an idle viewer costs one small query per tick.
 from __future__ import annotations
 
 import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import gradio as gr
 import pandas as pd
@@ -19,13 +23,14 @@ from app.charts import training as training_charts
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import Run
+from backend.services.exports import FORMATS as EXPORT_FORMATS
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound
 from jobs.contract import RunSpec, derived
 
 REFRESH_SECONDS = 2.0
 MAX_POINTS = 1000
 SUBTABS = ("training", "rollouts", "replicas", "samples", "jobs")
-SAMPLE_COLUMNS = ["group", "reward", "advantage", "version", "staleness", "scores", "completion"]
+SAMPLE_COLUMNS = ["step", "group", "reward", "advantage", "version", "staleness", "scores", "completion"]
 
 
 def run_choices(services: PanelServices | None) -> list[tuple[str, str]]:
@@ -37,6 +42,8 @@ def run_choices(services: PanelServices | None) -> list[tuple[str, str]]:
 class MonitorPage:
     def __init__(self, panel: Panel):
         self.panel = panel
+        # Exports are handed to Gradio from here: a temp folder it may serve from, as the Adapters page's zips.
+        self.exports = Path(tempfile.mkdtemp(prefix="grpo-panel-exports-"))
 
     # --- layout -------------------------------------------------------------------------------------------------
 
@@ -64,6 +71,20 @@ class MonitorPage:
                 with gr.Row():
                     self.ratio_plot = gr.Plot(training_charts.ratio_kl_figure([], []), show_label=False)
                     self.time_plot = gr.Plot(training_charts.step_time_figure([], [], [], []), show_label=False)
+                with gr.Row(elem_classes="gp-align-end"):
+                    self.export_format = gr.Radio(
+                        list(EXPORT_FORMATS), value="csv", label="Export format", scale=1, elem_id="export-format"
+                    )
+                    self.export_button = gr.Button(
+                        "Export metrics and samples", scale=1, elem_id="export-run", variant="secondary"
+                    )
+                    self.exported = gr.File(
+                        label="Exported (one row per step; one row per sample)",
+                        file_count="multiple",
+                        visible=False,
+                        scale=2,
+                        elem_id="exported-files",
+                    )
             with gr.Tab("Rollouts", id="rollouts") as self.rollouts_tab:
                 with gr.Row():
                     self.queue_plot = gr.Plot(rollout_charts.queue_figure([], 0, []), show_label=False)
@@ -79,18 +100,33 @@ class MonitorPage:
                 self.sync_plot = gr.Plot(replica_charts.sync_figure(None), show_label=False)
             with gr.Tab("Samples", id="samples") as self.samples_tab:
                 with gr.Row(elem_classes="gp-align-end"):
-                    self.step = gr.Slider(1, 2, value=1, step=1, label="Step", elem_id="sample-step", scale=4)
+                    self.step = gr.Slider(
+                        1,
+                        2,
+                        value=1,
+                        step=1,
+                        label="Step",
+                        elem_id="sample-step",
+                        scale=4,
+                        elem_classes="gp-enter-commits",
+                    )
                     self.follow = gr.Checkbox(True, label="Follow the latest step", scale=1)
                     self.min_reward = gr.Textbox(label="Reward ≥", placeholder="any", scale=1, elem_id="min-reward")
                     self.max_reward = gr.Textbox(label="Reward ≤", placeholder="any", scale=1, elem_id="max-reward")
+                with gr.Row(elem_classes="gp-align-end"):
+                    self.search = gr.Textbox(
+                        label="Search prompts and completions (Enter)", scale=4, elem_id="sample-search"
+                    )
+                    self.version = gr.Textbox(label="Version", placeholder="any", scale=1, elem_id="sample-version")
+                    self.all_steps = gr.Checkbox(False, label="All steps", scale=1, elem_id="sample-all-steps")
                 self.samples = gr.Dataframe(
                     pd.DataFrame(columns=SAMPLE_COLUMNS),
                     interactive=False,
                     wrap=True,
                     max_height=320,
                     elem_id="samples-table",
-                    label="Samples at this step (click one to compare its group)",
-                    column_widths=["7%", "8%", "9%", "12%", "8%", "16%", "40%"],
+                    label="Samples (click one to compare its group)",
+                    column_widths=["6%", "6%", "7%", "8%", "11%", "7%", "15%", "40%"],
                 )
                 with gr.Row(equal_height=False):
                     self.best = gr.HTML(
@@ -122,8 +158,12 @@ class MonitorPage:
             self.jobs,
         ]
 
+    def sample_filters(self) -> list:
+        """The Samples tab's filters, in the order every handler that lists samples takes them."""
+        return [self.min_reward, self.max_reward, self.search, self.version, self.all_steps]
+
     def refresh_inputs(self) -> list:
-        return [self.run, self.subtab, self.drawn, self.step, self.follow, self.min_reward, self.max_reward]
+        return [self.run, self.subtab, self.drawn, self.step, self.follow, *self.sample_filters()]
 
     def _wire(self) -> None:
         self.timer.tick(self.refresh, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
@@ -133,16 +173,18 @@ class MonitorPage:
             tab.select(_constant(name), None, self.subtab).then(
                 self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
             )
+        self.export_button.click(self.export, [self.run, self.export_format], [self.exported])
         self.stop_button.click(self.stop, [self.run], None).then(
             self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
         )
-        browse = [self.run, self.step, self.min_reward, self.max_reward]
-        self.step.release(lambda: False, None, self.follow).then(
-            self.browse, browse, [self.samples, self.best, self.worst]
-        )
-        for box in (self.min_reward, self.max_reward):
-            box.submit(self.browse, browse, [self.samples, self.best, self.worst])
-        self.samples.select(self.pick_group, [self.run, self.step, self.samples], [self.best, self.worst])
+        browse = [self.run, self.step, *self.sample_filters()]
+        shown = [self.samples, self.best, self.worst]
+        # The step box commits on Enter too (theme.HEAD turns Enter into the blur on which Gradio sends `release`).
+        self.step.release(lambda: False, None, self.follow).then(self.browse, browse, shown)
+        for box in (self.min_reward, self.max_reward, self.search, self.version):
+            box.submit(self.browse, browse, shown)
+        self.all_steps.input(self.browse, browse, shown)
+        self.samples.select(self.pick_group, [self.run, self.samples], [self.best, self.worst])
 
     # --- handlers -----------------------------------------------------------------------------------------------
 
@@ -161,10 +203,14 @@ class MonitorPage:
         follow: bool,
         min_reward: str,
         max_reward: str,
+        search: str,
+        version: str,
+        all_steps: bool,
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         """Like a tick, but redraws the visible sub-tab even if nothing changed (a new run or sub-tab was picked)."""
-        return self.refresh(run_id, subtab, {}, step, follow, min_reward, max_reward, profile)
+        filters = (min_reward, max_reward, search, version, all_steps)
+        return self.refresh(run_id, subtab, {}, step, follow, *filters, profile)
 
     def refresh(
         self,
@@ -175,6 +221,9 @@ class MonitorPage:
         follow: bool,
         min_reward: str,
         max_reward: str,
+        search: str,
+        version: str,
+        all_steps: bool,
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         """One tick: the header and alerts always; the visible sub-tab only when the run logged something new
@@ -203,9 +252,8 @@ class MonitorPage:
             jobs, beats = services.queries.jobs(run.id), services.queries.heartbeats(run.id)
             figures = {self.jobs: cards.job_cards(jobs, beats, local=run.backend == "local")}
         elif subtab == "samples":
-            figures = self._samples(
-                services, run, step, follow, min_reward, max_reward, fresh=drawn.get(subtab) != state
-            )
+            wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps)
+            figures = self._samples(services, run, step, follow, wanted, fresh=drawn.get(subtab) != state)
             drawn[subtab] = state
         elif subtab in SUBTABS and drawn.get(subtab) != state:
             figures = getattr(self, f"_{subtab}")(services, run)
@@ -272,7 +320,7 @@ class MonitorPage:
             self.sync_plot: replica_charts.sync_figure(latest),
         }
 
-    def _samples(self, services, run, step, follow, min_reward, max_reward, fresh: bool) -> dict:
+    def _samples(self, services, run, step, follow, wanted: SampleFilter, fresh: bool) -> dict:
         if not fresh:  # nothing new arrived since the last draw; the filters redraw through their own events
             return {}
         bounds = services.queries.sample_steps(run.id)
@@ -292,30 +340,36 @@ class MonitorPage:
         if not follow:  # the reader is on an older step: only let the slider reach the new ones
             return {self.step: gr.Slider(minimum=low, maximum=max(high, low + 1))}
         slider = {self.step: gr.Slider(minimum=low, maximum=max(high, low + 1), value=target)}
-        return slider | self._browse(services, run.id, target, min_reward, max_reward)
+        return slider | self._browse(services, run.id, target, wanted)
 
-    def _browse(self, services, run_id, step, min_reward, max_reward) -> dict:
-        """One step's samples (reward-filtered), and the best and worst of the first group listed."""
+    def _browse(self, services, run_id, step, wanted: SampleFilter) -> dict:
+        """The samples of one step (or of every step) that pass the filters, and the best and worst of the group
+        listed first."""
+        step_range = (None, None) if wanted.all_steps else (step, step)
         rows = services.queries.samples(
             run_id,
-            step_from=step,
-            step_to=step,
-            min_reward=_bound(min_reward),
-            max_reward=_bound(max_reward),
+            step_from=step_range[0],
+            step_to=step_range[1],
+            min_reward=wanted.min_reward,
+            max_reward=wanted.max_reward,
+            text=wanted.text,
+            version=wanted.version,
             limit=200,
         )
-        # Trained samples first (dropped ones were too stale to train on), each group together, best first.
+        # Newest step first; in a step, trained samples first (dropped ones were too stale to train on), each group
+        # together, best first.
         rows = sorted(
-            rows, key=lambda s: (s.dropped, s.group_id, -(s.reward if s.reward is not None else float("-inf")))
+            rows,
+            key=lambda s: (-s.step, s.dropped, s.group_id, -(s.reward if s.reward is not None else float("-inf"))),
         )
-        group = rows[0].group_id if rows else None
-        return {self.samples: _samples_table(rows)} | self._group_cards(services, run_id, step, group)
+        first = (rows[0].step, rows[0].group_id) if rows else (step, None)
+        return {self.samples: _samples_table(rows)} | self._group_cards(services, run_id, *first)
 
     def _group_cards(self, services, run_id, step, group) -> dict:
         if group is None:
             return {
-                self.best: cards.empty_state("No sample at this step matches the reward filter."),
-                self.worst: cards.empty_state("Widen the reward filter or pick another step."),
+                self.best: cards.empty_state("No sample matches these filters."),
+                self.worst: cards.empty_state("Widen the filters or pick another step."),
             }
         members = services.queries.group(run_id, int(step), int(group))
         if not members:
@@ -326,24 +380,37 @@ class MonitorPage:
         }
 
     def browse(
-        self, run_id: str | None, step: float, min_reward: str, max_reward: str, profile: gr.OAuthProfile | None = None
+        self,
+        run_id: str | None,
+        step: float,
+        min_reward: str,
+        max_reward: str,
+        search: str,
+        version: str,
+        all_steps: bool,
+        profile: gr.OAuthProfile | None = None,
     ) -> dict:
         services = self.panel.services(profile)
         if not run_id:
             return {}
-        return self._browse(services, run_id, int(step), min_reward, max_reward)
+        wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps)
+        return self._browse(services, run_id, int(step), wanted)
 
     def pick_group(
-        self,
-        run_id: str,
-        step: float,
-        table: pd.DataFrame,
-        event: gr.SelectData,
-        profile: gr.OAuthProfile | None = None,
+        self, run_id: str, table: pd.DataFrame, event: gr.SelectData, profile: gr.OAuthProfile | None = None
     ) -> dict:
         services = self.panel.services(profile)
-        row = event.index[0] if isinstance(event.index, list | tuple) else event.index
-        return self._group_cards(services, run_id, int(step), int(table.iloc[row]["group"]))
+        row = table.iloc[event.index[0] if isinstance(event.index, list | tuple) else event.index]
+        return self._group_cards(services, run_id, int(row["step"]), int(row["group"]))
+
+    def export(self, run_id: str | None, fmt: str, profile: gr.OAuthProfile | None = None) -> dict:
+        """The run's metrics and samples as files to save (the same files `python -m backend export` writes)."""
+        services = self.panel.services(profile)
+        if not run_id:
+            raise gr.Error("Pick a run to export.")
+        folder = Path(tempfile.mkdtemp(dir=self.exports))  # one folder per export: a later one never overwrites it
+        paths = services.exports.export(run_id, fmt, folder)
+        return {self.exported: gr.File(value=[str(path) for path in paths], visible=True)}
 
     def stop(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> None:
         services = self.panel.services(profile)
@@ -356,10 +423,30 @@ class MonitorPage:
             gr.Info(f"{run_id} is {run.status}: there is nothing to stop.")
 
 
-def _bound(text: str | None) -> float | None:
-    """A reward filter box: empty (or not a number) means no bound."""
+@dataclass(frozen=True)
+class SampleFilter:
+    """What the Samples tab's filter boxes ask for; a box left empty (or not understood) does not filter."""
+
+    min_reward: float | None
+    max_reward: float | None
+    text: str | None
+    version: int | None
+    all_steps: bool
+
+    @classmethod
+    def read(cls, min_reward: str, max_reward: str, search: str, version: str, all_steps: bool) -> SampleFilter:
+        return cls(
+            _number(min_reward, float),
+            _number(max_reward, float),
+            (search or "").strip() or None,
+            _number((version or "").strip().lstrip("vV"), int),
+            bool(all_steps),
+        )
+
+
+def _number(text: str | None, kind: type[float] | type[int]) -> Any:
     try:
-        return float(text) if text not in (None, "") else None
+        return kind(text) if text not in (None, "") else None
     except ValueError:
         return None
 
@@ -377,6 +464,7 @@ def _samples_table(rows: list) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {
+                "step": s.step,
                 "group": s.group_id,
                 "reward": round(s.reward, 3) if s.reward is not None else None,
                 "advantage": round(s.advantage, 3),

@@ -22,7 +22,8 @@ from sqlmodel import col, select
 from backend.context import PanelContext
 from backend.models import AdapterVersion, Job, MetricPoint, Run
 from backend.services.runs import RunService, RunStateError
-from jobs.contract import RunSpec, derived, layout, parse_spec
+from jobs.contract import DEMO_MODEL_ID, RunSpec, derived, layout, parse_spec
+from jobs.pins import pins
 from jobs.store import download_published
 
 if TYPE_CHECKING:
@@ -127,12 +128,12 @@ class AdapterService:
     # --- download -------------------------------------------------------------------------------------------------
 
     def download_zip(self, run_id: str, version: int) -> Path:
-        """A zip of the version's files (verified against its manifest); unzip and `PeftModel.from_pretrained` it."""
+        """A zip of the version as it travels (`portable_copy`); unzip it and `AutoPeftModelForCausalLM` loads it."""
         out_dir = self.ctx.folder / "downloads" / self.owner
         out_dir.mkdir(parents=True, exist_ok=True)
         target = out_dir / f"{run_id}-v{version}.zip"
         with tempfile.TemporaryDirectory() as folder:
-            source = self._local_copy(run_id, version, Path(folder))
+            source = self.portable_copy(run_id, version, Path(folder))
             temp = target.with_suffix(".zip.tmp")
             with zipfile.ZipFile(temp, "w", zipfile.ZIP_DEFLATED) as archive:
                 for path in sorted(source.rglob("*")):
@@ -313,13 +314,23 @@ class AdapterService:
 
     # --- publish ----------------------------------------------------------------------------------------------------
 
-    def prepare_publish(self, run_id: str, version: int, folder: Path) -> Path:
-        """The files a published repo holds: the adapter and a model card describing where it came from."""
+    def portable_copy(self, run_id: str, version: int, folder: Path) -> Path:
+        """The version as it leaves the panel (a zip, a Hub repo): its files, verified against the manifest (which
+        stays behind), a model card saying where it came from, and a config that names the base model by its Hub id.
+
+        TRL saves the trainer's own view of the base model (a local snapshot folder on the trainer's machine; the
+        demo model's build folder), which no other machine has: `AutoPeftModelForCausalLM` would fail on it.
+        """
         run = self.runs.get(run_id)
         spec = RunSpec.from_json(run.spec_json)
         row = self.version(run_id, version)
         adapter = self._local_copy(run_id, version, folder)
         (adapter / "manifest.json").unlink(missing_ok=True)
+        config_path = adapter / "adapter_config.json"
+        config = json.loads(config_path.read_text())
+        config["base_model_name_or_path"] = spec.model.id
+        config["revision"] = spec.model.revision
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         metrics = {name: self._metric_at(run_id, name, row.step) for name in COMPARED_METRICS}
         (adapter / "README.md").write_text(model_card(spec, version, row.step, metrics))
         return adapter
@@ -333,7 +344,7 @@ class AdapterService:
             raise RunStateError("publishing needs an HF token with write access; add one as a credential")
         api = HfApi(token=self.ctx.vault.hf_token(self.owner, run.hf_credential_id), endpoint=self.ctx.hub_endpoint)
         with tempfile.TemporaryDirectory() as folder:
-            adapter = self.prepare_publish(run_id, version, Path(folder))
+            adapter = self.portable_copy(run_id, version, Path(folder))
             api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
             api.upload_folder(
                 folder_path=str(adapter),
@@ -345,35 +356,68 @@ class AdapterService:
 
 
 def model_card(spec: RunSpec, version: int, step: int | None, metrics: dict[str, float | None]) -> str:
-    rewards = ", ".join(f"{r.name} (×{r.weight:g})" for r in spec.rewards)
+    """A Hub model card for one adapter version: its base model, data, rewards, run and metrics, the versions of TRL
+    and PEFT that trained it, and how to load it."""
+    model = spec.model.id
+    on_hub = model != DEMO_MODEL_ID and not model.startswith("/")
+    front = [f"base_model: {model}"] if on_hub else []
+    tags = ([f"base_model:adapter:{model}"] if on_hub else []) + ["grpo", "lora", "peft", "trl", "async-grpo"]
+    front += ["library_name: peft", f"tags: [{', '.join(tags)}]"]
+    rewards = ", ".join(f"`{r.name}` (weight {r.weight:g})" for r in spec.rewards)
     shown = "\n".join(f"| {name} | {value:.4f} |" for name, value in metrics.items() if value is not None)
+    revision = f" at revision `{spec.model.revision}`" if spec.model.revision else ""
+    versions = pins()
+    trained_with = ", ".join(f"{name} {versions.get(name.lower(), '?')}" for name in ("TRL", "PEFT"))
+    front_matter = "\n".join(front)
     return f"""---
-base_model: {spec.model.id}
-library_name: peft
-tags: [grpo, lora, trl, async-grpo]
+{front_matter}
 ---
 
 # {spec.name or spec.run_id} — adapter v{version}
 
 A LoRA adapter (rank {spec.lora.rank}, alpha {spec.lora.alpha:g}, targets {spec.lora.target_modules}) trained with
-asynchronous GRPO (TRL's AsyncGRPOTrainer) on `{spec.model.id}`.
+asynchronous GRPO (TRL's AsyncGRPOTrainer) on `{model}`{revision}.
 
-- Run: `{spec.run_id}`, version {version}, optimizer step {step}
+- Run: `{spec.run_id}`, adapter version {version}, optimizer step {step}
 - Dataset: `{spec.dataset.id}` ({spec.dataset.split}), prompt column `{spec.dataset.prompt_column}`
 - Rewards: {rewards}
 - GRPO: {spec.grpo.num_generations} generations per prompt, learning rate {spec.grpo.learning_rate:g}, max staleness
   {spec.grpo.max_staleness}, temperature {spec.grpo.temperature:g}
+- Trained with {trained_with}
 
 | metric at this step | value |
 |---|---|
 {shown}
 
+## How to load it
+
+{_loading(model, on_hub)}
+"""
+
+
+def _loading(model: str, on_hub: bool) -> str:
+    """How to load the adapter: by itself where the base model is on the Hub; otherwise, what is missing."""
+    if on_hub:
+        return f"""```python
+from peft import AutoPeftModelForCausalLM
+
+model = AutoPeftModelForCausalLM.from_pretrained("<this repo or folder>")  # fetches {model} too
+```"""
+    if model == DEMO_MODEL_ID:
+        return f"""The base model, `{DEMO_MODEL_ID}`, is the panel's built-in demo model: it is built locally and has
+no Hub id, so this adapter loads only beside the panel's code, which builds it:
+
 ```python
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
-model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{spec.model.id}"), "<this repo>")
-```
-"""
+
+from jobs.demo.tiny_model import ensure_tiny_model
+
+base = AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
+model = PeftModel.from_pretrained(base, "<this folder>")
+```"""
+    return f"""The base model was a local folder, `{model}`, not a Hub id: load it from that folder, then apply
+this adapter with `PeftModel.from_pretrained(base, "<this repo or folder>")`."""
 
 
 def _lora_scale(config_path: Path) -> float:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy
-from sqlalchemy import func
+from sqlalchemy import func, or_
 from sqlmodel import col, select
 
 from backend.context import PanelContext
@@ -119,9 +119,23 @@ class QueryService:
         max_reward: float | None = None,
         limit: int = 50,
         offset: int = 0,
+        text: str | None = None,
+        version: int | None = None,
     ) -> list[RolloutSample]:
+        """Samples newest step first; `text` matches prompts and completions (case-insensitive for ASCII, taken
+        literally: `%` and `_` are no wildcards), `version` the adapter version that generated them."""
         self._check(run_id)
         query = select(RolloutSample).where(RolloutSample.run_id == run_id)
+        if text:
+            pattern = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            query = query.where(
+                or_(
+                    col(RolloutSample.prompt).like(pattern, escape="\\"),
+                    col(RolloutSample.completion).like(pattern, escape="\\"),
+                )
+            )
+        if version is not None:
+            query = query.where(RolloutSample.policy_version == version)
         if step_from is not None:
             query = query.where(RolloutSample.step >= step_from)
         if step_to is not None:

@@ -115,7 +115,7 @@ def test_wrong_bucket_keys_show_the_connection_error(page: Page, moto_server) ->
     expect(error).to_contain_text("Connected", timeout=60_000)
 
 
-def test_monitor_fills_as_the_run_trains_then_stops(page: Page, demo_run: str) -> None:
+def test_monitor_fills_as_the_run_trains_then_stops(page: Page, demo_run: str, tmp_path: Path) -> None:
     open_tab(page, "Monitor")
     expect(page.locator("#run-header")).to_contain_text(demo_run)
     page.wait_for_function(
@@ -142,6 +142,25 @@ def test_monitor_fills_as_the_run_trains_then_stops(page: Page, demo_run: str) -
     screenshot(page, "monitor-jobs")
     expect(page.locator("#run-header")).to_contain_text("stopped", timeout=180_000)
     assert plot_points(page, "reward-plot") >= 3
+    _export_metrics(page, demo_run, tmp_path)
+
+
+def _export_metrics(page: Page, run_id: str, folder: Path) -> None:
+    """Issue 18: the Training tab exports the run's metrics (and samples) as files pandas reads."""
+    import pandas as pd
+
+    open_tab(page, "Training")
+    page.locator("#export-format").get_by_label("parquet").check()
+    page.locator("#export-run").click()
+    files = page.locator("#exported-files")
+    expect(files).to_contain_text(f"{run_id}-samples.parquet", timeout=60_000)
+    with page.expect_download() as download:
+        files.get_by_text(f"{run_id}-metrics.parquet").click()
+    path = folder / "metrics.parquet"
+    download.value.save_as(path)
+    metrics = pd.read_parquet(path)
+    assert len(metrics) >= 3 and {"step", "time", "reward", "kl"} <= set(metrics.columns)
+    assert metrics["step"].is_monotonic_increasing
 
 
 def test_adapters_download_compare_and_branch(page: Page, demo_run: str, tmp_path: Path) -> None:
