@@ -22,6 +22,7 @@ STATUS_TONE = {
     "running": "good",
     "degraded": "warn",
     "stalled": "warn",
+    "finalizing": "info",
     "stopping": "warn",
     "finished": "done",
     "failed": "bad",

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import time
 
-from sqlalchemy import func
 from sqlmodel import Session, select
 
 from backend.db import Database
-from backend.ingest import latest_proxy_snapshots
+from backend.ingest import latest_proxy_snapshots, version_reward
 from backend.models import AdapterVersion, Event, MetricPoint, Run
 from jobs.contract import RunSpec
 
@@ -119,14 +118,7 @@ def _update_aliases(session: Session, run: Run) -> None:
     versions = list(session.exec(select(AdapterVersion).where(AdapterVersion.run_id == run.id)).all())
     for version in versions:
         if version.reward is None and version.step is not None:
-            version.reward = session.exec(
-                select(func.avg(MetricPoint.value)).where(
-                    MetricPoint.run_id == run.id,
-                    MetricPoint.name == "reward",
-                    MetricPoint.step > version.step - 5,
-                    MetricPoint.step <= version.step,
-                )
-            ).first()
+            version.reward = version_reward(session, run.id, version.step)
             session.add(version)
     scored = [v for v in versions if v.reward is not None]
     run.best_version = max(scored, key=lambda v: (v.reward, v.version)).version if scored else None

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from backend.context import PanelContext
+from backend.hub_tokens import HubIdentity, check_hf_token
 from backend.models import Run
 from backend.preflight import Preflight, run_preflight
 from backend.sandbox import RewardTrial, SandboxLimits, run_rewards
@@ -34,6 +35,10 @@ class PanelServices:
         self.adapters = AdapterService(ctx, owner)
         self.exports = ExportService(ctx, owner)
         self.credentials = ctx.vault
+
+    def check_hf_token(self, token: str) -> HubIdentity | None:
+        """Who the Hub says the token is (None: the Hub could not be reached); raises TokenRefused if refused."""
+        return check_hf_token(token, self.ctx.hub_endpoint)
 
     def preflight(
         self,

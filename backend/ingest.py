@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any
 
-from sqlalchemy import delete, insert
+from sqlalchemy import delete, func, insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col, select
 
@@ -165,3 +165,21 @@ def _not_superseded(session: Session, run_id: str, rows: list[dict[str, Any]]) -
     if not points:
         return rows
     return [row for row in rows if not any(row["attempt"] < attempt and row["step"] > step for attempt, step in points)]
+
+
+VERSION_REWARD_STEPS = 5  # a version's reward: the mean over the steps up to its own (one step's is noisy)
+
+
+def version_reward(session: Session, run_id: str, step: int | None) -> float | None:
+    """The mean reward over the `VERSION_REWARD_STEPS` steps up to `step`: what the version list shows (labelled
+    as a mean) and what picks the best version."""
+    if step is None:
+        return None
+    return session.exec(
+        select(func.avg(MetricPoint.value)).where(
+            MetricPoint.run_id == run_id,
+            MetricPoint.name == "reward",
+            MetricPoint.step > step - VERSION_REWARD_STEPS,
+            MetricPoint.step <= step,
+        )
+    ).first()

@@ -31,7 +31,7 @@ from jobs.store import ObjectStore, StoreError, VersionNotPublished, read_manife
 from jobs.telemetry import decode_jsonl
 
 log = logging.getLogger(__name__)
-ACTIVE = ("launching", "running", "degraded", "stalled", "stopping")
+ACTIVE = ("launching", "running", "degraded", "stalled", "finalizing", "stopping")
 TERMINAL_PHASES = ("finished", "failed", "stopped")
 STREAM_INGESTERS = {
     "metrics": ingest.ingest_metrics,
@@ -168,7 +168,7 @@ class Poller:
                         size_bytes=manifest.total_size,
                         manifest_json=manifest.to_json().decode(),
                         attempt=manifest.meta.get("attempt"),
-                        reward=_reward_near(session, run.id, manifest.meta.get("step")),
+                        reward=ingest.version_reward(session, run.id, manifest.meta.get("step")),
                     )
                     .on_conflict_do_nothing()  # republished after a crash: the version is already listed
                 )
@@ -282,8 +282,10 @@ class Poller:
                 status = "failed" if run.status != "stopping" else "stopped"
                 last = trainer_job.log_tail.strip().splitlines()[-1:] or [""]
                 message = f"the trainer job ended ({trainer_job.stage}: {trainer_job.message}) {last[0]}"[:2000]
-            elif run.status == "stopping" or phase == "saving":
+            elif run.status == "stopping":
                 pass  # the trainer is wrapping up and stops its replicas itself
+            elif phase == "saving":  # between the last step and the end: say so rather than "running" at 100 %
+                status, message = "finalizing", "training done: publishing the final adapter, stopping the replicas"
             elif any(j.stage in ("error", "canceled", "completed") for j in replica_jobs):
                 status = "degraded"
                 message = "a replica job ended; training continues on the others"
@@ -334,20 +336,6 @@ def _manifest_version(rest: str) -> int | None:
     if not rest.endswith("/" + layout.MANIFEST):
         return None
     return layout.parse_version_dir(rest.split("/")[0])
-
-
-def _reward_near(session: Session, run_id: str, step: int | None, window: int = 5) -> float | None:
-    """The mean reward over the steps around `step`, for the version list."""
-    if step is None:
-        return None
-    return session.exec(
-        select(func.avg(MetricPoint.value)).where(
-            MetricPoint.run_id == run_id,
-            MetricPoint.name == "reward",
-            MetricPoint.step > step - window,
-            MetricPoint.step <= step,
-        )
-    ).first()
 
 
 def _job_cost(job: Job, now: float) -> float:

@@ -37,6 +37,7 @@ SAMPLE_ROWS = 4
 # What preflight reads of a Hub model: where a tokenizer keeps its chat template (jobs/chat_templates.py reads them as
 # transformers does), and the config (attention heads, for the replicas' tensor parallelism).
 MODEL_FILES = {"tokenizer_config.json", "chat_template.jinja", "config.json"}
+HUB_PROBE_TIMEOUT = 5.0  # seconds for the one request that tells whether the Hub is reachable
 
 
 @dataclass
@@ -86,19 +87,55 @@ def run_preflight(
         hf_credential_id=hf_credential_id,
     )
     store = _check_store(ctx, probe, result)
-    _check_compute(ctx, probe, spec, result)
-    _check_model(ctx, probe, spec, result)
+    hub_online = _check_hub(ctx, spec, result)
+    if hub_online:
+        _check_compute(ctx, probe, spec, result)
+    if hub_online or not _on_hub(spec.model.id):
+        _check_model(ctx, probe, spec, result)
     try:
         check_hosting(spec)
     except RunStateError as error:
         field_name, _, message = str(error).partition(": ")
         result.errors[field_name] = message
-    rows = _check_dataset(spec, store, result, sample_rows)
+    rows = _check_dataset(spec, store, result, sample_rows) if hub_online or spec.dataset.source != "hub" else []
     if rows:
         _check_rewards(spec, rows, result, sandbox)
     if not result.errors:
         result.plan = ctx.plan(probe, result.parameters).to_json()
     return result
+
+
+def _on_hub(model: str) -> bool:
+    return model != DEMO_MODEL_ID and not model.startswith("/")
+
+
+def _check_hub(ctx: PanelContext, spec: RunSpec, result: Preflight) -> bool:
+    """One short request to the Hub, made only when the spec needs the Hub; whether it answered.
+
+    Offline, each Hub check would retry on its own (huggingface_hub's backoff: ~25 s for the dataset alone) before
+    failing. HF Jobs cannot be submitted without the Hub: an error. A Hub model or dataset merely goes unchecked
+    (the jobs may well reach the Hub): one warning, which says what was not checked.
+    """
+    hub_dataset = spec.dataset.source == "hub"
+    if spec.compute.backend != "hf_jobs" and not hub_dataset and not _on_hub(spec.model.id):
+        return True
+    import httpx2
+    from huggingface_hub import constants, get_session
+
+    endpoint = ctx.hub_endpoint or constants.ENDPOINT
+    try:
+        get_session().head(endpoint, timeout=HUB_PROBE_TIMEOUT)
+        return True
+    except (OSError, httpx2.TransportError) as error:
+        reason = f"the Hub ({endpoint}) did not answer the panel ({type(error).__name__})"
+    if spec.compute.backend == "hf_jobs":
+        result.errors["compute.backend"] = f"{reason}; HF Jobs are submitted through it: check this machine's network"
+    unchecked = [spec.model.id] if _on_hub(spec.model.id) else []
+    if hub_dataset:
+        unchecked += [spec.dataset.id, "the rewards (they run on the dataset's rows)"]
+    if unchecked:
+        result.warnings.append(f"{reason}: not checked: {', '.join(unchecked)}; the jobs may still reach it")
+    return False
 
 
 def _check_store(ctx: PanelContext, run: Run, result: Preflight):

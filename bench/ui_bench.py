@@ -137,14 +137,14 @@ def tick_costs(ctx: PanelContext, repeats: int) -> dict[str, float]:
         times, drawn = [], {}
         for _ in range(repeats):
             started = time.perf_counter()
-            outputs = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "")
+            outputs = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False)
             times.append((time.perf_counter() - started) * 1000)
             drawn = outputs[monitor.drawn]
         costs[f"redraw {subtab}"] = statistics.median(times)
         idle = []
         for _ in range(repeats):
             started = time.perf_counter()
-            monitor.refresh(RUN_ID, subtab, drawn, None, True, "", "")
+            monitor.refresh(RUN_ID, subtab, drawn, None, True, "", "", "", "", False)
             idle.append((time.perf_counter() - started) * 1000)
         costs[f"idle {subtab}"] = statistics.median(idle)
     return costs

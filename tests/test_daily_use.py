@@ -189,3 +189,75 @@ def test_samples_are_found_by_text_version_and_reward_across_steps(panel):
     event = gr.SelectData(None, {"index": [1, 0], "value": 1, "selected": True})
     picked = page.pick_group("demo-samples", table, event)
     assert "Best of group 1" in picked[page.best] and "apple pie 1" in picked[page.best]
+
+
+def test_the_account_page_keeps_only_tokens_the_hub_accepts_and_asks_before_deleting(panel, tmp_path):
+    """Issue 18, item 7: a token is shown to the Hub (whoami) before it is kept; the Hub's answer (its user and
+    access) is shown; offline, a token-shaped value is kept unchecked and the page says so; deleting asks first."""
+    from app.pages.account import AccountPage
+    from tests.support.hub_emulator import HubEmulator
+
+    good = "hf_accountgood0123456789abcdefgh"
+    hub = HubEmulator(tmp_path / "hub", tokens=(good,), namespace="tester").start()
+    page = AccountPage(panel)
+    with gr.Blocks():
+        page.build()
+    saved = lambda: [c.name for c in panel.ctx.vault.list("local")]  # noqa: E731
+    try:
+        panel.ctx.hub_endpoint = hub.url
+        shown = page.save_token("typo", "not-a-token")
+        assert "Not saved" in shown[page.result] and "start with &#x27;hf_&#x27;" in shown[page.result]
+        shown = page.save_token("revoked", "hf_revoked0123456789abcdefghijkl")
+        assert "The Hub refused this token" in shown[page.result] and saved() == []
+        shown = page.save_token("mine", good)
+        assert "user tester, write access" in shown[page.result] and saved() == ["mine"]
+    finally:
+        hub.close()
+    panel.ctx.hub_endpoint = "http://127.0.0.1:9"  # nothing listens there: the Hub cannot be reached
+    shown = page.save_token("offline", "hf_offline0123456789abcdefghijkl")
+    assert "unchecked: the Hub could not be reached" in shown[page.result] and saved() == ["mine", "offline"]
+    assert good not in repr(shown)
+
+    (mine,) = [c.id for c in panel.ctx.vault.list("local") if c.name == "mine"]
+    asked = page.ask_delete(mine)
+    assert asked[page.confirm_row].visible is True and "Delete mine" in asked[page.confirm_text]
+    assert saved() == ["mine", "offline"]  # nothing goes before the second click
+    done = page.delete(mine)
+    assert done[page.confirm_row].visible is False and "Deleted" in done[page.result] and saved() == ["offline"]
+    assert page.ask_delete(None)[page.confirm_row].visible is False
+
+
+def test_an_unreachable_hub_is_found_in_one_request_and_says_what_went_unchecked(panel):
+    """Issue 18, item 10: offline, preflight used to spend ~25 s in the dataset loader's retries alone. Now one
+    request finds the Hub down: a Hub model and dataset go unchecked with one warning that names them, and HF Jobs
+    (submitted through the Hub) are refused."""
+    import socket
+    import threading
+
+    from backend import presets
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    connections = []
+
+    def reset_every_connection() -> None:  # a Hub that drops every connection, as a broken network does
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(connection)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            connection.close()
+
+    threading.Thread(target=reset_every_connection, daemon=True).start()
+    panel.ctx.hub_endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        spec = presets.math_recipe("offline-hub", "someone", "grpo")
+        result = run_preflight(panel.ctx, "local", spec)
+    finally:
+        listener.close()
+    assert len(connections) == 1
+    (warning,) = [w for w in result.warnings if "did not answer the panel" in w]
+    assert "Qwen/Qwen2.5-Math-1.5B" in warning and spec["dataset"]["id"] in warning and "rewards" in warning
+    assert "HF Jobs are submitted through it" in result.errors["compute.backend"]
+    assert "dataset.id" not in result.errors and "model.id" not in result.errors

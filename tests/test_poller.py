@@ -580,6 +580,23 @@ def test_a_trainer_still_starting_shows_the_run_as_launching(panel, tmp_path, ph
     assert (run.status, run.finished_at) == ("launching", None)
 
 
+def test_a_trainer_past_its_last_step_shows_the_run_as_finalizing_until_it_ends(panel, tmp_path):
+    """Issue 18, item 10: between the last step and the end (the final adapter published, the replicas stopped) the
+    run reads `finalizing`, not `running` at 100 %, and not `degraded` while its replicas are stopped; it is still
+    polled, and then finishes."""
+    store = LocalStore(tmp_path / "store")
+    add_run(panel, tmp_path / "store")
+    add_job(panel, "replica-0", stage="completed", files={"started": "1700000000.0", "exit": "0"})
+    write_status(store, "run-p", "trainer", {"phase": "saving", "step": 40})
+    poller = Poller(panel)
+    poller.poll_run("run-p")
+    run = get_run(panel)
+    assert (run.status, run.finished_at) == ("finalizing", None) and "final adapter" in run.status_message
+    write_status(store, "run-p", "trainer", {"phase": "finished", "step": 40})
+    poller.poll_once()  # a pass over the active runs: a finalizing run is one of them
+    assert get_run(panel).status == "finished"
+
+
 def test_a_stopping_runs_jobs_are_cancelled_only_after_the_grace_and_only_those_still_running(
     panel, tmp_path, monkeypatch, live_group
 ):

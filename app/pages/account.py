@@ -13,6 +13,7 @@ import pandas as pd
 from app import cards
 from app.formatting import clock
 from app.panel import LOCAL_OWNER, Panel
+from backend.hub_tokens import TokenRefused
 
 COLUMNS = ["name", "kind", "value (masked)", "saved"]
 KIND_LABELS = {"hf_token": "HF token", "s3": "bucket keys"}
@@ -42,13 +43,20 @@ class AccountPage:
             )
             self.save_button = gr.Button("Save token", elem_id="save-token", scale=1)
         with gr.Row(elem_classes="gp-align-end"):
-            self.delete_id = gr.Dropdown([], label="Credential", scale=3)
-            self.delete_button = gr.Button("Delete", variant="stop", scale=1)
-        self.result = gr.HTML("", padding=False)
+            self.delete_id = gr.Dropdown([], label="Credential", scale=3, elem_id="delete-credential")
+            self.delete_button = gr.Button("Delete…", variant="stop", scale=1, elem_id="delete-credential-ask")
+        with gr.Row(visible=False, elem_classes="gp-align-end") as self.confirm_row:
+            self.confirm_text = gr.HTML("", padding=False)
+            self.confirm_button = gr.Button("Yes, delete it", variant="stop", scale=0, elem_id="delete-credential-yes")
+            self.cancel_button = gr.Button("Keep it", scale=0, elem_id="delete-credential-no")
+        self.result = gr.HTML("", padding=False, elem_id="account-result")
         self.save_button.click(
             self.save_token, [self.token_name, self.token], [self.result, self.token, *self.refresh_outputs()]
         )
-        self.delete_button.click(self.delete, [self.delete_id], [self.result, *self.refresh_outputs()])
+        confirm = [self.confirm_row, self.confirm_text, self.result]
+        self.delete_button.click(self.ask_delete, [self.delete_id], confirm)
+        self.cancel_button.click(lambda: {self.confirm_row: gr.Row(visible=False)}, None, [self.confirm_row])
+        self.confirm_button.click(self.delete, [self.delete_id], [*confirm, *self.refresh_outputs()])
 
     def refresh_outputs(self) -> list:
         return [self.who, self.table, self.delete_id]
@@ -89,16 +97,45 @@ class AccountPage:
         return {self.who: who, self.table: table, self.delete_id: gr.Dropdown(choices=choices, value=None)}
 
     def save_token(self, name: str, token: str, profile: gr.OAuthProfile | None = None) -> dict:
+        """Ask the Hub who the token is, then keep it; a token the Hub refuses is not kept."""
         services = self.panel.services(profile)
         if not (token or "").strip():
             return {self.result: cards.field_error(["Paste a token first."]), self.token: "", **self.refresh(profile)}
+        try:
+            identity = services.check_hf_token(token)
+        except TokenRefused as error:
+            return {self.result: cards.field_error([f"Not saved: {error}"]), self.token: "", **self.refresh(profile)}
         credential = services.credentials.save(services.owner, (name or "hf-token").strip(), "hf_token", token)
-        saved = cards.note(f"Saved {credential.name} ({credential.masked}).", "good")
+        if identity is None:
+            saved = cards.note(
+                f"Saved {credential.name} ({credential.masked}) unchecked: the Hub could not be reached to confirm "
+                "it. Check settings on the Launch page tries it again.",
+                "warn",
+            )
+        else:
+            saved = cards.note(f"Saved {credential.name} ({credential.masked}): {identity.describe()}.", "good")
         return {self.result: saved, self.token: "", **self.refresh(profile)}
+
+    def ask_delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> dict:
+        """Deleting cannot be undone: say what goes, and wait for a second click."""
+        services = self.panel.services(profile)
+        if credential_id is None:
+            return {
+                self.confirm_row: gr.Row(visible=False),
+                self.result: cards.note("Pick a credential to delete.", "warn"),
+            }
+        credential = services.credentials.get(services.owner, int(credential_id))
+        question = cards.note(
+            f"Delete {credential.name} ({credential.masked})? Runs that use it can no longer start or publish until "
+            "you give them another; this cannot be undone.",
+            "warn",
+        )
+        return {self.confirm_row: gr.Row(visible=True), self.confirm_text: question, self.result: ""}
 
     def delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> dict:
         services = self.panel.services(profile)
+        hidden = {self.confirm_row: gr.Row(visible=False), self.confirm_text: ""}
         if credential_id is None:
-            return {self.result: cards.note("Pick a credential to delete.", "warn"), **self.refresh(profile)}
+            return {**hidden, self.result: cards.note("Pick a credential to delete.", "warn"), **self.refresh(profile)}
         services.credentials.delete(services.owner, int(credential_id))
-        return {self.result: cards.note("Deleted.", "good"), **self.refresh(profile)}
+        return {**hidden, self.result: cards.note("Deleted.", "good"), **self.refresh(profile)}

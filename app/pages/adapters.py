@@ -21,12 +21,16 @@ from app.formatting import clock, number, size
 from app.pages.monitor import run_choices
 from app.panel import Panel
 from backend.api import PanelServices
+from backend.ingest import VERSION_REWARD_STEPS
 from backend.models import AdapterVersion, Run
 from backend.services.adapters import Comparison
 from backend.services.runs import RunStateError, propose_run_id
 
 REFRESH_SECONDS = 5.0
-COLUMNS = ["version", "step", "reward", "size", "saved", "alias", "policy audit"]
+# A version's reward is a mean over the steps up to its own (backend.ingest.version_reward): said in its heading,
+# so that it is not read as the header's latest (one-step) reward.
+REWARD_COLUMN = f"reward (mean of {VERSION_REWARD_STEPS} steps)"
+COLUMNS = ["version", "step", REWARD_COLUMN, "size", "saved", "alias", "policy audit"]
 
 
 def versions_table(run: Run | None, versions: list[AdapterVersion]) -> pd.DataFrame:
@@ -42,7 +46,7 @@ def versions_table(run: Run | None, versions: list[AdapterVersion]) -> pd.DataFr
             {
                 "version": f"v{v.version}",
                 "step": v.step,
-                "reward": round(v.reward, 3) if v.reward is not None else None,
+                REWARD_COLUMN: round(v.reward, 3) if v.reward is not None else None,
                 "size": size(v.size_bytes),
                 "saved": clock(v.created_at),
                 "alias": " ".join(alias),

@@ -81,6 +81,7 @@ class MonitorPage:
                     self.exported = gr.File(
                         label="Exported (one row per step; one row per sample)",
                         file_count="multiple",
+                        interactive=False,
                         visible=False,
                         scale=2,
                         elem_id="exported-files",

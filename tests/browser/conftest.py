@@ -106,7 +106,8 @@ def running_panel(
 
 @pytest.fixture(scope="session")
 def panel() -> Iterator[RunningPanel]:
-    with running_panel("browser-panel") as running:
+    # Nothing listens at that address: the panel meets the Hub as on a machine offline, the same on every machine.
+    with running_panel("browser-panel", {"HF_ENDPOINT": "http://127.0.0.1:9"}) as running:
         yield running
 
 
