@@ -11,7 +11,7 @@ import time
 from html import escape
 from typing import Any
 
-from app.formatting import ago, duration, money, number
+from app.formatting import ago, clock, duration, money, number
 from backend.models import Event, Job, Run
 from backend.services.adapters import Comparison
 from backend.services.smoke import SmokeReport
@@ -178,6 +178,27 @@ def alert_banner(alerts: list[Event]) -> str:
         for a in alerts[:5]
     )
     return f'<div class="gp-alerts" role="alert">{rows}</div>'
+
+
+def alert_history(alerts: list[Event]) -> str:
+    """Every alert of a run, newest first: raised when (and at which step), what it said, and how it ended."""
+    if not alerts:
+        return empty_state("No alert so far: alerts raised on this run stay listed here once they clear.")
+    rows = []
+    for a in alerts:
+        if a.active:
+            state = '<span class="gp-badge gp-warn">in force</span>'
+        elif a.dismissed:
+            state = '<span class="gp-badge gp-muted">dismissed</span>'
+        else:
+            state = f'<span class="gp-badge gp-good">cleared</span> {clock(a.cleared_at)}' if a.cleared_at else "—"
+        step = f"step {a.step}" if a.step is not None else ""
+        rows.append(
+            f"<tr><td>{clock(a.time)}</td><td>{step}</td><td>{escape(a.level)}</td>"
+            f"<td><b>{escape(a.kind.replace('_', ' '))}</b> {escape(a.message)}</td><td>{state}</td></tr>"
+        )
+    head = "<tr><th>raised</th><th>at</th><th>level</th><th>alert</th><th>now</th></tr>"
+    return f'<div class="gp-table-wrap"><table>{head}{"".join(rows)}</table></div>'
 
 
 def job_cards(jobs: list[Job], heartbeats: dict[str, dict[str, Any]], local: bool, now: float | None = None) -> str:

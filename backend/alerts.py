@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from sqlmodel import Session, select
+from sqlalchemy import and_, or_
+from sqlmodel import Session, col, select
 
 from backend.db import Database
 from backend.ingest import latest_proxy_snapshots, version_reward
@@ -25,11 +26,17 @@ STALENESS_NEAR = 0.9  # staleness_mean above this fraction of max_staleness
 
 
 def _set_alert(session: Session, run: Run, kind: str, active: bool, message: str, level: str = "warning") -> None:
-    current = session.exec(select(Event).where(Event.run_id == run.id, Event.kind == kind, Event.active)).first()
+    """Raise the alert (at the run's step) when its condition starts; clear it when the condition ends. One that
+    its owner dismissed is not raised again until its condition has ended once."""
+    in_force = or_(col(Event.active), and_(col(Event.dismissed), col(Event.cleared_at).is_(None)))
+    current = session.exec(select(Event).where(Event.run_id == run.id, Event.kind == kind, in_force)).first()
+    now = time.time()
     if active and current is None:
-        session.add(Event(run_id=run.id, owner=run.owner, time=time.time(), level=level, kind=kind, message=message))
+        session.add(
+            Event(run_id=run.id, owner=run.owner, time=now, level=level, kind=kind, message=message, step=run.step)
+        )
     elif not active and current is not None:
-        current.active = False
+        current.active, current.cleared_at = False, now
         session.add(current)
 
 
@@ -94,8 +101,9 @@ def evaluate(db: Database, run_id: str) -> None:
 
 
 def _clear_warnings(session: Session, run: Run) -> None:
+    now = time.time()
     for event in session.exec(select(Event).where(Event.run_id == run.id, Event.active, Event.level != "error")).all():
-        event.active = False
+        event.active, event.cleared_at = False, now
         session.add(event)
 
 

@@ -340,6 +340,11 @@ def _add_credential_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-credential", help="the HF token: a saved credential's id or name")
 
 
+def _run_and_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run")
+    parser.add_argument("version", type=int, help="an adapter version of the run (`versions RUN` lists them)")
+
+
 def _command(commands, name: str, handler, summary: str, *examples: str) -> argparse.ArgumentParser:
     """One subcommand with its help line and examples (shown by `python -m backend NAME --help`)."""
     epilog = "examples:\n" + "\n".join(f"  python -m backend {example}" for example in examples) if examples else None
@@ -420,8 +425,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "zip one adapter version (with its model card) and print the zip's path",
         "download my-run 40",
     )
-    download_parser.add_argument("run")
-    download_parser.add_argument("version", type=int)
+    _run_and_version(download_parser)
     compare_parser = _command(
         commands, "compare", compare, "compare two adapter versions, module by module", "compare my-run 20 40"
     )
@@ -435,8 +439,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "roll back: point the run's adapters/CURRENT at an earlier version (later ones are kept)",
         "make-current my-run 20",
     )
-    current.add_argument("run")
-    current.add_argument("version", type=int)
+    _run_and_version(current)
     branch_parser = _command(
         commands,
         "branch",
@@ -445,8 +448,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "branch my-run 20 my-run-lr-low --set grpo.learning_rate=1e-5",
         "branch my-run 20 my-run-b --draft",
     )
-    branch_parser.add_argument("run")
-    branch_parser.add_argument("version", type=int)
+    _run_and_version(branch_parser)
     branch_parser.add_argument("new_run_id")
     branch_parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     branch_parser.add_argument("--draft", action="store_true", help="create the branch without launching it")
@@ -458,8 +460,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "uses the run's HF token",
         "publish my-run 40 my-user/my-adapter",
     )
-    publish_parser.add_argument("run")
-    publish_parser.add_argument("version", type=int)
+    _run_and_version(publish_parser)
     publish_parser.add_argument("repo_id")
     publish_parser.add_argument("--public", action="store_true")
     export_parser = _command(

@@ -142,6 +142,9 @@ class Event(SQLModel, table=True):
     kind: str  # e.g. kl_drift, replica_lag, stalled, job_error, cost_cap
     message: str
     active: bool = True  # an alert still in force
+    step: int | None = None  # the run's step when it was raised
+    cleared_at: float | None = None  # when its condition ended (an alert) or it was dismissed
+    dismissed: bool = False  # put away by its owner rather than cleared by the run
 
 
 class PollCursor(SQLModel, table=True):

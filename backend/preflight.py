@@ -97,7 +97,7 @@ def run_preflight(
     except RunStateError as error:
         field_name, _, message = str(error).partition(": ")
         result.errors[field_name] = message
-    rows = _check_dataset(spec, store, result, sample_rows) if hub_online or spec.dataset.source != "hub" else []
+    rows = _check_dataset(spec, store, result, sample_rows) if hub_online or not _hub_dataset(spec) else []
     if rows:
         _check_rewards(spec, rows, result, sandbox)
     if not result.errors:
@@ -109,6 +109,11 @@ def _on_hub(model: str) -> bool:
     return model != DEMO_MODEL_ID and not model.startswith("/")
 
 
+def _hub_dataset(spec: RunSpec) -> bool:
+    """Whether loading the dataset needs the Hub: `datasets` reads an id that names a local folder from there."""
+    return spec.dataset.source == "hub" and not Path(spec.dataset.id).is_dir()
+
+
 def _check_hub(ctx: PanelContext, spec: RunSpec, result: Preflight) -> bool:
     """One short request to the Hub, made only when the spec needs the Hub; whether it answered.
 
@@ -116,7 +121,7 @@ def _check_hub(ctx: PanelContext, spec: RunSpec, result: Preflight) -> bool:
     failing. HF Jobs cannot be submitted without the Hub: an error. A Hub model or dataset merely goes unchecked
     (the jobs may well reach the Hub): one warning, which says what was not checked.
     """
-    hub_dataset = spec.dataset.source == "hub"
+    hub_dataset = _hub_dataset(spec)
     if spec.compute.backend != "hf_jobs" and not hub_dataset and not _on_hub(spec.model.id):
         return True
     import httpx2

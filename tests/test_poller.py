@@ -220,6 +220,48 @@ def test_a_ratio_off_one_with_a_small_kl_raises_no_drift_alert(panel, tmp_path):
     assert "kl_drift" not in kinds, kinds  # the test above is its positive control
 
 
+def test_an_alert_keeps_its_history_through_raise_clear_dismiss_and_a_raise_again(panel, tmp_path):
+    """Issue 18, item 5: an alert is listed with the step it was raised at and when it cleared after the banner has
+    dropped it; a dismissed one leaves the banner, stays listed as dismissed, and is not raised again while its
+    condition lasts; once the condition ends and comes back, it is raised anew."""
+    from backend.services.queries import QueryService
+    from backend.services.runs import RunService
+
+    store = LocalStore(tmp_path / "store")
+    add_run(panel, tmp_path / "store")
+    writer = ChunkWriter(store, "run-p", "metrics")
+    poller = Poller(panel)
+    queries, runs = QueryService(panel, "alice"), RunService(panel, "alice")
+
+    def steps(first: int, last: int, kl: float) -> None:
+        for step in range(first, last + 1):
+            writer.add({"step": step, "kl": kl, "reward": 0.1})
+        writer.flush()
+        write_status(store, "run-p", "trainer", {"phase": "training", "step": last})
+        poller.poll_run("run-p")
+
+    def history() -> list[tuple]:
+        return [
+            (e.kind, e.step, e.active, e.cleared_at is not None, e.dismissed) for e in queries.alert_history("run-p")
+        ]
+
+    steps(1, 6, kl=0.8)
+    assert history() == [("kl_drift", 6, True, False, False)]
+    steps(7, 8, kl=0.01)
+    assert history() == [("kl_drift", 6, False, True, False)] and queries.alerts("run-p") == []
+    steps(9, 14, kl=0.9)
+    (raised,) = queries.alerts("run-p")
+    assert raised.step == 14
+    runs.dismiss_alert("run-p", raised.id)
+    steps(15, 16, kl=0.9)  # still drifting: dismissed, not raised again
+    assert queries.alerts("run-p") == []
+    assert history() == [("kl_drift", 14, False, False, True), ("kl_drift", 6, False, True, False)]
+    steps(17, 17, kl=0.01)
+    steps(18, 22, kl=0.9)
+    assert [e.step for e in queries.alerts("run-p")] == [22]
+    assert [e[1:] for e in history()] == [(22, True, False, False), (14, False, True, True), (6, False, True, False)]
+
+
 def test_a_broken_store_backs_off_that_run_only(panel, tmp_path):
     add_run(panel, tmp_path / "good", "run-good")
     add_run(panel, tmp_path / "bad", "run-bad")

@@ -130,7 +130,7 @@ def test_a_new_revision_is_generated_from_the_models(tmp_path, monkeypatch):
     schema.head.cache_clear()
     try:
         path = schema.new_revision("Nothing changed")
-        assert path == copy / "versions" / "0003_nothing_changed.py"
+        assert path == copy / "versions" / f"{int(schema.head()) + 1:04d}_nothing_changed.py"
         upgrade_body = path.read_text().split("def upgrade() -> None:")[1].split("def downgrade")[0]
         statements = [line.strip() for line in upgrade_body.splitlines() if line.strip() and "#" not in line]
         assert statements == ["pass"], upgrade_body

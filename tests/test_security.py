@@ -553,7 +553,7 @@ def _service_calls(o: Owners) -> list[tuple[str, Callable[[], Any]]]:
         ("AdapterService.generate", lambda: adapters.generate(run, [1], ["hello"])),
         ("AdapterService.make_current", lambda: adapters.make_current(run, 1)),
         ("AdapterService.branch", lambda: adapters.branch(run, 1, "bob-from-alice", launch=False)),
-        ("AdapterService.prepare_publish", lambda: adapters.prepare_publish(run, 1, o.bob_store)),
+        ("AdapterService.portable_copy", lambda: adapters.portable_copy(run, 1, o.bob_store)),
         ("AdapterService.publish", lambda: adapters.publish(run, 1, "bob/alices-adapter")),
         ("Vault.get", lambda: ctx.vault.get(BOB, o.alice_keys)),
         ("Vault.delete", lambda: ctx.vault.delete(BOB, o.alice_keys)),

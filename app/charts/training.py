@@ -51,15 +51,14 @@ def reward_functions_figure(per_function: dict[str, Series]) -> go.Figure:
     shown = {name: series for name, series in per_function.items() if series}
     if not shown:
         return empty_figure(title, "One curve per reward function appears<br>" + AFTER_FIRST_STEP)
-    figure = base_figure(title, y_title="score")
+    window = smoothing_window(max(len(series) for series in shown.values()))
+    # Smoothed, and said so in the axis title, as the reward figure says it in its legend.
+    figure = base_figure(title, y_title=f"score, rolling mean ({window} steps)")
     figure.update_layout(showlegend=True)
     for index, (name, series) in enumerate(sorted(shown.items())):
         steps, values = _xy(series)
         figure.add_scatter(
-            x=steps,
-            y=rolling_mean(values, smoothing_window(len(values))),
-            name=name,
-            line={"color": series_color(index), "width": 2},
+            x=steps, y=rolling_mean(values, window), name=name, line={"color": series_color(index), "width": 2}
         )
     return integer_steps(figure, [s for series in shown.values() for s, _ in series])
 

@@ -142,6 +142,11 @@ class MonitorPage:
                     )
             with gr.Tab("Jobs", id="jobs") as self.jobs_tab:
                 self.jobs = gr.HTML(cards.empty_state("Pick a run."), elem_id="job-cards", padding=False)
+                gr.Markdown("### Alerts", elem_classes="gp-section-title")
+                self.alert_list = gr.HTML("", elem_id="alert-history", padding=False)
+                with gr.Row(elem_classes="gp-align-end"):
+                    self.alert_pick = gr.Dropdown([], label="Alert in force", scale=4, elem_id="alert-pick")
+                    self.dismiss_button = gr.Button("Dismiss", scale=1, elem_id="dismiss-alert")
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
@@ -156,7 +161,7 @@ class MonitorPage:
             *(self.queue_plot, self.staleness_plot, self.tokens_plot, self.versions_plot),
             *(self.held, self.routing_plot, self.load_plot, self.sync_plot),
             *(self.step, self.samples, self.best, self.worst),
-            self.jobs,
+            *(self.jobs, self.alert_list, self.alert_pick),
         ]
 
     def sample_filters(self) -> list:
@@ -175,6 +180,9 @@ class MonitorPage:
                 self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
             )
         self.export_button.click(self.export, [self.run, self.export_format], [self.exported])
+        self.dismiss_button.click(self.dismiss, [self.run, self.alert_pick], None).then(
+            self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
+        )
         self.stop_button.click(self.stop, [self.run], None).then(
             self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
         )
@@ -250,8 +258,7 @@ class MonitorPage:
         drawn = dict(drawn or {})
         figures: dict = {}
         if subtab == "jobs":
-            jobs, beats = services.queries.jobs(run.id), services.queries.heartbeats(run.id)
-            figures = {self.jobs: cards.job_cards(jobs, beats, local=run.backend == "local")}
+            figures = self._jobs(services, run)
         elif subtab == "samples":
             wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps)
             figures = self._samples(services, run, step, follow, wanted, fresh=drawn.get(subtab) != state)
@@ -270,6 +277,17 @@ class MonitorPage:
             self.alerts: gr.HTML(banner, visible=bool(banner)),
             self.drawn: drawn,
             self.stop_button: gr.Button(interactive=stoppable),
+        }
+
+    def _jobs(self, services: PanelServices, run: Run) -> dict:
+        """Job cards, and the run's alert history with the alerts still in force to dismiss."""
+        jobs, beats = services.queries.jobs(run.id), services.queries.heartbeats(run.id)
+        history = services.queries.alert_history(run.id)
+        in_force = [(f"{a.kind.replace('_', ' ')} · {a.message[:80]}", a.id) for a in history if a.active]
+        return {
+            self.jobs: cards.job_cards(jobs, beats, local=run.backend == "local"),
+            self.alert_list: cards.alert_history(history),
+            self.alert_pick: gr.Dropdown(choices=in_force),
         }
 
     def _training(self, services: PanelServices, run: Run) -> dict:
@@ -412,6 +430,12 @@ class MonitorPage:
         folder = Path(tempfile.mkdtemp(dir=self.exports))  # one folder per export: a later one never overwrites it
         paths = services.exports.export(run_id, fmt, folder)
         return {self.exported: gr.File(value=[str(path) for path in paths], visible=True)}
+
+    def dismiss(self, run_id: str | None, alert_id: int | None, profile: gr.OAuthProfile | None = None) -> None:
+        services = self.panel.services(profile)
+        if not run_id or alert_id is None:
+            raise gr.Error("Pick an alert in force to dismiss.")
+        services.runs.dismiss_alert(run_id, int(alert_id))
 
     def stop(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> None:
         services = self.panel.services(profile)

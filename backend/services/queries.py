@@ -196,6 +196,20 @@ class QueryService:
         with self.ctx.db.session() as session:
             return list(session.exec(query.order_by(col(Event.time).desc())).all())
 
+    def alert_history(self, run_id: str, limit: int = 200) -> list[Event]:
+        """Every alert the run raised, newest first, whether in force, cleared or dismissed: what was wrong and when,
+        after the banner has moved on."""
+        self._check(run_id)
+        was_alert = or_(
+            col(Event.active),
+            col(Event.cleared_at).is_not(None),
+            col(Event.dismissed),
+            col(Event.level).in_(("warning", "error")),
+        )
+        with self.ctx.db.session() as session:
+            query = select(Event).where(Event.run_id == run_id, was_alert)
+            return list(session.exec(query.order_by(col(Event.time).desc()).limit(limit)).all())
+
     def events(self, run_id: str, limit: int = 200) -> list[Event]:
         self._check(run_id)
         with self.ctx.db.session() as session:

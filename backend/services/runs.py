@@ -203,6 +203,18 @@ class RunService:
         self._event(run_id, kind, reason, level)
         return self.get(run_id)
 
+    def dismiss_alert(self, run_id: str, event_id: int) -> None:
+        """Put an alert away: it leaves the banner and stays in the run's alert history, marked dismissed; a
+        condition that is still true does not raise it again until it has ended once."""
+        self.get(run_id)  # the owner check
+        with self.ctx.db.session() as session:
+            event = session.get(Event, event_id)
+            if event is None or event.run_id != run_id:
+                raise RunStateError(f"run {run_id} has no alert {event_id}")
+            event.active, event.dismissed = False, True
+            session.add(event)
+            session.commit()
+
     def delete(self, run_id: str, delete_bucket_data: bool = False) -> None:
         """Forget a finished run. Its adapters stay in the bucket unless `delete_bucket_data` says otherwise."""
         run = self.get(run_id)
