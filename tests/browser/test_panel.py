@@ -115,7 +115,9 @@ def test_wrong_bucket_keys_show_the_connection_error(page: Page, moto_server) ->
     expect(error).to_contain_text("Connected", timeout=60_000)
 
 
-def test_monitor_fills_as_the_run_trains_then_stops(page: Page, demo_run: str, tmp_path: Path) -> None:
+def test_monitor_fills_as_the_run_trains_then_stops(
+    page: Page, panel: RunningPanel, demo_run: str, tmp_path: Path
+) -> None:
     open_tab(page, "Monitor")
     expect(page.locator("#run-header")).to_contain_text(demo_run)
     page.wait_for_function(
@@ -140,10 +142,33 @@ def test_monitor_fills_as_the_run_trains_then_stops(page: Page, demo_run: str, t
     screenshot(page, "monitor-replicas")
     open_tab(page, "Jobs")
     expect(page.locator("#job-cards")).to_contain_text("trainer")
+    _dismiss_an_alert(page, panel, demo_run)
     screenshot(page, "monitor-jobs")
     expect(page.locator("#run-header")).to_contain_text("stopped", timeout=180_000)
     assert plot_points(page, "reward-plot") >= 3
     _export_metrics(page, demo_run, tmp_path)
+
+
+def _dismiss_an_alert(page: Page, panel: RunningPanel, run_id: str) -> None:
+    """Issue 18, item 5: an alert in force is listed with its step and can be dismissed; it stays in the history."""
+    import sqlite3
+    import time
+
+    with sqlite3.connect(panel.data / "panel.sqlite3", timeout=30) as db:  # as the poller raises one
+        db.execute(
+            "INSERT INTO event (run_id, owner, time, level, kind, message, active, step, dismissed) "
+            "VALUES (?, 'local', ?, 'error', 'job_error', 'replica-1 ran out of memory', 1, 3, 0)",
+            (run_id, time.time()),
+        )
+    history = page.locator("#alert-history")
+    expect(history).to_contain_text("replica-1 ran out of memory")
+    expect(history).to_contain_text("in force")
+    expect(page.locator("#run-alerts")).to_contain_text("replica-1 ran out of memory")
+    page.locator("#alert-pick input").click()
+    page.get_by_role("option", name=re.compile("ran out of memory")).click()
+    page.locator("#dismiss-alert").click()
+    expect(history).to_contain_text("dismissed")
+    expect(page.locator("#run-alerts")).to_be_hidden()  # the demo raises no other alert
 
 
 def _browse_samples(page: Page) -> None:
