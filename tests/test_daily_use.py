@@ -261,3 +261,23 @@ def test_an_unreachable_hub_is_found_in_one_request_and_says_what_went_unchecked
     assert "Qwen/Qwen2.5-Math-1.5B" in warning and spec["dataset"]["id"] in warning and "rewards" in warning
     assert "HF Jobs are submitted through it" in result.errors["compute.backend"]
     assert "dataset.id" not in result.errors and "model.id" not in result.errors
+
+
+def test_the_chart_controls_change_what_the_training_figures_plot():
+    """Issue 18, item 4: the smoothing window is the reader's (automatic by default, off at 1) and the raw reward stays
+    drawn beside the smoothed one; the log scale applies to the y axis; smoothed curves say they are."""
+    from app.charts.style import ChartOptions
+    from app.charts.training import reward_figure, reward_functions_figure, step_time_figure
+
+    series = [(step, float(step)) for step in range(1, 41)]
+    automatic = reward_figure(series)
+    assert [trace.name for trace in automatic.data] == ["per step", "rolling mean (5 steps)"]
+    assert list(automatic.data[0].y) == [float(step) for step in range(1, 41)]
+    chosen = reward_figure(series, ChartOptions(smoothing=10, log_y=True))
+    assert chosen.data[1].name == "rolling mean (10 steps)" and chosen.data[1].y[-1] == pytest.approx(35.5)
+    assert chosen.layout.yaxis.type == "log" and automatic.layout.yaxis.type is None
+    assert [trace.name for trace in reward_figure(series, ChartOptions(smoothing=1)).data] == ["per step"]
+    functions = reward_functions_figure({"digit_frac": series}, ChartOptions(smoothing=8))
+    assert functions.layout.yaxis.title.text == "score, rolling mean (8 steps)"
+    assert functions.data[0].y[-1] == pytest.approx(36.5)
+    assert step_time_figure(series, series, [], [], ChartOptions(log_y=True)).layout.yaxis.type == "log"

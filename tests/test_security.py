@@ -339,7 +339,7 @@ def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
     scan.scan("account page", repr(pages.account.refresh(alice)))
     scan.scan("runs page", repr(pages.runs.refresh([RUN_ID], None, alice)))
     for subtab in SUBTABS:
-        shown = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False, alice)
+        shown = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False, profile=alice)
         scan.scan(f"monitor {subtab}", repr(shown))
         assert RUN_ID in repr(shown[pages.monitor.header])  # alice does see her run
     scan.scan("adapters page", repr(pages.adapters.show_run(RUN_ID, alice)))
@@ -731,7 +731,7 @@ def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
     assert "bob-draft" in repr(shown[0]) and "bobs token" in repr(shown[3])  # bob does see his own
     for subtab in SUBTABS:  # asked for alice's run by id, the monitor answers as for a run that does not exist
         monitor = pages.monitor
-        shown = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False, bob)
+        shown = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False, profile=bob)
         assert shown[monitor.header] == cards.empty_state(f"No run {RUN_ID}.") and shown[monitor.drawn] == {}
         assert shown[monitor.alerts].visible is False and set(shown) == {
             monitor.header,

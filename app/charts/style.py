@@ -7,6 +7,7 @@ who learned one plot can read the next without its legend.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
@@ -94,3 +95,20 @@ def rolling_mean(values: Sequence[float], window: int) -> list[float]:
 def smoothing_window(points: int) -> int:
     """About 1/20 of the series, at least 5 points: smooth enough to show a trend, short enough to follow it."""
     return max(5, points // 20)
+
+
+@dataclass(frozen=True)
+class ChartOptions:
+    """What the reader chose above the training figures: the smoothing window (0: automatic, `smoothing_window`;
+    1: none) and a logarithmic y axis. The raw series stays drawn beside every smoothed one."""
+
+    smoothing: int = 0
+    log_y: bool = False
+
+    def window(self, points: int) -> int:
+        return self.smoothing if self.smoothing > 0 else smoothing_window(points)
+
+    def apply(self, figure: go.Figure) -> go.Figure:
+        if self.log_y:
+            figure.update_yaxes(type="log")
+        return figure

@@ -6,12 +6,12 @@ import plotly.graph_objects as go
 
 from app.charts.style import (
     COLORS,
+    ChartOptions,
     base_figure,
     empty_figure,
     integer_steps,
     rolling_mean,
     series_color,
-    smoothing_window,
 )
 
 Series = list[tuple[int, float]]
@@ -22,12 +22,12 @@ def _xy(series: Series) -> tuple[list[int], list[float]]:
     return [step for step, _ in series], [value for _, value in series]
 
 
-def reward_figure(reward: Series) -> go.Figure:
+def reward_figure(reward: Series, options: ChartOptions = ChartOptions()) -> go.Figure:
     title = "Reward (mean over each step's completions)"
     if not reward:
         return empty_figure(title, "The mean reward appears " + AFTER_FIRST_STEP)
     steps, values = _xy(reward)
-    window = smoothing_window(len(values))
+    window = options.window(len(values))
     figure = base_figure(title, y_title="reward")
     figure.add_scatter(
         x=steps,
@@ -37,30 +37,31 @@ def reward_figure(reward: Series) -> go.Figure:
         line={"color": COLORS["reward_raw"], "width": 1},
         marker={"size": 4, "color": COLORS["reward_raw"]},
     )
-    figure.add_scatter(
-        x=steps,
-        y=rolling_mean(values, window),
-        name=f"rolling mean ({window} steps)",
-        line={"color": COLORS["reward"], "width": 3},
-    )
-    return integer_steps(figure, steps)
+    if window > 1:  # 1: smoothing off, the raw series alone
+        figure.add_scatter(
+            x=steps,
+            y=rolling_mean(values, window),
+            name=f"rolling mean ({window} steps)",
+            line={"color": COLORS["reward"], "width": 3},
+        )
+    return options.apply(integer_steps(figure, steps))
 
 
-def reward_functions_figure(per_function: dict[str, Series]) -> go.Figure:
+def reward_functions_figure(per_function: dict[str, Series], options: ChartOptions = ChartOptions()) -> go.Figure:
     title = "Reward by function (rewards/<name>, weighted)"
     shown = {name: series for name, series in per_function.items() if series}
     if not shown:
         return empty_figure(title, "One curve per reward function appears<br>" + AFTER_FIRST_STEP)
-    window = smoothing_window(max(len(series) for series in shown.values()))
+    window = options.window(max(len(series) for series in shown.values()))
     # Smoothed, and said so in the axis title, as the reward figure says it in its legend.
-    figure = base_figure(title, y_title=f"score, rolling mean ({window} steps)")
+    figure = base_figure(title, y_title=f"score, rolling mean ({window} steps)" if window > 1 else "score")
     figure.update_layout(showlegend=True)
     for index, (name, series) in enumerate(sorted(shown.items())):
         steps, values = _xy(series)
         figure.add_scatter(
             x=steps, y=rolling_mean(values, window), name=name, line={"color": series_color(index), "width": 2}
         )
-    return integer_steps(figure, [s for series in shown.values() for s, _ in series])
+    return options.apply(integer_steps(figure, [s for series in shown.values() for s, _ in series]))
 
 
 def ratio_kl_figure(ratio: Series, kl: Series, tolerance: float = 0.01) -> go.Figure:
@@ -93,7 +94,9 @@ def ratio_kl_figure(ratio: Series, kl: Series, tolerance: float = 0.01) -> go.Fi
     return integer_steps(figure, [s for s, _ in ratio or kl])
 
 
-def step_time_figure(step: Series, fwd_bwd: Series, rollout_wait: Series, weight_sync: Series) -> go.Figure:
+def step_time_figure(
+    step: Series, fwd_bwd: Series, rollout_wait: Series, weight_sync: Series, options: ChartOptions = ChartOptions()
+) -> go.Figure:
     """Stacked: a trainer-bound run is mostly forward/backward, a generation-bound one mostly rollout wait."""
     title = "Where each step's time goes"
     if not (step or fwd_bwd):
@@ -125,4 +128,4 @@ def step_time_figure(step: Series, fwd_bwd: Series, rollout_wait: Series, weight
             line={"color": COLORS["other"], "width": 0.5},
             fillcolor=COLORS["other"],
         )
-    return integer_steps(figure, steps)
+    return options.apply(integer_steps(figure, steps))

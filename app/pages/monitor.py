@@ -20,6 +20,7 @@ from app import cards
 from app.charts import replicas as replica_charts
 from app.charts import rollouts as rollout_charts
 from app.charts import training as training_charts
+from app.charts.style import ChartOptions
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import Run
@@ -63,6 +64,18 @@ class MonitorPage:
         self.drawn = gr.State({})  # sub-tab -> the run state its figures were drawn from
         with gr.Tabs():
             with gr.Tab("Training", id="training") as self.training_tab:
+                with gr.Row(elem_classes="gp-align-end"):
+                    self.smoothing = gr.Slider(
+                        0,
+                        100,
+                        value=0,
+                        step=1,
+                        label="Smoothing window, steps (0: automatic, 1: none; the raw reward stays drawn)",
+                        scale=3,
+                        elem_id="chart-smoothing",
+                        elem_classes="gp-enter-commits",
+                    )
+                    self.log_y = gr.Checkbox(False, label="Log scale", scale=1, elem_id="chart-log")
                 with gr.Row():
                     self.reward_plot = gr.Plot(
                         training_charts.reward_figure([]), elem_id="reward-plot", show_label=False
@@ -169,7 +182,19 @@ class MonitorPage:
         return [self.min_reward, self.max_reward, self.search, self.version, self.all_steps]
 
     def refresh_inputs(self) -> list:
-        return [self.run, self.subtab, self.drawn, self.step, self.follow, *self.sample_filters()]
+        return [
+            self.run,
+            self.subtab,
+            self.drawn,
+            self.step,
+            self.follow,
+            *self.sample_filters(),
+            *self.chart_controls(),
+        ]
+
+    def chart_controls(self) -> list:
+        """The Training tab's chart controls, in the order the refresh handlers take them."""
+        return [self.smoothing, self.log_y]
 
     def _wire(self) -> None:
         self.timer.tick(self.refresh, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
@@ -192,6 +217,8 @@ class MonitorPage:
         self.step.release(lambda: False, None, self.follow).then(self.browse, browse, shown)
         for box in (self.min_reward, self.max_reward, self.search, self.version):
             box.submit(self.browse, browse, shown)
+        for event in (self.smoothing.release, self.log_y.input):
+            event(self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
         self.all_steps.input(self.browse, browse, shown)
         self.samples.select(self.pick_group, [self.run, self.samples], [self.best, self.worst])
 
@@ -215,11 +242,14 @@ class MonitorPage:
         search: str,
         version: str,
         all_steps: bool,
+        smoothing: float = 0,
+        log_y: bool = False,
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
-        """Like a tick, but redraws the visible sub-tab even if nothing changed (a new run or sub-tab was picked)."""
+        """Like a tick, but redraws the visible sub-tab even if nothing changed (a new run or sub-tab or a chart
+        option was picked)."""
         filters = (min_reward, max_reward, search, version, all_steps)
-        return self.refresh(run_id, subtab, {}, step, follow, *filters, profile)
+        return self.refresh(run_id, subtab, {}, step, follow, *filters, smoothing, log_y, profile)
 
     def refresh(
         self,
@@ -233,6 +263,8 @@ class MonitorPage:
         search: str,
         version: str,
         all_steps: bool,
+        smoothing: float = 0,
+        log_y: bool = False,
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         """One tick: the header and alerts always; the visible sub-tab only when the run logged something new
@@ -263,6 +295,9 @@ class MonitorPage:
             wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps)
             figures = self._samples(services, run, step, follow, wanted, fresh=drawn.get(subtab) != state)
             drawn[subtab] = state
+        elif subtab == "training" and drawn.get(subtab) != state:
+            figures = self._training(services, run, ChartOptions(int(smoothing or 0), bool(log_y)))
+            drawn[subtab] = state
         elif subtab in SUBTABS and drawn.get(subtab) != state:
             figures = getattr(self, f"_{subtab}")(services, run)
             drawn[subtab] = state
@@ -290,13 +325,13 @@ class MonitorPage:
             self.alert_pick: gr.Dropdown(choices=in_force),
         }
 
-    def _training(self, services: PanelServices, run: Run) -> dict:
+    def _training(self, services: PanelServices, run: Run, options: ChartOptions) -> dict:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
         functions = {r.name: series(run.id, f"rewards/{r.name}", MAX_POINTS) for r in spec.rewards}
         return {
-            self.reward_plot: training_charts.reward_figure(series(run.id, "reward", MAX_POINTS)),
-            self.functions_plot: training_charts.reward_functions_figure(functions),
+            self.reward_plot: training_charts.reward_figure(series(run.id, "reward", MAX_POINTS), options),
+            self.functions_plot: training_charts.reward_functions_figure(functions, options),
             self.ratio_plot: training_charts.ratio_kl_figure(
                 series(run.id, "ratio", MAX_POINTS), series(run.id, "kl", MAX_POINTS)
             ),
@@ -305,6 +340,7 @@ class MonitorPage:
                 series(run.id, "perf/fwd_bwd_s", MAX_POINTS),
                 series(run.id, "perf/rollout_wait_s", MAX_POINTS),
                 series(run.id, "perf/weight_sync_s", MAX_POINTS),
+                options,
             ),
         }
 

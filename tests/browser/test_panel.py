@@ -146,7 +146,20 @@ def test_monitor_fills_as_the_run_trains_then_stops(
     screenshot(page, "monitor-jobs")
     expect(page.locator("#run-header")).to_contain_text("stopped", timeout=180_000)
     assert plot_points(page, "reward-plot") >= 3
+    _change_the_chart_options(page)
     _export_metrics(page, demo_run, tmp_path)
+
+
+def _change_the_chart_options(page: Page) -> None:
+    """Issue 18, item 4: smoothing off leaves the raw reward alone in the figure; the log scale reaches its y axis."""
+    open_tab(page, "Training")
+    reward_plot = "document.querySelector('#reward-plot .js-plotly-plot')"
+    smoothing = page.locator("#chart-smoothing input[type=number]")
+    smoothing.fill("1")
+    smoothing.press("Enter")
+    page.wait_for_function(f"() => {{ const g = {reward_plot}; return g && g.data && g.data.length === 1 }}")
+    page.locator("#chart-log input").check()
+    page.wait_for_function(f"() => {{ const g = {reward_plot}; return g && g.layout.yaxis.type === 'log' }}")
 
 
 def _dismiss_an_alert(page: Page, panel: RunningPanel, run_id: str) -> None:
