@@ -281,3 +281,21 @@ def test_the_chart_controls_change_what_the_training_figures_plot():
     assert functions.layout.yaxis.title.text == "score, rolling mean (8 steps)"
     assert functions.data[0].y[-1] == pytest.approx(36.5)
     assert step_time_figure(series, series, [], [], ChartOptions(log_y=True)).layout.yaxis.type == "log"
+
+
+def test_the_routing_figure_counts_time_in_a_unit_that_suits_the_run():
+    """Issue 18, item 4: a one-minute run's routing shares were plotted at 0.333, 0.5 and 0.667 minutes."""
+    from app.charts.replicas import routing_figure
+
+    def snapshots(every: float, count: int) -> list[dict]:
+        return [
+            {"time": 1000.0 + every * i, "started": 1000.0, "routing": {"routed": 10 * i, "affinity": 9 * i}}
+            for i in range(count)
+        ]
+
+    short = routing_figure(snapshots(10.0, 7))
+    assert short.layout.xaxis.title.text == "seconds since the proxy started"
+    assert list(short.data[0].x) == [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+    assert short.data[0].y[0] == pytest.approx(90.0)
+    long = routing_figure(snapshots(600.0, 4))
+    assert long.layout.xaxis.title.text == "minutes since the proxy started" and list(long.data[0].x) == [10, 20, 30]

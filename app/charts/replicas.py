@@ -11,7 +11,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from app.charts.style import COLORS, base_figure, empty_figure, series_color
+from app.charts.style import COLORS, base_figure, elapsed_axis, empty_figure, series_color
 
 Snapshot = dict[str, Any]
 NO_PROXY = "Appears when the proxy publishes its first snapshot<br>(every 10 s once the trainer is up)"
@@ -23,27 +23,28 @@ def routing_figure(snapshots: list[Snapshot]) -> go.Figure:
     if len(points) < 2:
         return empty_figure(title, NO_PROXY if not points else "Routing shares appear with the second snapshot")
     start = points[0].get("started") or points[0]["time"]
-    minutes, shares = [], {"affinity": [], "unmatched": [], "spilled": []}
+    elapsed, shares = [], {"affinity": [], "unmatched": [], "spilled": []}
     for before, after in pairwise(points):
         if after.get("started") != before.get("started"):
             continue  # the proxy restarted: its counters restarted too
         routed = after["routing"].get("routed", 0) - before["routing"].get("routed", 0)
         if routed <= 0:
             continue
-        minutes.append((after["time"] - start) / 60)
+        elapsed.append(after["time"] - start)
         for key in shares:
             delta = after["routing"].get(key, 0) - before["routing"].get(key, 0)
             shares[key].append(100.0 * max(delta, 0) / routed)
-    if not minutes:
+    if not elapsed:
         return empty_figure(title, "No requests were routed between the snapshots yet")
-    figure = base_figure(title, x_title="minutes since the proxy started", y_title="% of routed requests")
+    times, x_title = elapsed_axis(elapsed, "the proxy started")
+    figure = base_figure(title, x_title=x_title, y_title="% of routed requests")
     labels = {
         "affinity": "prefix affinity (KV cache reuse)",
         "unmatched": "no cached prefix",
         "spilled": "spilled (preferred replica busy)",
     }
     for key, values in shares.items():
-        figure.add_bar(x=minutes, y=values, name=labels[key], marker={"color": COLORS[key]})
+        figure.add_bar(x=times, y=values, name=labels[key], marker={"color": COLORS[key]})
     figure.update_layout(barmode="stack", bargap=0.08)
     figure.update_yaxes(range=[0, 100])
     return figure

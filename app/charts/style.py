@@ -97,6 +97,14 @@ def smoothing_window(points: int) -> int:
     return max(5, points // 20)
 
 
+def elapsed_axis(seconds: Sequence[float], since: str) -> tuple[list[float], str]:
+    """Elapsed times in the unit that reads best for their span (seconds, minutes or hours) and the axis title that
+    names it: a minute-long run is not plotted at 0.333, 0.5 and 0.667 minutes."""
+    span = max(seconds, default=0.0)
+    unit, size = ("seconds", 1.0) if span < 180 else ("minutes", 60.0) if span < 3 * 3600 else ("hours", 3600.0)
+    return [value / size for value in seconds], f"{unit} since {since}"
+
+
 @dataclass(frozen=True)
 class ChartOptions:
     """What the reader chose above the training figures: the smoothing window (0: automatic, `smoothing_window`;
