@@ -125,8 +125,9 @@ def eta_seconds(run: Run, step_seconds: float | None, now: float | None = None) 
     return None
 
 
-def run_header(run: Run, step_seconds: float | None, now: float | None = None) -> str:
-    """Status, progress from step to max steps, time elapsed and left, cost so far."""
+def run_header(run: Run, step_seconds: float | None, now: float | None = None, current_step: int | None = None) -> str:
+    """Status, progress from step to max steps, time elapsed and left, cost so far, and the current adapter version
+    with the step it holds (`current_step`): v1 is the weights before the first step, so vN+1 follows step N."""
     now = now or time.time()
     fraction = min(run.step / run.max_steps, 1.0) if run.max_steps else 0.0
     end = run.finished_at or now
@@ -154,16 +155,17 @@ def run_header(run: Run, step_seconds: float | None, now: float | None = None) -
     <div><span>elapsed</span><b>{duration(elapsed)}</b></div>
     <div><span>time left</span><b>{duration(left) if active else "—"}</b></div>
     <div><span>cost so far</span><b>{money(run.cost_usd)}</b></div>
-    <div><span>adapter</span><b>{_version_text(run)}</b></div>
+    <div><span>adapter</span><b>{_version_text(run, current_step)}</b></div>
   </div>
   {message}
 </div>"""
 
 
-def _version_text(run: Run) -> str:
+def _version_text(run: Run, current_step: int | None) -> str:
     parts = []
     if run.current_version is not None:
-        parts.append(f"current v{run.current_version}")
+        held = f" (step {current_step})" if current_step is not None else ""
+        parts.append(f"current v{run.current_version}{held}")
     if run.best_version is not None:
         parts.append(f"best v{run.best_version}")
     return " · ".join(parts) or "none yet"

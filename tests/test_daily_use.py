@@ -299,3 +299,17 @@ def test_the_routing_figure_counts_time_in_a_unit_that_suits_the_run():
     assert short.data[0].y[0] == pytest.approx(90.0)
     long = routing_figure(snapshots(600.0, 4))
     assert long.layout.xaxis.title.text == "minutes since the proxy started" and list(long.data[0].x) == [10, 20, 30]
+
+
+def test_the_header_says_which_step_the_current_version_holds(panel):
+    """Issue 18, item 10: v1 is the weights before the first step, so the header's "step 40" and "current v41"
+    looked like a disagreement; the version now says the step it holds."""
+    from app import cards
+    from backend.services.runs import RunService
+
+    _record(panel, "demo-header")
+    run = RunService(panel.ctx, "local").get("demo-header")
+    run.step, run.current_version, run.best_version = 40, 41, 38
+    header = cards.run_header(run, None, current_step=40)
+    assert "current v41 (step 40) · best v38" in header
+    assert "current v41 · best v38" in cards.run_header(run, None)  # the version not listed yet: no step claimed

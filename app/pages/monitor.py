@@ -24,6 +24,7 @@ from app.charts.style import ChartOptions
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import Run
+from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS as EXPORT_FORMATS
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound
 from jobs.contract import RunSpec, derived
@@ -283,7 +284,7 @@ class MonitorPage:
             return self._frame(cards.empty_state(f"No run {run_id}."), "", {}, stoppable=False)
         state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version]
         step_seconds = services.queries.step_seconds(run.id) if run.status not in ("finished", "stopped") else None
-        header = cards.run_header(run, step_seconds)
+        header = cards.run_header(run, step_seconds, current_step=_current_step(services, run))
         banner = cards.alert_banner(services.queries.alerts(run.id))  # the poller clears an ended run's warnings
         if run.status == "failed" and run.status_message:
             banner = cards.note(f"The run failed: {run.status_message}", "bad") + banner
@@ -509,6 +510,16 @@ def _number(text: str | None, kind: type[float] | type[int]) -> Any:
     try:
         return kind(text) if text not in (None, "") else None
     except ValueError:
+        return None
+
+
+def _current_step(services: PanelServices, run: Run) -> int | None:
+    """The optimizer step the run's current adapter version holds (None before the first version is listed)."""
+    if run.current_version is None:
+        return None
+    try:
+        return services.adapters.version(run.id, run.current_version).step
+    except VersionNotFound:  # CURRENT was read before the version's manifest
         return None
 
 

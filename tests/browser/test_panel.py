@@ -145,6 +145,7 @@ def test_monitor_fills_as_the_run_trains_then_stops(
     _dismiss_an_alert(page, panel, demo_run)
     screenshot(page, "monitor-jobs")
     expect(page.locator("#run-header")).to_contain_text("stopped", timeout=180_000)
+    expect(page.locator("#run-header")).to_contain_text(re.compile(r"current v\d+ \(step \d+\)"))
     assert plot_points(page, "reward-plot") >= 3
     _change_the_chart_options(page)
     _export_metrics(page, demo_run, tmp_path)
