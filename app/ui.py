@@ -71,7 +71,7 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     tab_of["launch"].select(launch.on_open, launch.load_outputs(), launch.load_outputs()).then(
         lambda: _timers("launch"), None, timers
     )
-    tab_of["runs"].select(runs.refresh, [runs.compare], runs.refresh_outputs()).then(
+    tab_of["runs"].select(runs.refresh_now, [runs.compare, runs.metric], runs.refresh_outputs()).then(
         lambda: _timers("runs"), None, timers
     )
     # A new run in the dropdown redraws through its change event; the same run is kept current by the timer.
@@ -97,12 +97,14 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     runs.branch_button.click(
         runs.branch, [runs.selected, runs.branch_version, runs.branch_id, runs.branch_now], [child]
     ).then(follow_branch, [child, runs.branch_now], nav_outputs).then(
-        runs.refresh, [runs.compare], runs.refresh_outputs()
+        runs.refresh_now, [runs.compare, runs.metric], runs.refresh_outputs()
     )
 
     # A branch from the Adapters page: show it in Runs, overlaid on its parent.
     def show_branch(run_id: str, parent_id: str, profile: gr.OAuthProfile | None = None) -> dict:
-        return {tabs: gr.Tabs(selected="runs")} | _timers("runs") | runs.refresh([parent_id, run_id], None, profile)
+        return (
+            {tabs: gr.Tabs(selected="runs")} | _timers("runs") | runs.refresh_now([parent_id, run_id], profile=profile)
+        )
 
     adapters.branch_button.click(
         adapters.branch, [adapters.run, adapters.version, adapters.branch_id, adapters.branch_now], [child]

@@ -313,3 +313,36 @@ def test_the_header_says_which_step_the_current_version_holds(panel):
     header = cards.run_header(run, None, current_step=40)
     assert "current v41 (step 40) · best v38" in header
     assert "current v41 · best v38" in cards.run_header(run, None)  # the version not listed yet: no step claimed
+
+
+def test_the_runs_page_overlays_any_logged_metric_with_branches_from_their_fork(panel):
+    """Issue 18, item 4: the Runs page compares any metric the ticked runs logged, not only the reward; a branch's
+    curve starts at the step its parent version was published at."""
+    from app.pages.runs import RunsPage
+    from backend.models import AdapterVersion, MetricPoint, Run
+
+    _record(panel, "demo-parent")
+    _record(panel, "demo-child")
+    with panel.ctx.db.session() as session:
+        child = session.get(Run, "demo-child")
+        child.parent_run_id, child.parent_version = "demo-parent", 7
+        session.add(child)
+        session.add(AdapterVersion(run_id="demo-parent", owner="local", version=7, step=6, created_at=0.0))
+        for run_id, steps in (("demo-parent", 10), ("demo-child", 4)):
+            session.add_all(
+                MetricPoint(run_id=run_id, owner="local", step=step, name=name, value=step / 100)
+                for step in range(1, steps + 1)
+                for name in ("reward", "kl")
+            )
+        session.commit()
+    page = RunsPage(panel)
+    with gr.Blocks():
+        page.build()
+    shown = page.refresh_now(["demo-parent", "demo-child"], "kl")
+    figure = shown[page.overlay]
+    assert "kl of the ticked runs" in figure.layout.title.text and figure.layout.yaxis.title.text == "kl"
+    lines = [trace for trace in figure.data if trace.mode != "markers"]
+    assert [list(trace.x) for trace in lines] == [list(range(1, 11)), [7, 8, 9, 10]]
+    assert shown[page.metric].choices == [("kl", "kl"), ("reward", "reward")]
+    again = page.refresh(["demo-parent", "demo-child"], shown[page.drawn], "kl")
+    assert again[page.overlay] == gr.skip()  # nothing moved on: the overlay is left as drawn

@@ -337,7 +337,7 @@ def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
     scan = SecretScan(hub_run.secrets)
     alice = profile(ALICE)
     scan.scan("account page", repr(pages.account.refresh(alice)))
-    scan.scan("runs page", repr(pages.runs.refresh([RUN_ID], None, alice)))
+    scan.scan("runs page", repr(pages.runs.refresh([RUN_ID], None, profile=alice)))
     for subtab in SUBTABS:
         shown = pages.monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False, profile=alice)
         scan.scan(f"monitor {subtab}", repr(shown))
@@ -720,7 +720,7 @@ def test_signed_out_visitors_get_nothing_from_any_page(pages, owners, no_new_run
 def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
     bob = profile(BOB)
     shown = [
-        pages.runs.refresh([RUN_ID, "alice-draft"], None, bob),
+        pages.runs.refresh([RUN_ID, "alice-draft"], None, profile=bob),
         pages.monitor.open(RUN_ID, bob),
         pages.adapters.open(RUN_ID, RUN_ID, bob),
         pages.account.refresh(bob),

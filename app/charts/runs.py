@@ -1,4 +1,4 @@
-"""The Runs page's figure: reward curves of several runs on one axis, each branch drawn from where it forked."""
+"""The Runs page's figure: one metric of several runs on one axis, each branch drawn from where it forked."""
 
 from __future__ import annotations
 
@@ -12,23 +12,23 @@ from app.charts.style import base_figure, empty_figure, rolling_mean, series_col
 @dataclass
 class Curve:
     label: str
-    reward: list[tuple[int, float]]
+    points: list[tuple[int, float]]  # (step, value) of the compared metric
     offset: int = 0  # a branch starts at its parent version's step, so it continues the parent's curve
     branch: bool = False
 
 
-def overlay_figure(curves: list[Curve]) -> go.Figure:
-    title = "Reward of the ticked runs (rolling mean; branches start where they forked)"
+def overlay_figure(curves: list[Curve], metric: str = "reward") -> go.Figure:
+    title = f"{metric} of the ticked runs (rolling mean; branches start where they forked)"
     if not curves:
-        return empty_figure(title, "Tick runs in the list to compare their reward curves here")
-    if not any(curve.reward for curve in curves):
-        return empty_figure(title, "The ticked runs have logged no reward yet")
-    figure = base_figure(title, x_title="optimizer step (a branch counts from its parent's step)", y_title="reward")
+        return empty_figure(title, "Tick runs in the list to compare them here")
+    if not any(curve.points for curve in curves):
+        return empty_figure(title, f"The ticked runs have logged no {metric} yet")
+    figure = base_figure(title, x_title="optimizer step (a branch counts from its parent's step)", y_title=metric)
     for index, curve in enumerate(curves):
-        if not curve.reward:
+        if not curve.points:
             continue
-        steps = [step + curve.offset for step, _ in curve.reward]
-        values = [value for _, value in curve.reward]
+        steps = [step + curve.offset for step, _ in curve.points]
+        values = [value for _, value in curve.points]
         color = series_color(index)
         figure.add_scatter(
             x=steps,

@@ -86,18 +86,26 @@ class RunsPage:
                 self.branch_id = gr.Textbox(label="New run id", elem_id="runs-branch-id")
                 self.branch_now = gr.Checkbox(True, label="Start training now")
                 self.branch_button = gr.Button("Create branch", elem_id="runs-branch", interactive=False)
-        self.compare = gr.CheckboxGroup([], label="Overlay reward curves of", elem_id="runs-compare")
+        with gr.Row(elem_classes="gp-align-end"):
+            self.compare = gr.CheckboxGroup([], label="Overlay the curves of", elem_id="runs-compare", scale=4)
+            self.metric = gr.Dropdown(
+                ["reward"], value="reward", label="Metric", elem_id="runs-metric", scale=1, allow_custom_value=True
+            )
         self.overlay = gr.Plot(overlay_figure([]), show_label=False, elem_id="runs-overlay")
         self.drawn = gr.State(None)  # what the overlay was last drawn from: ticks redraw it only when that changes
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
     def refresh_outputs(self) -> list:
-        return [self.table, self.compare, self.overlay, self.drawn, self.empty]
+        return [self.table, self.compare, self.metric, self.overlay, self.drawn, self.empty]
 
     def _wire(self) -> None:
-        self.timer.tick(self.refresh, [self.compare, self.drawn], self.refresh_outputs(), show_progress="hidden")
-        self.compare.change(self.refresh, [self.compare], self.refresh_outputs(), show_progress="hidden")
+        inputs = [self.compare, self.drawn, self.metric]
+        self.timer.tick(self.refresh, inputs, self.refresh_outputs(), show_progress="hidden")
+        for control in (self.compare, self.metric):  # an empty `drawn`: redraw now
+            control.change(
+                self.refresh_now, [self.compare, self.metric], self.refresh_outputs(), show_progress="hidden"
+            )
         self.table.select(
             self.select,
             [self.table],
@@ -113,20 +121,30 @@ class RunsPage:
             ],
         )
         self.stop_button.click(self.stop, [self.selected], [self.selection]).then(
-            self.refresh, [self.compare], self.refresh_outputs()
+            self.refresh_now, [self.compare, self.metric], self.refresh_outputs()
         )
 
     # --- handlers -----------------------------------------------------------------------------------------------
 
+    def refresh_now(self, ticked: list[str] | None, metric: str = "reward", profile: gr.OAuthProfile | None = None):
+        """Like a tick, but redraws the overlay even if no run moved on (runs ticked or another metric picked)."""
+        return self.refresh(ticked, None, metric, profile)
+
     def refresh(
-        self, ticked: list[str] | None, drawn: list | None = None, profile: gr.OAuthProfile | None = None
+        self,
+        ticked: list[str] | None,
+        drawn: list | None = None,
+        metric: str = "reward",
+        profile: gr.OAuthProfile | None = None,
     ) -> dict:
-        """The table, the run choices, and the overlay (redrawn only when a ticked run moved on)."""
+        """The table, the run choices, the metrics they logged, and the overlay of `metric` (redrawn only when a
+        ticked run moved on or another metric was picked)."""
         services = self.panel.services_or_none(profile)
         if services is None:
             return {
                 self.table: runs_table([]),
                 self.compare: gr.CheckboxGroup(choices=[]),
+                self.metric: gr.Dropdown(choices=["reward"]),
                 self.overlay: overlay_figure([]),
                 self.drawn: None,
                 self.empty: gr.HTML(visible=False),
@@ -134,17 +152,20 @@ class RunsPage:
         runs = services.runs.list()
         by_id = {run.id: run for run in runs}
         ticked = [run_id for run_id in ticked or [] if run_id in by_id]
-        key = [[run_id, by_id[run_id].step, by_id[run_id].status] for run_id in ticked]
-        overlay = gr.skip() if key == drawn else overlay_figure(self._curves(services, by_id, ticked))
+        metric = metric or "reward"
+        key = [metric, *([run_id, by_id[run_id].step, by_id[run_id].status] for run_id in ticked)]
+        overlay = gr.skip() if key == drawn else overlay_figure(self._curves(services, by_id, ticked, metric), metric)
+        logged = sorted({name for run_id in ticked for name in services.queries.metric_names(run_id)} | {"reward"})
         return {
             self.table: runs_table(runs),
             self.compare: gr.CheckboxGroup(choices=[(f"{r.name or r.id} ({r.id})", r.id) for r in runs], value=ticked),
+            self.metric: gr.Dropdown(choices=logged),
             self.overlay: overlay,
             self.drawn: key,
             self.empty: gr.HTML(visible=not runs),
         }
 
-    def _curves(self, services: PanelServices, runs: dict[str, Run], ticked: list[str]) -> list[Curve]:
+    def _curves(self, services: PanelServices, runs: dict[str, Run], ticked: list[str], metric: str) -> list[Curve]:
         curves = []
         for run_id in ticked:
             run = runs[run_id]
@@ -158,7 +179,7 @@ class RunsPage:
                 Curve(
                     label=f"{run.name or run.id}"
                     + (f" (branch of v{run.parent_version})" if run.parent_run_id else ""),
-                    reward=services.queries.metric_series(run_id, "reward", max_points=1000),
+                    points=services.queries.metric_series(run_id, metric, max_points=1000),
                     offset=offset,
                     branch=run.parent_run_id is not None,
                 )
