@@ -85,6 +85,15 @@ button:disabled, button[disabled] { opacity: 0.45; cursor: not-allowed; filter: 
   border-bottom: 2px solid var(--border-color-primary); padding: 6px 8px; }
 .gp-table-wrap td { border-bottom: 1px solid var(--border-color-primary); padding: 6px 8px; vertical-align: top; }
 @media (max-width: 900px) { .gp-stats { grid-template-columns: repeat(3, minmax(0, 1fr)); } }
+/* Figures follow the page's theme: plotly draws on white, so in dark mode its drawing is inverted, and turned back
+   round the color wheel so that every series keeps its hue (blue stays blue). */
+.dark .js-plotly-plot .main-svg { filter: invert(0.9) hue-rotate(180deg); }
+/* At phone width every tab stays in the bar: Gradio moves those that do not fit (measured on a hidden copy with the
+   same classes, so this applies to both) behind a "⋯" menu that hides whole pages. */
+@media (max-width: 520px) {
+  .tab-wrapper button { padding: 4px 6px !important; font-size: 0.82rem !important; }
+  .tab-wrapper { gap: 0 !important; }
+}
 """
 
 # A slider's number box commits only when it loses focus (Gradio then sends `release`); in a box marked

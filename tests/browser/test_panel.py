@@ -303,3 +303,25 @@ def test_account_keeps_a_token_masked(page: Page) -> None:
     expect(page.locator("#account-result")).to_contain_text("Deleted")
     expect(page.locator("#credentials-table")).not_to_contain_text(token[-4:])
     expect(page.locator("#delete-credential-yes")).to_be_hidden()
+
+
+def test_every_page_is_reachable_at_phone_width_and_in_dark_mode(browser: Browser, panel: RunningPanel) -> None:
+    """Issue 18, item 11: at 390 px every page's tab stays in the bar (Gradio moved three behind a "⋯" menu), the
+    Launch form is walked with the keyboard, and every page is screenshotted at that width in the dark theme."""
+    context = browser.new_context(viewport={"width": 390, "height": 844})
+    page = context.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(panel.url + "?__theme=dark")
+        for name in ("Runs", "Monitor", "Adapters", "Account", "Launch"):
+            tab = page.get_by_role("tab", name=name, exact=True)
+            expect(tab).to_be_visible()
+            tab.click()
+            expect(tab).to_have_attribute("aria-selected", "true")
+            screenshot(page, f"phone-dark-{name.lower()}")
+        run_id = page.locator("#run-id").locator("textarea, input").first
+        run_id.focus()
+        page.keyboard.press("Tab")
+        expect(page.locator("#name").locator("textarea, input").first).to_be_focused()
+    finally:
+        context.close()
