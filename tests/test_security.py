@@ -59,6 +59,7 @@ from backend.poller import Poller
 from backend.sandbox import SandboxError, SandboxLimits, run_rewards
 from backend.sandbox import confinement as sandbox_confinement
 from backend.services.adapters import AdapterService
+from backend.services.exports import ExportService
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
 from backend.vault import CredentialError
@@ -541,6 +542,10 @@ def _service_calls(o: Owners) -> list[tuple[str, Callable[[], Any]]]:
         ("QueryService.versions", lambda: queries.versions(run)),
         ("QueryService.alerts", lambda: queries.alerts(run)),
         ("QueryService.events", lambda: queries.events(run)),
+        ("QueryService.alert_history", lambda: queries.alert_history(run)),
+        ("QueryService.job_log", lambda: queries.job_log(run, 1)),
+        ("RunService.dismiss_alert", lambda: runs.dismiss_alert(run, 1)),
+        ("ExportService.export", lambda: ExportService(ctx, BOB).export(run, "csv", o.bob_store)),
         ("QueryService.summary", lambda: queries.summary(run)),
         ("QueryService.sample_versions", lambda: QueryService(ctx, BOB).sample_versions(run)),
         ("QueryService.sample_steps", lambda: QueryService(ctx, BOB).sample_steps(run)),
@@ -678,6 +683,9 @@ def _handler_calls(p: Pages, o: Owners) -> list[tuple[str, Callable[[gr.OAuthPro
         ("MonitorPage.browse", lambda who: p.monitor.browse(run, 1, "", "", "", "", True, who)),
         ("MonitorPage.pick_group", lambda who: p.monitor.pick_group(run, table, event, who)),
         ("MonitorPage.stop", lambda who: p.monitor.stop(run, who)),
+        ("MonitorPage.export", lambda who: p.monitor.export(run, "csv", who)),
+        ("MonitorPage.show_log", lambda who: p.monitor.show_log(run, 1, "", who)),
+        ("MonitorPage.dismiss", lambda who: p.monitor.dismiss(run, 1, who)),
         ("AdaptersPage.show_run", lambda who: p.adapters.show_run(run, who)),
         ("AdaptersPage.refresh", lambda who: p.adapters.refresh(run, None, who)),
         ("AdaptersPage.prepare_download", lambda who: p.adapters.prepare_download(run, 1, who)),

@@ -156,6 +156,13 @@ class MonitorPage:
                     )
             with gr.Tab("Jobs", id="jobs") as self.jobs_tab:
                 self.jobs = gr.HTML(cards.empty_state("Pick a run."), elem_id="job-cards", padding=False)
+                with gr.Accordion("A job's whole log", open=False):
+                    with gr.Row(elem_classes="gp-align-end"):
+                        self.log_job = gr.Dropdown([], label="Job", scale=2, elem_id="log-job")
+                        self.log_search = gr.Textbox(label="Only lines containing", scale=3, elem_id="log-search")
+                        self.log_button = gr.Button("Show the log", scale=1, elem_id="show-log")
+                    self.log_text = gr.Code("", label="Log", lines=12, max_lines=30, elem_id="job-log")
+                    self.log_file = gr.DownloadButton("Download the log", visible=False, elem_id="download-log")
                 gr.Markdown("### Alerts", elem_classes="gp-section-title")
                 self.alert_list = gr.HTML("", elem_id="alert-history", padding=False)
                 with gr.Row(elem_classes="gp-align-end"):
@@ -175,7 +182,7 @@ class MonitorPage:
             *(self.queue_plot, self.staleness_plot, self.tokens_plot, self.versions_plot),
             *(self.held, self.routing_plot, self.load_plot, self.sync_plot),
             *(self.step, self.samples, self.best, self.worst),
-            *(self.jobs, self.alert_list, self.alert_pick),
+            *(self.jobs, self.log_job, self.alert_list, self.alert_pick),
         ]
 
     def sample_filters(self) -> list:
@@ -206,6 +213,8 @@ class MonitorPage:
                 self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
             )
         self.export_button.click(self.export, [self.run, self.export_format], [self.exported])
+        for event in (self.log_button.click, self.log_search.submit):
+            event(self.show_log, [self.run, self.log_job, self.log_search], [self.log_text, self.log_file])
         self.dismiss_button.click(self.dismiss, [self.run, self.alert_pick], None).then(
             self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
         )
@@ -321,6 +330,7 @@ class MonitorPage:
         history = services.queries.alert_history(run.id)
         in_force = [(f"{a.kind.replace('_', ' ')} · {a.message[:80]}", a.id) for a in history if a.active]
         return {
+            self.log_job: gr.Dropdown(choices=[(f"{job.role} (attempt {job.attempt})", job.id) for job in jobs]),
             self.jobs: cards.job_cards(jobs, beats, local=run.backend == "local"),
             self.alert_list: cards.alert_history(history),
             self.alert_pick: gr.Dropdown(choices=in_force),
@@ -467,6 +477,25 @@ class MonitorPage:
         folder = Path(tempfile.mkdtemp(dir=self.exports))  # one folder per export: a later one never overwrites it
         paths = services.exports.export(run_id, fmt, folder)
         return {self.exported: gr.File(value=[str(path) for path in paths], visible=True)}
+
+    def show_log(
+        self, run_id: str | None, job_id: int | None, search: str, profile: gr.OAuthProfile | None = None
+    ) -> dict:
+        """One job's log as its launcher has it now (press again to follow a running job), only the lines holding
+        `search` if given; the whole of it to download either way."""
+        services = self.panel.services(profile)
+        if not run_id or job_id is None:
+            raise gr.Error("Pick a job whose log to show.")
+        lines = services.queries.job_log(run_id, int(job_id))
+        wanted = (search or "").strip().lower()
+        shown = [line for line in lines if wanted in line.lower()] if wanted else lines
+        path = Path(tempfile.mkdtemp(dir=self.exports)) / f"{run_id}-job-{int(job_id)}.log"
+        path.write_text("\n".join(lines) + "\n")
+        summary = f"{len(shown)} of {len(lines)} lines" if wanted else f"{len(lines)} lines"
+        return {
+            self.log_text: gr.Code("\n".join(shown), label=f"Log ({summary})"),
+            self.log_file: gr.DownloadButton(f"Download the log ({len(lines)} lines)", value=str(path), visible=True),
+        }
 
     def dismiss(self, run_id: str | None, alert_id: int | None, profile: gr.OAuthProfile | None = None) -> None:
         services = self.panel.services(profile)

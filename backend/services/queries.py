@@ -30,6 +30,9 @@ class VersionUse:
     trainer_version: int  # the trainer's own version when it pulled them (policy_version + staleness)
 
 
+JOB_LOG_LINES = 20_000  # a job's log as the panel shows it: the newest lines, up to this many
+
+
 class QueryService:
     def __init__(self, ctx: PanelContext, owner: str):
         self.ctx, self.owner = ctx, owner
@@ -166,6 +169,16 @@ class QueryService:
         self._check(run_id)
         with self.ctx.db.session() as session:
             return latest_proxy_snapshots(session, run_id, limit)
+
+    def job_log(self, run_id: str, job_id: int, lines: int = JOB_LOG_LINES) -> list[str]:
+        """The last `lines` lines of one of the run's jobs' logs, read from its launcher now (the job cards keep only
+        a short tail)."""
+        run = self._check(run_id)
+        with self.ctx.db.session() as session:
+            job = session.get(Job, job_id)
+        if job is None or job.run_id != run_id:
+            raise LookupError(f"run {run_id} has no job {job_id}")
+        return self.ctx.launcher_for(run).logs(self.ctx.handle(job), lines)
 
     def jobs(self, run_id: str) -> list[Job]:
         self._check(run_id)

@@ -143,6 +143,7 @@ def test_monitor_fills_as_the_run_trains_then_stops(
     open_tab(page, "Jobs")
     expect(page.locator("#job-cards")).to_contain_text("trainer")
     _dismiss_an_alert(page, panel, demo_run)
+    _read_a_whole_job_log(page)
     screenshot(page, "monitor-jobs")
     expect(page.locator("#run-header")).to_contain_text("stopped", timeout=180_000)
     expect(page.locator("#run-header")).to_contain_text(re.compile(r"current v\d+ \(step \d+\)"))
@@ -161,6 +162,19 @@ def _change_the_chart_options(page: Page) -> None:
     page.wait_for_function(f"() => {{ const g = {reward_plot}; return g && g.data && g.data.length === 1 }}")
     page.locator("#chart-log input").check()
     page.wait_for_function(f"() => {{ const g = {reward_plot}; return g && g.layout.yaxis.type === 'log' }}")
+
+
+def _read_a_whole_job_log(page: Page) -> None:
+    """Issue 18, item 5: a job's whole log (the cards keep a few lines), filtered by a search, and to download."""
+    page.get_by_text("A job's whole log").click()
+    page.locator("#log-job input").click()
+    page.get_by_role("option", name=re.compile(r"trainer \(attempt 1\)")).click()
+    fill(page, "log-search", "Weight sync")
+    page.locator("#show-log").click()
+    log = page.locator("#job-log")
+    expect(log).to_contain_text("Weight sync")
+    expect(log).to_contain_text(re.compile(r"Log \(\d+ of \d+ lines\)"))
+    expect(page.locator("#download-log")).to_be_visible()
 
 
 def _dismiss_an_alert(page: Page, panel: RunningPanel, run_id: str) -> None:
