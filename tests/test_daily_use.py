@@ -346,3 +346,41 @@ def test_the_runs_page_overlays_any_logged_metric_with_branches_from_their_fork(
     assert shown[page.metric].choices == [("kl", "kl"), ("reward", "reward")]
     again = page.refresh(["demo-parent", "demo-child"], shown[page.drawn], "kl")
     assert again[page.overlay] == gr.skip()  # nothing moved on: the overlay is left as drawn
+
+
+def test_the_training_figures_count_x_in_wall_time_or_generated_tokens(panel):
+    """Issue 18, item 4: the x axis of the training figures counts steps, wall time or generated tokens, read for the
+    run: time from when each step was logged, tokens as each step's samples times their mean length, summed."""
+    from app.charts.style import ChartOptions
+    from app.charts.training import ratio_kl_figure, reward_figure
+    from app.pages.monitor import _chart_options
+    from backend.api import PanelServices
+    from backend.models import MetricPoint
+
+    _record(panel, "demo-axes")
+    rows = []
+    for step in range(1, 5):
+        at = 1000.0 + 30.0 * step
+        rows += [
+            MetricPoint(run_id="demo-axes", owner="local", step=step, name="reward", value=0.1 * step, time=at),
+            MetricPoint(
+                run_id="demo-axes", owner="local", step=step, name="completions/mean_length", value=10.0 + step
+            ),
+            MetricPoint(run_id="demo-axes", owner="local", step=step, name="batch/samples_per_step", value=64.0),
+        ]
+    with panel.ctx.db.session() as session:
+        session.add_all(rows)
+        session.commit()
+    services = PanelServices(panel.ctx, "local")
+    assert services.queries.step_axis("demo-axes", "wall time") == {1: 0.0, 2: 30.0, 3: 60.0, 4: 90.0}
+    assert services.queries.step_axis("demo-axes", "generated tokens") == {1: 704.0, 2: 1472.0, 3: 2304.0, 4: 3200.0}
+    reward = services.queries.metric_series("demo-axes", "reward")
+
+    by_time = reward_figure(reward, _chart_options(services, "demo-axes", 0, False, "wall time"))
+    assert list(by_time.data[0].x) == [0.0, 30.0, 60.0, 90.0]
+    assert by_time.layout.xaxis.title.text == "seconds since the first step"
+    by_tokens = _chart_options(services, "demo-axes", 0, False, "generated tokens")
+    assert list(reward_figure(reward, by_tokens).data[1].x) == [704.0, 1472.0, 2304.0, 3200.0]
+    ratio = ratio_kl_figure(reward, reward, options=ChartOptions(log_y=True, x_values={1: 5.0}, x_title="t"))
+    assert ratio.layout.yaxis.type is None and list(ratio.data[0].x) == [5.0, None, None, None]
+    assert _chart_options(services, "demo-axes", 0, False, "step") == ChartOptions()

@@ -6,7 +6,7 @@ who learned one plot can read the next without its legend.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
@@ -108,15 +108,24 @@ def elapsed_axis(seconds: Sequence[float], since: str) -> tuple[list[float], str
 @dataclass(frozen=True)
 class ChartOptions:
     """What the reader chose above the training figures: the smoothing window (0: automatic, `smoothing_window`;
-    1: none) and a logarithmic y axis. The raw series stays drawn beside every smoothed one."""
+    1: none), a logarithmic y axis, and what the x axis counts. The raw series stays drawn beside every smoothed
+    one."""
 
     smoothing: int = 0
     log_y: bool = False
+    x_values: Mapping[int, float] | None = None  # optimizer step -> what the x axis counts instead (None: the step)
+    x_title: str = "optimizer step"
 
     def window(self, points: int) -> int:
         return self.smoothing if self.smoothing > 0 else smoothing_window(points)
 
     def apply(self, figure: go.Figure) -> go.Figure:
+        """The log scale, and the x axis counted in `x_values` (a step without a value leaves a gap)."""
         if self.log_y:
             figure.update_yaxes(type="log")
+        if self.x_values is not None:
+            for trace in figure.data:
+                if trace.x is not None:
+                    trace.x = [self.x_values.get(step) for step in trace.x]
+            figure.update_xaxes(title_text=self.x_title, dtick=None)
         return figure

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import plotly.graph_objects as go
 
 from app.charts.style import (
@@ -64,8 +66,11 @@ def reward_functions_figure(per_function: dict[str, Series], options: ChartOptio
     return options.apply(integer_steps(figure, [s for series in shown.values() for s, _ in series]))
 
 
-def ratio_kl_figure(ratio: Series, kl: Series, tolerance: float = 0.01) -> go.Figure:
-    """ratio ≈ 1 is the evidence that the replicas serve the policy the trainer trains (and KL stays tiny)."""
+def ratio_kl_figure(
+    ratio: Series, kl: Series, tolerance: float = 0.01, options: ChartOptions = ChartOptions()
+) -> go.Figure:
+    """ratio ≈ 1 is the evidence that the replicas serve the policy the trainer trains (and KL stays tiny). The x axis
+    follows `options`; the log scale does not apply (kl starts at 0)."""
     title = "Served vs trained policy: importance ratio and KL"
     if not ratio and not kl:
         return empty_figure(
@@ -91,7 +96,7 @@ def ratio_kl_figure(ratio: Series, kl: Series, tolerance: float = 0.01) -> go.Fi
                 "rangemode": "tozero",
             }
         )
-    return integer_steps(figure, [s for s, _ in ratio or kl])
+    return replace(options, log_y=False).apply(integer_steps(figure, [s for s, _ in ratio or kl]))
 
 
 def step_time_figure(

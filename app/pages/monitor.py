@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from app import cards
 from app.charts import replicas as replica_charts
 from app.charts import rollouts as rollout_charts
 from app.charts import training as training_charts
-from app.charts.style import ChartOptions
+from app.charts.style import ChartOptions, elapsed_axis
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.models import Run
@@ -31,6 +31,7 @@ from jobs.contract import RunSpec, derived
 
 REFRESH_SECONDS = 2.0
 MAX_POINTS = 1000
+X_AXES = ("step", "wall time", "generated tokens")  # what the training figures' x axis may count
 SUBTABS = ("training", "rollouts", "replicas", "samples", "jobs")
 SAMPLE_COLUMNS = ["step", "group", "reward", "advantage", "version", "staleness", "scores", "completion"]
 
@@ -76,6 +77,7 @@ class MonitorPage:
                         elem_id="chart-smoothing",
                         elem_classes="gp-enter-commits",
                     )
+                    self.x_axis = gr.Radio(list(X_AXES), value="step", label="x axis", scale=2, elem_id="chart-x-axis")
                     self.log_y = gr.Checkbox(False, label="Log scale", scale=1, elem_id="chart-log")
                 with gr.Row():
                     self.reward_plot = gr.Plot(
@@ -202,7 +204,7 @@ class MonitorPage:
 
     def chart_controls(self) -> list:
         """The Training tab's chart controls, in the order the refresh handlers take them."""
-        return [self.smoothing, self.log_y]
+        return [self.smoothing, self.log_y, self.x_axis]
 
     def _wire(self) -> None:
         self.timer.tick(self.refresh, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
@@ -227,7 +229,7 @@ class MonitorPage:
         self.step.release(lambda: False, None, self.follow).then(self.browse, browse, shown)
         for box in (self.min_reward, self.max_reward, self.search, self.version):
             box.submit(self.browse, browse, shown)
-        for event in (self.smoothing.release, self.log_y.input):
+        for event in (self.smoothing.release, self.log_y.input, self.x_axis.input):
             event(self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
         self.all_steps.input(self.browse, browse, shown)
         self.samples.select(self.pick_group, [self.run, self.samples], [self.best, self.worst])
@@ -254,12 +256,13 @@ class MonitorPage:
         all_steps: bool,
         smoothing: float = 0,
         log_y: bool = False,
+        x_axis: str = "step",
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         """Like a tick, but redraws the visible sub-tab even if nothing changed (a new run or sub-tab or a chart
         option was picked)."""
         filters = (min_reward, max_reward, search, version, all_steps)
-        return self.refresh(run_id, subtab, {}, step, follow, *filters, smoothing, log_y, profile)
+        return self.refresh(run_id, subtab, {}, step, follow, *filters, smoothing, log_y, x_axis, profile)
 
     def refresh(
         self,
@@ -275,6 +278,7 @@ class MonitorPage:
         all_steps: bool,
         smoothing: float = 0,
         log_y: bool = False,
+        x_axis: str = "step",
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         """One tick: the header and alerts always; the visible sub-tab only when the run logged something new
@@ -306,7 +310,7 @@ class MonitorPage:
             figures = self._samples(services, run, step, follow, wanted, fresh=drawn.get(subtab) != state)
             drawn[subtab] = state
         elif subtab == "training" and drawn.get(subtab) != state:
-            figures = self._training(services, run, ChartOptions(int(smoothing or 0), bool(log_y)))
+            figures = self._training(services, run, _chart_options(services, run.id, smoothing, log_y, x_axis))
             drawn[subtab] = state
         elif subtab in SUBTABS and drawn.get(subtab) != state:
             figures = getattr(self, f"_{subtab}")(services, run)
@@ -344,7 +348,7 @@ class MonitorPage:
             self.reward_plot: training_charts.reward_figure(series(run.id, "reward", MAX_POINTS), options),
             self.functions_plot: training_charts.reward_functions_figure(functions, options),
             self.ratio_plot: training_charts.ratio_kl_figure(
-                series(run.id, "ratio", MAX_POINTS), series(run.id, "kl", MAX_POINTS)
+                series(run.id, "ratio", MAX_POINTS), series(run.id, "kl", MAX_POINTS), options=options
             ),
             self.time_plot: training_charts.step_time_figure(
                 series(run.id, "perf/step_s", MAX_POINTS),
@@ -540,6 +544,19 @@ def _number(text: str | None, kind: type[float] | type[int]) -> Any:
         return kind(text) if text not in (None, "") else None
     except ValueError:
         return None
+
+
+def _chart_options(services: PanelServices, run_id: str, smoothing: float, log_y: bool, x_axis: str) -> ChartOptions:
+    """The Training tab's chart controls as figure options; another x axis than the step is read for the run."""
+    options = ChartOptions(int(smoothing or 0), bool(log_y))
+    if x_axis == "wall time":
+        seconds = services.queries.step_axis(run_id, x_axis)
+        values, title = elapsed_axis(list(seconds.values()), "the first step")
+        return replace(options, x_values=dict(zip(seconds, values, strict=True)), x_title=title)
+    if x_axis == "generated tokens":
+        tokens = services.queries.step_axis(run_id, x_axis)
+        return replace(options, x_values=tokens, x_title="completion tokens generated")
+    return options
 
 
 def _current_step(services: PanelServices, run: Run) -> int | None:

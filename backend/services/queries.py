@@ -64,6 +64,31 @@ class QueryService:
             rows = session.exec(query.order_by(col(MetricPoint.step))).all()
         return [(int(step), float(value)) for step, value in rows]
 
+    def step_axis(self, run_id: str, axis: str) -> dict[int, float]:
+        """What each optimizer step is at on another x axis: "wall time" (seconds since the first step was logged)
+        or "generated tokens" (completion tokens generated up to and including the step: its samples times their
+        mean length, summed)."""
+        if axis == "wall time":
+            self._check(run_id)
+            with self.ctx.db.session() as session:
+                rows = session.exec(
+                    select(MetricPoint.step, MetricPoint.time).where(
+                        MetricPoint.run_id == run_id, MetricPoint.name == "reward"
+                    )
+                ).all()
+            times = {int(step): float(time) for step, time in rows if time is not None}
+            first = min(times.values(), default=0.0)
+            return {step: time - first for step, time in times.items()}
+        if axis == "generated tokens":
+            lengths = dict(self.metric_series(run_id, "completions/mean_length", max_points=None))
+            samples = dict(self.metric_series(run_id, "batch/samples_per_step", max_points=None))
+            total, axis_values = 0.0, {}
+            for step in sorted(lengths.keys() & samples.keys()):
+                total += lengths[step] * samples[step]
+                axis_values[step] = total
+            return axis_values
+        raise ValueError(f"x axis: {axis!r} is not one of step, wall time, generated tokens")
+
     def sample_versions(self, run_id: str, max_steps: int = 400) -> list[VersionUse]:
         """Per step and generating version, over the last `max_steps` steps with samples: one GROUP BY, not rows."""
         self._check(run_id)

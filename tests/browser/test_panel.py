@@ -162,6 +162,10 @@ def _change_the_chart_options(page: Page) -> None:
     page.wait_for_function(f"() => {{ const g = {reward_plot}; return g && g.data && g.data.length === 1 }}")
     page.locator("#chart-log input").check()
     page.wait_for_function(f"() => {{ const g = {reward_plot}; return g && g.layout.yaxis.type === 'log' }}")
+    page.locator("#chart-x-axis").get_by_label("wall time").check()
+    page.wait_for_function(
+        f"() => {{ const g = {reward_plot}; return g && /since the first step/.test(g.layout.xaxis.title.text) }}"
+    )
 
 
 def _read_a_whole_job_log(page: Page) -> None:
