@@ -279,7 +279,8 @@ def test_the_chart_controls_change_what_the_training_figures_plot():
     assert [trace.name for trace in reward_figure(series, ChartOptions(smoothing=1)).data] == ["per step"]
     functions = reward_functions_figure({"digit_frac": series}, ChartOptions(smoothing=8))
     assert functions.layout.yaxis.title.text == "score, rolling mean (8 steps)"
-    assert functions.data[0].y[-1] == pytest.approx(36.5)
+    assert [trace.name for trace in functions.data] == ["digit_frac per step", "digit_frac"]  # the raw stays drawn
+    assert functions.data[0].y[-1] == 40.0 and functions.data[1].y[-1] == pytest.approx(36.5)
     assert step_time_figure(series, series, [], [], ChartOptions(log_y=True)).layout.yaxis.type == "log"
 
 

@@ -55,14 +55,22 @@ def reward_functions_figure(per_function: dict[str, Series], options: ChartOptio
     if not shown:
         return empty_figure(title, "One curve per reward function appears<br>" + AFTER_FIRST_STEP)
     window = options.window(max(len(series) for series in shown.values()))
-    # Smoothed, and said so in the axis title, as the reward figure says it in its legend.
+    # Smoothed, and said so in the axis title; each function's raw series stays drawn, faint, beneath its mean.
     figure = base_figure(title, y_title=f"score, rolling mean ({window} steps)" if window > 1 else "score")
     figure.update_layout(showlegend=True)
     for index, (name, series) in enumerate(sorted(shown.items())):
         steps, values = _xy(series)
-        figure.add_scatter(
-            x=steps, y=rolling_mean(values, window), name=name, line={"color": series_color(index), "width": 2}
-        )
+        color = series_color(index)
+        if window > 1:
+            figure.add_scatter(
+                x=steps,
+                y=values,
+                name=f"{name} per step",
+                showlegend=False,
+                opacity=0.3,
+                line={"color": color, "width": 1},
+            )
+        figure.add_scatter(x=steps, y=rolling_mean(values, window), name=name, line={"color": color, "width": 2})
     return options.apply(integer_steps(figure, [s for series in shown.values() for s, _ in series]))
 
 
