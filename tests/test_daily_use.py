@@ -91,6 +91,21 @@ def test_publishing_without_a_token_says_why_where_the_last_result_was_shown(pan
     assert "Pick a version" in page.publish("demo-publish", None, "me/adapter", True, None)
 
 
+def test_an_adapter_action_with_nothing_picked_says_so_beside_its_buttons(panel):
+    """Issue 18, item 2: not a toast that fades: the note replaces the last outcome shown under the buttons (and a
+    Save button left from an earlier download is hidden, so it cannot be taken for this answer)."""
+    from app.pages.adapters import AdaptersPage
+
+    _record(panel, "demo-pick")
+    page = AdaptersPage(panel)
+    with gr.Blocks():
+        page.build()
+    prepared = page.prepare_download("demo-pick", None)
+    assert "Pick a run and a version first" in prepared[page.action] and prepared[page.download].visible is False
+    assert "Pick a run and a version first" in page.make_current("demo-pick", None)
+    assert "Pick two versions to compare" in page.compare("demo-pick", 1, None)[page.summary]
+
+
 def test_following_a_finished_run_prints_its_own_pace(panel):
     """`python -m backend follow` on a run that ended: its steps per minute, not steps over a second of watching."""
     import io

@@ -27,6 +27,7 @@ from backend.services.adapters import Comparison
 from backend.services.runs import RunStateError, propose_run_id
 
 REFRESH_SECONDS = 5.0
+PICK_FIRST = "Pick a run and a version first (click a row of the table)."
 # A version's reward is a mean over the steps up to its own (backend.ingest.version_reward): said in its heading,
 # so that it is not read as the header's latest (one-step) reward.
 REWARD_COLUMN = f"reward (mean of {VERSION_REWARD_STEPS} steps)"
@@ -238,8 +239,8 @@ class AdaptersPage:
 
     def prepare_download(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> dict:
         services = self.panel.services(profile)
-        if not run_id or version is None:
-            raise gr.Error("Pick a run and a version first.")
+        if not run_id or version is None:  # said beside the buttons, where the last outcome is, not in a toast
+            return {self.download: gr.DownloadButton(visible=False), self.action: cards.note(PICK_FIRST, "warn")}
         path = Path(shutil.copy(services.adapters.download_zip(run_id, int(version)), self.downloads))
         return {
             self.download: gr.DownloadButton(
@@ -253,7 +254,7 @@ class AdaptersPage:
     def make_current(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> str:
         services = self.panel.services(profile)
         if not run_id or version is None:
-            raise gr.Error("Pick a run and a version first.")
+            return cards.note(PICK_FIRST, "warn")
         services.adapters.make_current(run_id, int(version))
         return cards.note(f"v{version} is now the current adapter of {run_id}; later versions are kept.", "good")
 
@@ -266,9 +267,7 @@ class AdaptersPage:
         profile: gr.OAuthProfile | None = None,
     ) -> str:
         """Make `version` current and start a child run from it; returns the child's id."""
-        return branch_from(
-            self.panel.services(profile), run_id, version, new_id, start_now, "Pick a run and a version first."
-        )
+        return branch_from(self.panel.services(profile), run_id, version, new_id, start_now, PICK_FIRST)
 
     def publish(
         self, run_id: str | None, version: int | None, repo: str, private: bool, profile: gr.OAuthProfile | None = None
@@ -288,7 +287,7 @@ class AdaptersPage:
     ) -> dict:
         services = self.panel.services(profile)
         if not run_id or version_a is None or version_b is None:
-            raise gr.Error("Pick two versions to compare.")
+            return {self.summary: cards.note("Pick two versions to compare (A and B above).", "warn")}
         comparison = services.adapters.compare(run_id, int(version_a), int(version_b))
         return {
             self.summary: cards.comparison_stats(comparison),

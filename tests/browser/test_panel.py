@@ -90,6 +90,20 @@ def test_bad_reward_code_shows_its_error_next_to_the_editor(page: Page) -> None:
     screenshot(page, "launch-bad-reward")
 
 
+def test_a_negative_max_steps_is_named_in_place_and_gone_once_mended(page: Page) -> None:
+    """Issue 18, item 2: the error stays beside the training settings and names the field (it was a fading toast
+    without the field's name); mended, Check settings clears it."""
+    fill(page, "grpo-max-steps", "-5")
+    page.locator("#check").click()
+    error = page.locator("#error-training")
+    expect(error).to_contain_text("Max steps", timeout=90_000)
+    expect(page.locator("#launch")).to_be_disabled()
+    fill(page, "grpo-max-steps", "12")
+    page.locator("#check").click()
+    expect(page.locator("#launch-status")).to_contain_text("All checks passed", timeout=90_000)
+    expect(error).to_be_hidden()
+
+
 def test_wrong_bucket_keys_show_the_connection_error(page: Page, moto_server) -> None:
     bucket = moto_server.create_bucket()
     page.locator("#bucket-kind").get_by_text("MinIO / other S3").click()
