@@ -23,6 +23,7 @@ from app.charts import training as training_charts
 from app.charts.style import ChartOptions, elapsed_axis
 from app.panel import Panel
 from backend.api import PanelServices
+from backend.launchers.base import TERMINAL
 from backend.models import Run
 from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS as EXPORT_FORMATS
@@ -30,6 +31,7 @@ from backend.services.runs import TERMINAL_STATUSES, RunNotFound
 from jobs.contract import RunSpec, derived
 
 REFRESH_SECONDS = 2.0
+LOG_REFRESH_SECONDS = 3.0  # a followed job log is read again this often while its job runs
 MAX_POINTS = 1000
 X_AXES = ("step", "wall time", "generated tokens")  # what the training figures' x axis may count
 SUBTABS = ("training", "rollouts", "replicas", "samples", "jobs")
@@ -165,6 +167,7 @@ class MonitorPage:
                         self.log_button = gr.Button("Show the log", scale=1, elem_id="show-log")
                     self.log_text = gr.Code("", label="Log", lines=12, max_lines=30, elem_id="job-log")
                     self.log_file = gr.DownloadButton("Download the log", visible=False, elem_id="download-log")
+                    self.log_timer = gr.Timer(LOG_REFRESH_SECONDS, active=False)
                 gr.Markdown("### Alerts", elem_classes="gp-section-title")
                 self.alert_list = gr.HTML("", elem_id="alert-history", padding=False)
                 with gr.Row(elem_classes="gp-align-end"):
@@ -215,8 +218,13 @@ class MonitorPage:
                 self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
             )
         self.export_button.click(self.export, [self.run, self.export_format], [self.exported])
-        for event in (self.log_button.click, self.log_search.submit):
-            event(self.show_log, [self.run, self.log_job, self.log_search], [self.log_text, self.log_file])
+        for event in (self.log_button.click, self.log_search.submit, self.log_timer.tick):
+            event(
+                self.show_log,
+                [self.run, self.log_job, self.log_search],
+                [self.log_text, self.log_file, self.log_timer],
+                show_progress="hidden",
+            )
         self.dismiss_button.click(self.dismiss, [self.run, self.alert_pick], None).then(
             self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
         )
@@ -485,20 +493,26 @@ class MonitorPage:
     def show_log(
         self, run_id: str | None, job_id: int | None, search: str, profile: gr.OAuthProfile | None = None
     ) -> dict:
-        """One job's log as its launcher has it now (press again to follow a running job), only the lines holding
-        `search` if given; the whole of it to download either way."""
+        """One job's log as its launcher has it now, followed while the job runs, only the lines holding `search`
+        if given; the whole of it to download either way."""
         services = self.panel.services(profile)
         if not run_id or job_id is None:
-            raise gr.Error("Pick a job whose log to show.")
+            return {
+                self.log_text: gr.Code("", label="Pick a job whose log to show"),
+                self.log_timer: gr.Timer(active=False),
+            }
         lines = services.queries.job_log(run_id, int(job_id))
+        running = any(job.id == int(job_id) and job.stage not in TERMINAL for job in services.queries.jobs(run_id))
         wanted = (search or "").strip().lower()
         shown = [line for line in lines if wanted in line.lower()] if wanted else lines
-        path = Path(tempfile.mkdtemp(dir=self.exports)) / f"{run_id}-job-{int(job_id)}.log"
-        path.write_text("\n".join(lines) + "\n")
+        path = self.exports / f"{run_id}-job-{int(job_id)}.log"  # rewritten as the log grows (Gradio serves a copy)
+        path.with_suffix(".tmp").write_text("\n".join(lines) + "\n")
+        path.with_suffix(".tmp").replace(path)
         summary = f"{len(shown)} of {len(lines)} lines" if wanted else f"{len(lines)} lines"
         return {
-            self.log_text: gr.Code("\n".join(shown), label=f"Log ({summary})"),
+            self.log_text: gr.Code("\n".join(shown), label=f"Log ({summary}{', following' if running else ''})"),
             self.log_file: gr.DownloadButton(f"Download the log ({len(lines)} lines)", value=str(path), visible=True),
+            self.log_timer: gr.Timer(active=running),  # a running job's log is read again until the job ends
         }
 
     def dismiss(self, run_id: str | None, alert_id: int | None, profile: gr.OAuthProfile | None = None) -> None:
