@@ -66,6 +66,7 @@ class MonitorPage:
         self.alerts = gr.HTML("", elem_id="run-alerts", padding=False, visible=False)
         self.subtab = gr.State("training")
         self.drawn = gr.State({})  # sub-tab -> the run state its figures were drawn from
+        self.undrawn = gr.State({})  # never written: what `redraw_inputs` passes as `drawn`
         with gr.Tabs():
             with gr.Tab("Training", id="training") as self.training_tab:
                 with gr.Row(elem_classes="gp-align-end"):
@@ -205,17 +206,22 @@ class MonitorPage:
             *self.chart_controls(),
         ]
 
+    def redraw_inputs(self) -> list:
+        """A tick's inputs with nothing drawn yet: the visible sub-tab is redrawn even if the run logged nothing new
+        (another run, sub-tab or chart option was picked)."""
+        return [self.undrawn if component is self.drawn else component for component in self.refresh_inputs()]
+
     def chart_controls(self) -> list:
         """The Training tab's chart controls, in the order the refresh handlers take them."""
         return [self.smoothing, self.log_y, self.x_axis]
 
     def _wire(self) -> None:
         self.timer.tick(self.refresh, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
-        self.run.change(self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
+        self.run.change(self.refresh, self.redraw_inputs(), self.refresh_outputs(), show_progress="hidden")
         tabs = (self.training_tab, self.rollouts_tab, self.replicas_tab, self.samples_tab, self.jobs_tab)
         for name, tab in zip(SUBTABS, tabs, strict=True):
             tab.select(_constant(name), None, self.subtab).then(
-                self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
+                self.refresh, self.redraw_inputs(), self.refresh_outputs(), show_progress="hidden"
             )
         self.export_button.click(self.export, [self.run, self.export_format], [self.exported])
         for event in (self.log_button.click, self.log_search.submit, self.log_timer.tick):
@@ -226,10 +232,10 @@ class MonitorPage:
                 show_progress="hidden",
             )
         self.dismiss_button.click(self.dismiss, [self.run, self.alert_pick], None).then(
-            self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
+            self.refresh, self.redraw_inputs(), self.refresh_outputs(), show_progress="hidden"
         )
         self.stop_button.click(self.stop, [self.run], None).then(
-            self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden"
+            self.refresh, self.redraw_inputs(), self.refresh_outputs(), show_progress="hidden"
         )
         browse = [self.run, self.step, *self.sample_filters()]
         shown = [self.samples, self.best, self.worst]
@@ -238,7 +244,7 @@ class MonitorPage:
         for box in (self.min_reward, self.max_reward, self.search, self.version):
             box.submit(self.browse, browse, shown)
         for event in (self.smoothing.release, self.log_y.input, self.x_axis.input):
-            event(self.refresh_now, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
+            event(self.refresh, self.redraw_inputs(), self.refresh_outputs(), show_progress="hidden")
         self.all_steps.input(self.browse, browse, shown)
         self.samples.select(self.pick_group, [self.run, self.samples], [self.best, self.worst])
 
@@ -249,28 +255,6 @@ class MonitorPage:
         choices = run_choices(self.panel.services_or_none(profile))
         ids = [value for _, value in choices]
         return gr.Dropdown(choices=choices, value=run_id if run_id in ids else (ids[0] if ids else None))
-
-    def refresh_now(
-        self,
-        run_id: str | None,
-        subtab: str,
-        drawn: dict | None,
-        step: float | None,
-        follow: bool,
-        min_reward: str,
-        max_reward: str,
-        search: str,
-        version: str,
-        all_steps: bool,
-        smoothing: float = 0,
-        log_y: bool = False,
-        x_axis: str = "step",
-        profile: gr.OAuthProfile | None = None,
-    ) -> dict:
-        """Like a tick, but redraws the visible sub-tab even if nothing changed (a new run or sub-tab or a chart
-        option was picked)."""
-        filters = (min_reward, max_reward, search, version, all_steps)
-        return self.refresh(run_id, subtab, {}, step, follow, *filters, smoothing, log_y, x_axis, profile)
 
     def refresh(
         self,
