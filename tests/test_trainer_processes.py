@@ -52,6 +52,7 @@ RANK_STEPS = textwrap.dedent(
         if control.should_training_stop:
             break
     print(json.dumps({"rank": ranks.rank(), "step": step, "reason": stop.reason, "save": control.should_save}))
+    ranks.leave_process_group()  # as the trainer job does on its way out
     """
 )
 

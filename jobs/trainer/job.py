@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             stopped = stop_replicas(store, spec.run_id, f"the trainer {outcome}", replica_jobs)
             telemetry.status(outcome, replicas_stopped=stopped)
         telemetry.close()
+        ranks.leave_process_group()
     return exit_code
 
 

@@ -59,6 +59,20 @@ def join_process_group(cuda: bool) -> None:
     PartialState(cpu=not cuda, timeout=COLLECTIVE_TIMEOUT)
 
 
+def leave_process_group() -> None:
+    """Tear the job's process group down before the interpreter exits.
+
+    Left to static destructors, gloo's threads may still be joinable when they run, and the process aborts ("terminate
+    called without an active exception", exit -6) after training went well: the job would read as failed.
+    """
+    if world_size() == 1:
+        return
+    import torch.distributed
+
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def from_main(decide: Callable[[], T]) -> T:
     """What `decide()` returns on the main process, handed to every rank; the other ranks never call it.
 
