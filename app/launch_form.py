@@ -19,6 +19,7 @@ from typing import Any, Literal
 import annotated_types
 from pydantic import BaseModel
 
+from backend.vault import RunCredentials
 from jobs.contract import BUILTIN_REWARDS, RunSpec
 
 BUCKET_KINDS = {
@@ -58,15 +59,20 @@ CODE_TEMPLATE = '''def reward(completions, answer, **columns):
 OWN_KEYS = (
     "builtin_rewards", "format_tags", "length_target", "regex_pattern",
     "code_enabled", "code_name", "code_entry", "code_weight", "code_source",
-    "bucket_kind", "store_credential", "hf_credential",
+    "bucket_kind", "store_credential", "hf_credential", "wandb_credential",
 )  # fmt: skip
 # Where errors are shown: a note right under each part of the form (a spec field's `section` names its part).
 SLOTS = (
-    "run", "model", "dataset", "rewards_builtin", "rewards_code", "storage", "compute", "training", "advanced",
-    "general",
+    "run", "model", "dataset", "rewards_builtin", "rewards_code", "storage", "compute", "training", "reporting",
+    "advanced", "general",
 )  # fmt: skip
 # Error keys preflight names that are no spec field.
-OWN_LABELS = {"spec": "Settings", "compute.token": "HF token", "storage.credentials": "Bucket keys"}
+OWN_LABELS = {
+    "spec": "Settings",
+    "compute.token": "HF token",
+    "storage.credentials": "Bucket keys",
+    "reporting.wandb_key": "W&B key",
+}
 _REWARD = re.compile(r"^rewards\.(\d+)(?:\.(.+))?$")
 FieldKind = Literal["int", "float", "bool", "choice", "text", "other"]
 
@@ -379,9 +385,10 @@ def _credential(value: Any) -> int | None:
     return int(value) if value not in (None, "", "none") else None
 
 
-def credentials(form: dict[str, Any]) -> tuple[int | None, int | None]:
-    """The (bucket keys, HF token) credential ids the form selects."""
-    return _credential(form.get("store_credential")), _credential(form.get("hf_credential"))
+def credentials(form: dict[str, Any]) -> RunCredentials:
+    """The credentials the form selects."""
+    keys = ("store_credential", "hf_credential", "wandb_credential")
+    return RunCredentials(*(_credential(form.get(key)) for key in keys))
 
 
 def rewards_of(form: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:

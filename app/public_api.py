@@ -35,6 +35,7 @@ from app.panel import Panel, SignInRequired
 from backend.api import PanelServices
 from backend.limits import LimitReached
 from backend.services.runs import RunStateError
+from backend.vault import RunCredentials
 
 PUBLIC_ENDPOINTS = (
     "list_runs",
@@ -116,6 +117,7 @@ class PublicApi:
         spec_json: str,
         store_credential_id: int | None = None,
         hf_credential_id: int | None = None,
+        wandb_credential_id: int | None = None,
         request: gr.Request = None,
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
@@ -127,11 +129,12 @@ class PublicApi:
             data = json.loads(spec_json)
         except json.JSONDecodeError as error:
             raise gr.Error(f"spec_json: not JSON ({error.msg} at character {error.pos})") from None
-        result = _found(lambda: services.preflight(data, store_credential_id, hf_credential_id))
+        chosen = RunCredentials(store_credential_id, hf_credential_id, wandb_credential_id)
+        result = _found(lambda: services.preflight(data, *chosen))
         if not result.ok:
             problems = "; ".join(f"{field}: {message}" for field, message in result.errors.items())
             raise gr.Error(f"Not launched: {problems}")
-        run = _found(lambda: services.runs.create(result.spec, store_credential_id, hf_credential_id))
+        run = _found(lambda: services.runs.create(result.spec, *chosen))
         _found(lambda: services.runs.launch(run.id))
         return _run(services.runs.get(run.id))
 

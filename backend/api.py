@@ -45,9 +45,17 @@ class PanelServices:
         data: dict[str, Any] | RunSpec,
         store_credential_id: int | None = None,
         hf_credential_id: int | None = None,
+        wandb_credential_id: int | None = None,
     ) -> Preflight:
         with self.ctx.limits.checking(self.owner):
-            return run_preflight(self.ctx, self.owner, data, store_credential_id, hf_credential_id)
+            return run_preflight(
+                self.ctx,
+                self.owner,
+                data,
+                store_credential_id,
+                hf_credential_id,
+                wandb_credential_id=wandb_credential_id,
+            )
 
     def test_rewards(
         self, rewards: list[RewardSpec], rows: list[dict[str, Any]], completions: list[str] | None = None

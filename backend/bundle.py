@@ -20,7 +20,7 @@ BOOTSTRAP = PROJECT_ROOT / "jobs" / "bootstrap.py"
 
 def build_bundle(root: Path = PROJECT_ROOT) -> bytes:
     files = sorted(p for p in (root / "jobs").rglob("*.py") if "__pycache__" not in p.parts)
-    files.append(root / "requirements-jobs.txt")
+    files += [root / "requirements-jobs.txt", root / "requirements-reporting.txt"]
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=9) as archive:
         archive.mtime = 0  # gzip header timestamp

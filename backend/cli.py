@@ -30,6 +30,7 @@ from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService, RunStateError, run_row
+from backend.vault import RunCredentials
 from jobs.contract import RunSpec, SpecError, parse_spec
 from jobs.secrets import install_log_redaction
 
@@ -109,8 +110,8 @@ def _services(args: argparse.Namespace) -> PanelServices:
 
 def launch(args: argparse.Namespace) -> int:
     services = _services(args)
-    store_id, hf_id = _credential_ids(services.ctx, args)
-    result = services.preflight(json.loads(Path(args.spec).read_text()), store_id, hf_id)
+    chosen = _credential_ids(services.ctx, args)
+    result = services.preflight(json.loads(Path(args.spec).read_text()), *chosen)
     for message in result.warnings:
         print(f"warning: {message}")
     if not result.ok:
@@ -119,7 +120,7 @@ def launch(args: argparse.Namespace) -> int:
         return 2
     if result.cost_per_hour:
         print(f"estimated cost: ${result.cost_per_hour:.2f}/hour")
-    run = services.runs.create(result.spec, store_id, hf_id)
+    run = services.runs.create(result.spec, *chosen)
     services.runs.launch(run.id, wait=True)
     return 0 if follow(services.ctx, run.id, Poller(services.ctx)) == "finished" else 1
 
@@ -130,8 +131,7 @@ def plan(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args, ctx)
     if spec is None:
         return 2
-    store_id, hf_id = _credential_ids(ctx, args)
-    run = run_row(spec, LOCAL_OWNER, "draft", store_id, hf_id)
+    run = run_row(spec, LOCAL_OWNER, "draft", *_credential_ids(ctx, args))
     print(json.dumps(ctx.plan(run).to_json(full=args.full), indent=2, ensure_ascii=False))
     return 0
 
@@ -142,9 +142,9 @@ def smoke(args: argparse.Namespace) -> int:
     spec = _spec_from_args(args, services.ctx)
     if spec is None:
         return 2
-    store_id, hf_id = _credential_ids(services.ctx, args)
+    chosen = _credential_ids(services.ctx, args)
     try:
-        report = services.smoke_test(spec, store_id, hf_id, on_step=lambda step: print(step.line(), flush=True))
+        report = services.smoke_test(spec, chosen.store, chosen.hf, on_step=lambda step: print(step.line(), flush=True))
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
@@ -172,8 +172,9 @@ def _spec_from_args(args: argparse.Namespace, ctx: PanelContext) -> RunSpec | No
         return None
 
 
-def _credential_ids(ctx: PanelContext, args: argparse.Namespace) -> tuple[int | None, int | None]:
-    """The bucket and HF credentials named by `--store-credential` / `--hf-credential` (an id or a saved name)."""
+def _credential_ids(ctx: PanelContext, args: argparse.Namespace) -> RunCredentials:
+    """The credentials named by `--store-credential`, `--hf-credential`, `--wandb-credential` (an id or a saved
+    name)."""
     saved = {credential.name: credential.id for credential in ctx.vault.list(LOCAL_OWNER)}
 
     def resolve(option: str, text: str | None) -> int | None:
@@ -184,7 +185,11 @@ def _credential_ids(ctx: PanelContext, args: argparse.Namespace) -> tuple[int | 
             raise SystemExit(f"{option}: no credential named {text!r}; saved: {names}")
         return saved[text]
 
-    return resolve("--store-credential", args.store_credential), resolve("--hf-credential", args.hf_credential)
+    return RunCredentials(
+        resolve("--store-credential", args.store_credential),
+        resolve("--hf-credential", args.hf_credential),
+        resolve("--wandb-credential", args.wandb_credential),
+    )
 
 
 def _assign(data: dict, assignment: str) -> None:
@@ -338,6 +343,7 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_credential_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-credential", help="the bucket keys: a saved credential's id or name")
     parser.add_argument("--hf-credential", help="the HF token: a saved credential's id or name")
+    parser.add_argument("--wandb-credential", help="the W&B key, to report to W&B: a saved credential's id or name")
 
 
 def _run_and_version(parser: argparse.ArgumentParser) -> None:

@@ -64,14 +64,17 @@ class PanelContext:
         return secrets
 
     def _credentials(self, run: Run) -> RunSecrets:
-        """The run's HF token and bucket keys from the vault (a fresh replica token that nothing keeps)."""
+        """The run's HF token, bucket keys and W&B key (only if it reports to W&B) from the vault, with a fresh
+        replica token that nothing keeps."""
         hf_token = self.vault.hf_token(run.owner, run.hf_credential_id) if run.hf_credential_id is not None else None
+        reports_to_wandb = run.wandb_credential_id is not None and self.spec(run).reporting.wandb
+        wandb_key = self.vault.wandb_key(run.owner, run.wandb_credential_id) if reports_to_wandb else None
         store = (
             self.vault.store_credentials(run.owner, run.store_credential_id)
             if run.store_credential_id is not None
             else None
         )
-        return RunSecrets(hf_token=hf_token, store=store)
+        return RunSecrets(hf_token=hf_token, store=store, wandb_key=wandb_key)
 
     def _replica_token(self, run_id: str, fresh: str) -> str:
         """The run's local replica token: the one stored for it, or `fresh`, stored now (encrypted)."""
@@ -110,6 +113,8 @@ class PanelContext:
         """
         spec = self.spec(run)
         secrets = self._credentials(run)
+        if spec.reporting.wandb:
+            secrets.wandb_key = secrets.wandb_key or UNSET
         if run.backend == "local":
             return self.local_launcher.plan(spec, secrets, parameters)
         from backend.launchers.hf_jobs import HfJobsLauncher

@@ -28,6 +28,7 @@ class Run(SQLModel, table=True):
     # still talk to the replicas it did not start.
     replica_token_ciphertext: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
     hf_credential_id: int | None = None  # the HF token its jobs get (None: local runs on public models)
+    wandb_credential_id: int | None = None  # the W&B key its trainer reports with (None: no W&B)
     created_at: float
     started_at: float | None = None
     finished_at: float | None = None

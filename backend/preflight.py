@@ -26,11 +26,13 @@ from backend.models import Run
 from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_rewards
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting, run_id_taken
+from backend.vault import CredentialError
 from jobs.chat_templates import ADDITIONAL_TEMPLATES_DIR, ChatTemplateError, chat_template_in, response_template
 from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, derived, parse_spec
 from jobs.contract.flavors import flavor
 from jobs.store import StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
+from jobs.trainer.reporting import missing_packages
 
 log = logging.getLogger(__name__)
 SAMPLE_ROWS = 4
@@ -64,6 +66,7 @@ def run_preflight(
     hf_credential_id: int | None = None,
     sample_rows: int = SAMPLE_ROWS,
     sandbox: SandboxLimits = SandboxLimits(),
+    wandb_credential_id: int | None = None,
 ) -> Preflight:
     result = Preflight()
     try:
@@ -85,7 +88,9 @@ def run_preflight(
         created_at=0.0,
         store_credential_id=store_credential_id,
         hf_credential_id=hf_credential_id,
+        wandb_credential_id=wandb_credential_id,
     )
+    _check_reporting(ctx, owner, spec, wandb_credential_id, result)
     store = _check_store(ctx, probe, result)
     hub_online = _check_hub(ctx, spec, result)
     if hub_online:
@@ -103,6 +108,29 @@ def run_preflight(
     if not result.errors:
         result.plan = ctx.plan(probe, result.parameters).to_json()
     return result
+
+
+def _check_reporting(
+    ctx: PanelContext, owner: str, spec: RunSpec, wandb_credential_id: int | None, result: Preflight
+) -> None:
+    """W&B needs a key before anything is billed; a local run needs the reporting packages where its jobs run."""
+    if spec.reporting.wandb:
+        if wandb_credential_id is None:
+            result.errors["reporting.wandb_key"] = (
+                "Weights & Biases is ticked: save your W&B key on the Account page and pick it here, or untick it"
+            )
+        else:
+            try:
+                ctx.vault.wandb_key(owner, wandb_credential_id)
+            except CredentialError as error:
+                result.errors["reporting.wandb_key"] = f"{error}; pick a W&B key saved on the Account page"
+    if spec.compute.backend == "local":
+        for package in missing_packages(spec):
+            name = package.split("==")[0]
+            result.errors[f"reporting.{name}"] = (
+                f"{package} is not installed where this panel runs its local jobs: run "
+                "'pip install -r requirements-reporting.txt' in the panel's environment, or untick it"
+            )
 
 
 def _on_hub(model: str) -> bool:

@@ -11,6 +11,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from cryptography.fernet import Fernet, InvalidToken
 from sqlmodel import select
@@ -21,11 +22,20 @@ from backend.models import Credential
 from jobs.secrets import register_secret
 from jobs.store import StoreCredentials
 
-KINDS = ("hf_token", "s3")
+KINDS = ("hf_token", "s3", "wandb")
 
 
 class CredentialError(ValueError):
     pass
+
+
+class RunCredentials(NamedTuple):
+    """The credential ids a run is made with (None: none of that kind), in the order preflight and `runs.create`
+    take them."""
+
+    store: int | None = None
+    hf: int | None = None
+    wandb: int | None = None
 
 
 def load_key(folder: Path | None = None) -> bytes:
@@ -130,6 +140,11 @@ class Vault:
         token = self._reveal(owner, credential_id, "hf_token")
         register_secret(token)
         return token
+
+    def wandb_key(self, owner: str, credential_id: int) -> str:
+        key = self._reveal(owner, credential_id, "wandb")
+        register_secret(key)
+        return key
 
     def store_credentials(self, owner: str, credential_id: int) -> StoreCredentials:
         body = json.loads(self._reveal(owner, credential_id, "s3"))

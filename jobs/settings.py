@@ -90,6 +90,20 @@ TORCH_THREADS = Variable("GRPO_TORCH_THREADS", "CPU threads for torch in the tra
 MODEL_CACHE = Variable(
     "GRPO_MODEL_CACHE", "where the built-in demo model is built and kept", "~/.cache/grpo-panel/models"
 )
+WANDB_API_KEY = Variable(
+    "WANDB_API_KEY",
+    "the W&B key the trainer reports with (wandb reads it), when the run reports to W&B",
+    set_by=f"{PANEL} (a Job secret)",
+    secret=True,
+)
+# Read by Trackio and wandb themselves; a local run's jobs inherit them from the panel.
+TRACKIO_DIR = Variable(
+    "TRACKIO_DIR",
+    "where a local run's Trackio project is written (Trackio reads it)",
+    when_unset="~/.cache/huggingface/trackio",
+)
+WANDB_MODE = Variable("WANDB_MODE", "`offline`: W&B runs are kept on disk only (wandb reads it)", when_unset="online")
+WANDB_DIR = Variable("WANDB_DIR", "where wandb writes its run folders (wandb reads it)", when_unset="the working dir")
 FAULT_SERVE_PREVIOUS_ADAPTER = Variable(
     "GRPO_FAULT_SERVE_PREVIOUS_ADAPTER",
     "fault injection for the policy-audit tests: the CPU engine serves an adapter's previous version",
@@ -111,6 +125,10 @@ JOB_VARIABLES = (
     STORE_OUTAGE_TIMEOUT,
     TORCH_THREADS,
     MODEL_CACHE,
+    WANDB_API_KEY,
+    TRACKIO_DIR,
+    WANDB_MODE,
+    WANDB_DIR,
     FAULT_SERVE_PREVIOUS_ADAPTER,
 )
 SECRET_VARIABLES = tuple(variable.name for variable in JOB_VARIABLES if variable.secret)

@@ -61,11 +61,11 @@ def test_opening_the_launch_page_replaces_an_id_a_run_has_taken_and_keeps_a_free
     run_id_box = page.inputs["run_id"]
     shown = page.initial["run_id"]
     assert shown.startswith("demo-") and not run_id_taken(panel.ctx, shown)
-    assert run_id_box not in page.on_open("", "", shown, None)  # still free: what is on screen stays
+    assert run_id_box not in page.on_open("", "", "", shown, None)  # still free: what is on screen stays
     _record(panel, shown)  # launched (here, or in another tab)
-    fresh = page.on_open("", "", shown, None)[run_id_box]
+    fresh = page.on_open("", "", "", shown, None)[run_id_box]
     assert fresh != shown and fresh.startswith("demo-") and not run_id_taken(panel.ctx, fresh)
-    assert page.on_open("", "", "", None)[run_id_box].startswith("run-")  # an emptied box gets one too
+    assert page.on_open("", "", "", "", None)[run_id_box].startswith("run-")  # an emptied box gets one too
 
 
 def test_the_branch_forms_propose_a_free_id_each_time(panel):

@@ -113,6 +113,12 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "storage.endpoint": ("storage", "Endpoint"),
     "storage.region": ("storage", "Region"),
     "storage.credentials": ("storage", "Bucket keys"),
+    "reporting.trackio": ("reporting", "Trackio"),
+    "reporting.trackio_space": ("reporting", "Trackio Space"),
+    "reporting.wandb": ("reporting", "Weights & Biases"),
+    "reporting.project": ("reporting", "Project"),
+    "reporting.wandb_entity": ("advanced", "W&B entity"),
+    "reporting.wandb_key": ("reporting", "W&B key"),
     "parent.run_id": ("general", "Parent run id"),
     "parent.version": ("general", "Parent version"),
 }
@@ -130,6 +136,7 @@ TEMPLATES = {
     "rewards.{index}": ["rewards.0", "rewards.1"],
     "compute.{field}": ["compute.trainer_flavor", "compute.replica_flavor"],
     "dataset.{field}": ["dataset.prompt_column", "dataset.answer_column"],
+    "reporting.{name}": ["reporting.trackio", "reporting.wandb"],
 }
 
 
@@ -140,7 +147,7 @@ def form() -> dict[str, Any]:
     values.update(
         builtin_rewards=["digit_frac"], code_enabled=True, code_name="custom", code_entry="reward", code_weight=1.0
     )
-    values.update(code_source=CODE_TEMPLATE, store_credential="", hf_credential="")
+    values.update(code_source=CODE_TEMPLATE, store_credential="", hf_credential="", wandb_credential="")
     built = spec_from_form(values)
     assert [r["kind"] for r in built.spec["rewards"]] == ["builtin", "code"]
     assert built.reward_slots == ["rewards_builtin", "rewards_code"]
@@ -320,12 +327,12 @@ def test_every_key_preflight_names_lands_in_its_fields_note_with_a_human_label(f
         check_label(field, key, text, built.spec["rewards"])
 
 
-def test_all_ten_notes_are_reached(form):
+def test_all_eleven_notes_are_reached(form):
     """Each of the form's notes shows some error: the table exercises every one of them."""
     built = spec_from_form(form)
     keys = [key for _, key in produced_keys(built.spec)] + preflight_keys()
     reached = {routed_one(key, built)[0] for key in keys}
-    assert reached == set(SLOTS) and len(SLOTS) == 10
+    assert reached == set(SLOTS) and len(SLOTS) == 11
 
 
 def test_without_a_code_reward_reward_errors_go_to_the_builtin_note(form):

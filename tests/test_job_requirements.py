@@ -20,7 +20,7 @@ ASYNC_GRPO = Path(trl.__file__).parent / "experimental" / "async_grpo"
 IN_THE_IMAGE = {"torch", "transformers", "vllm", "numpy", "aiohttp", "requests"}
 # Imported by TRL's async GRPO code on paths a run of ours never takes, each with the reason.
 NOT_ON_OUR_PATH = {
-    "trackio": "only with report_to='trackio'; the trainer reports through the store (jobs/trainer/config.py)",
+    "trackio": "only when a run reports to Trackio: that trainer installs it (requirements-reporting.txt)",
     "openenv": "only by openenv_harness.py, for environment rollouts; our rollouts are completions",
 }
 # Import names whose distribution is called otherwise.

@@ -344,7 +344,7 @@ def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
         scan.scan(f"monitor {subtab}", repr(shown))
         assert RUN_ID in repr(shown[pages.monitor.header])  # alice does see her run
     scan.scan("adapters page", repr(pages.adapters.show_run(RUN_ID, alice)))
-    scan.scan("launch page credentials", repr(pages.launch.on_open("", "", "", alice)))
+    scan.scan("launch page credentials", repr(pages.launch.on_open("", "", "", "", alice)))
     pages.adapters.prepare_download(RUN_ID, 1, alice)
     scan.scan_tree(pages.adapters.downloads)
     assert scan.found == [], "secret values shown:\n" + "\n".join(scan.found)
@@ -732,7 +732,7 @@ def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
         pages.monitor.open(RUN_ID, bob),
         pages.adapters.open(RUN_ID, RUN_ID, bob),
         pages.account.refresh(bob),
-        pages.launch.on_open(str(owners.alice_keys), str(owners.alice_hf), "", bob),
+        pages.launch.on_open(str(owners.alice_keys), str(owners.alice_hf), "", "", bob),
     ]
     alices = [RUN_ID, "alice-draft", "hub ·", "bucket ·"]
     assert [value for value in alices if value in repr(shown)] == []
@@ -758,6 +758,7 @@ def test_the_launch_form_refuses_another_owners_credentials(pages, owners, no_ne
             "storage.endpoint": owners.endpoint,
             "store_credential": str(owners.alice_keys),
             "hf_credential": str(owners.alice_hf),
+            "wandb_credential": "",
         }
     )
     values = {page.inputs[key]: form[key] for key in KEYS}

@@ -16,7 +16,8 @@ from app.panel import LOCAL_OWNER, Panel
 from backend.hub_tokens import TokenRefused
 
 COLUMNS = ["name", "kind", "value (masked)", "saved"]
-KIND_LABELS = {"hf_token": "HF token", "s3": "bucket keys"}
+KIND_LABELS = {"hf_token": "HF token", "s3": "bucket keys", "wandb": "W&B key"}
+MIN_WANDB_KEY = 40  # W&B's keys are 40 characters (newer ones longer)
 
 
 class AccountPage:
@@ -43,6 +44,16 @@ class AccountPage:
             )
             self.save_button = gr.Button("Save token", elem_id="save-token", scale=1)
         with gr.Row(elem_classes="gp-align-end"):
+            self.wandb_name = gr.Textbox("wandb", label="Name", scale=1)
+            self.wandb_key = gr.Textbox(
+                label="Weights & Biases key (optional)",
+                type="password",
+                scale=3,
+                elem_id="account-wandb",
+                placeholder="from wandb.ai/authorize; only a run that reports to W&B gets it, as a Job secret",
+            )
+            self.save_wandb_button = gr.Button("Save W&B key", elem_id="save-wandb", scale=1)
+        with gr.Row(elem_classes="gp-align-end"):
             self.delete_id = gr.Dropdown([], label="Credential", scale=3, elem_id="delete-credential")
             self.delete_button = gr.Button("Delete…", variant="stop", scale=1, elem_id="delete-credential-ask")
         with gr.Row(visible=False, elem_classes="gp-align-end") as self.confirm_row:
@@ -52,6 +63,11 @@ class AccountPage:
         self.result = gr.HTML("", padding=False, elem_id="account-result")
         self.save_button.click(
             self.save_token, [self.token_name, self.token], [self.result, self.token, *self.refresh_outputs()]
+        )
+        self.save_wandb_button.click(
+            self.save_wandb_key,
+            [self.wandb_name, self.wandb_key],
+            [self.result, self.wandb_key, *self.refresh_outputs()],
         )
         confirm = [self.confirm_row, self.confirm_text, self.result]
         self.delete_button.click(self.ask_delete, [self.delete_id], confirm)
@@ -115,6 +131,25 @@ class AccountPage:
         else:
             saved = cards.note(f"Saved {credential.name} ({credential.masked}): {identity.describe()}.", "good")
         return {self.result: saved, self.token: "", **self.refresh(profile)}
+
+    def save_wandb_key(self, name: str, key: str, profile: gr.OAuthProfile | None = None) -> dict:
+        """Keep a W&B key. W&B is not asked from here: the trainer logs in with it when its run reports to W&B."""
+        services = self.panel.services(profile)
+        key = (key or "").strip()
+        if len(key) < MIN_WANDB_KEY or any(character.isspace() for character in key):
+            problem = "Paste a key first." if not key else "Not saved: a W&B key is 40 characters or more, no spaces."
+            return {
+                self.result: cards.field_error([f"{problem} Copy yours from wandb.ai/authorize."]),
+                self.wandb_key: "",
+                **self.refresh(profile),
+            }
+        credential = services.credentials.save(services.owner, (name or "wandb").strip(), "wandb", key)
+        saved = cards.note(
+            f"Saved {credential.name} ({credential.masked}). Pick it on the Launch page under Reporting; W&B checks "
+            "it when the trainer logs in.",
+            "good",
+        )
+        return {self.result: saved, self.wandb_key: "", **self.refresh(profile)}
 
     def ask_delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> dict:
         """Deleting cannot be undone: say what goes, and wait for a second click."""

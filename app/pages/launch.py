@@ -53,7 +53,7 @@ PLACED_BY_HAND = frozenset(
     }
 )  # fmt: skip
 # The order of generated fields across the spec's sections: the training loop's settings before the adapter's.
-_SPEC_ORDER = ("run_id", "name", "model", "dataset", "grpo", "lora", "compute", "storage")
+_SPEC_ORDER = ("run_id", "name", "model", "dataset", "grpo", "lora", "compute", "storage", "reporting")
 FIELDS_PER_ROW = 5
 # Shown only when the jobs run on HF Jobs.
 _HUB_ONLY = ("compute.namespace", "compute.trainer_flavor", "compute.replica_flavor", "compute.queue_timeout")
@@ -321,6 +321,21 @@ class LaunchPage:
         gr.Markdown("### 5 · Training", elem_classes="gp-section-title")
         self._generated("training")
         self._slot("training")
+
+        gr.Markdown("### 6 · Reporting", elem_classes="gp-section-title")
+        gr.Markdown(
+            "The panel always shows the run. Tick Trackio or Weights & Biases to have the trainer report there too, "
+            "under TRL's metric names."
+        )
+        self._generated("reporting")
+        i["wandb_credential"] = gr.Dropdown(
+            credential_choices(None, "wandb", "no key"),
+            value=NONE,
+            label="W&B key",
+            elem_id="wandb-credential",
+            info="saved on the Account page; given to the trainer job only, as a secret",
+        )
+        self._slot("reporting")
         with gr.Accordion("Advanced settings (the recipe's defaults)", open=False) as self.advanced:
             self._generated(None, advanced=True)
             self._slot("advanced")
@@ -435,9 +450,16 @@ class LaunchPage:
     def load_outputs(self) -> list:
         """What refreshes when the page is opened: the credential dropdowns (they may have changed elsewhere), and
         the run id when a run has taken it meanwhile (a page reloaded after a launch still shows the launched id)."""
-        return [self.inputs["store_credential"], self.inputs["hf_credential"], self.inputs["run_id"]]
+        return [
+            self.inputs["store_credential"],
+            self.inputs["hf_credential"],
+            self.inputs["wandb_credential"],
+            self.inputs["run_id"],
+        ]
 
-    def on_open(self, store_value: str, hf_value: str, run_id: str, profile: gr.OAuthProfile | None) -> dict:
+    def on_open(
+        self, store_value: str, hf_value: str, wandb_value: str, run_id: str, profile: gr.OAuthProfile | None
+    ) -> dict:
         services = self.panel.services_or_none(profile)
         run_id = (run_id or "").strip()
         fresh = {}
@@ -447,9 +469,12 @@ class LaunchPage:
         token = credential_choices(services, "hf_token", "no token")
         store_value = store_value if store_value in {v for _, v in store} else NONE
         hf_value = hf_value if hf_value in {v for _, v in token} else _default(token)
+        wandb = credential_choices(services, "wandb", "no key")
+        wandb_value = wandb_value if wandb_value in {v for _, v in wandb} else _default(wandb)
         return fresh | {
             self.inputs["store_credential"]: gr.Dropdown(choices=store, value=store_value),
             self.inputs["hf_credential"]: gr.Dropdown(choices=token, value=hf_value),
+            self.inputs["wandb_credential"]: gr.Dropdown(choices=wandb, value=wandb_value),
         }
 
     # --- handlers -----------------------------------------------------------------------------------------------
@@ -575,9 +600,8 @@ class LaunchPage:
         services = self.panel.services(profile)
         form = self._form(values)
         built = self.form.spec_from_form(form)
-        store_credential, hf_credential = credentials(form)
         try:
-            result = services.preflight(built.spec, store_credential, hf_credential)
+            result = services.preflight(built.spec, *credentials(form))
         except LimitReached as error:
             raise gr.Error(str(error)) from None
         routed = self.form.route_errors(result.errors, built, bool(form["code_enabled"]))
@@ -644,8 +668,7 @@ class LaunchPage:
         rows = values[self.rows]
         preview = gr.update()
         if not rows and specs and not any(errors.values()):
-            store_credential, hf_credential = credentials(form)
-            result = services.preflight(self.form.spec_from_form(form).spec, store_credential, hf_credential)
+            result = services.preflight(self.form.spec_from_form(form).spec, *credentials(form))
             rows = [dict(row) for row in result.preview]
             preview = preview_table(rows)
             if not rows:
@@ -680,7 +703,7 @@ class LaunchPage:
         services = self.panel.services(profile)
         form = self._form(values)
         access_key, secret_key = (values[self.access_key] or "").strip(), (values[self.secret_key] or "").strip()
-        credential_id = credentials(form)[0]
+        credential_id = credentials(form).store
         kind = form["bucket_kind"]
         if kind != "local" and access_key and secret_key:
             name = f"{BUCKET_KINDS[kind]} · {_bucket_name(form['storage.uri'])}"
@@ -718,10 +741,10 @@ class LaunchPage:
             return cards.note("The smoke test runs on Hugging Face Jobs; choose it under Compute first.", "warn")
         if not checked or checked != self._fingerprint(form):
             return cards.note("Press Check settings first: the smoke test runs the settings that passed it.", "warn")
-        store_credential, hf_credential = credentials(form)
+        chosen = credentials(form)
         spec = RunSpec.model_validate(json.loads(checked)["spec"])
         try:
-            report = services.smoke_test(spec, store_credential, hf_credential)
+            report = services.smoke_test(spec, chosen.store, chosen.hf)
         except (ValueError, LimitReached) as error:  # a credential not this owner's, no bucket keys, too many at once
             return cards.note(f"Smoke test not started: {error}", "bad")
         return cards.smoke_report(report)
@@ -735,10 +758,9 @@ class LaunchPage:
             return None, self._launch_status(
                 "Settings changed since the last check: press Check settings again.", "warn"
             )
-        store_credential, hf_credential = credentials(form)
         try:
             spec = RunSpec.model_validate(json.loads(checked)["spec"])
-            run = services.runs.create(spec, store_credential, hf_credential)
+            run = services.runs.create(spec, *credentials(form))
             services.runs.launch(run.id)
         except Exception as error:  # run id taken since the check, bucket gone, ...
             return None, self._launch_status(f"Not launched: {error}", "bad")

@@ -41,6 +41,7 @@ class RunSecrets:
 
     hf_token: str | None = None
     store: StoreCredentials | None = None
+    wandb_key: str | None = None  # the trainer's only (it alone reports)
     # The bearer token replicas demand and the proxy sends. On HF Jobs it is the HF token (the platform checks it);
     # locally a random one per run.
     replica_token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
@@ -379,6 +380,8 @@ def job_env(role: str, secrets: RunSecrets, on_hf_jobs: bool) -> dict[str, str]:
         env[settings.HF_TOKEN.name] = secrets.hf_token
     if role == "trainer":
         env[settings.UPSTREAM_TOKEN.name] = secrets.replica_token
+        if secrets.wandb_key:
+            env[settings.WANDB_API_KEY.name] = secrets.wandb_key
     elif not on_hf_jobs:  # on HF Jobs the platform checks the bearer in front of the replica
         env[settings.REPLICA_TOKEN.name] = secrets.replica_token
     return env

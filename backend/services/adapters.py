@@ -306,7 +306,7 @@ class AdapterService:
             run_id=new_run_id, name=f"{parent.name} ↳ v{version}", parent={"run_id": run_id, "version": version}
         )
         spec = parse_spec(data)
-        child = self.runs.create(spec, parent.store_credential_id, parent.hf_credential_id)
+        child = self.runs.create(spec, parent.store_credential_id, parent.hf_credential_id, parent.wandb_credential_id)
         self.make_current(run_id, version)  # only once the branch exists: a refused branch moves nothing
         if launch:
             self.runs.launch(child.id)

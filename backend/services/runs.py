@@ -89,17 +89,23 @@ class RunService:
 
     # --- creating and launching -----------------------------------------------------------------------------------
 
-    def create(self, spec: RunSpec, store_credential_id: int | None = None, hf_credential_id: int | None = None) -> Run:
+    def create(
+        self,
+        spec: RunSpec,
+        store_credential_id: int | None = None,
+        hf_credential_id: int | None = None,
+        wandb_credential_id: int | None = None,
+    ) -> Run:
         """Record a run and write its spec to its store. Validation of everything else happens in preflight."""
         if run_id_taken(self.ctx, spec.run_id):
             raise RunStateError(f"run_id: {spec.run_id!r} is taken; choose another run id")
-        for credential_id in (store_credential_id, hf_credential_id):
+        for credential_id in (store_credential_id, hf_credential_id, wandb_credential_id):
             if credential_id is not None:
                 self.ctx.vault.get(self.owner, credential_id)  # raises unless this owner holds it
         if spec.parent is not None:
             self.get(spec.parent.run_id)  # a branch starts from the parent's adapter: only of one's own run
         check_hosting(spec)
-        run = run_row(spec, self.owner, "draft", store_credential_id, hf_credential_id)
+        run = run_row(spec, self.owner, "draft", store_credential_id, hf_credential_id, wandb_credential_id)
         store = self.ctx.store_for(run)
         spec = with_bucket_region(spec, store)
         run.spec_json = spec.to_json()
@@ -281,6 +287,7 @@ def run_row(
     status: str,
     store_credential_id: int | None = None,
     hf_credential_id: int | None = None,
+    wandb_credential_id: int | None = None,
     message: str = "",
 ) -> Run:
     """The database row of a run, as its spec describes it."""
@@ -297,6 +304,7 @@ def run_row(
         parent_version=spec.parent.version if spec.parent else None,
         store_credential_id=store_credential_id,
         hf_credential_id=hf_credential_id,
+        wandb_credential_id=wandb_credential_id,
         created_at=time.time(),
         max_steps=spec.grpo.max_steps,
     )

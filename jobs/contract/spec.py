@@ -83,9 +83,9 @@ def shown(
     """A field's place on the panel's Launch form, which is generated from these (app/launch_form.py).
 
     `label` names the field on the form and in every error about it; `section` is the part of the form it sits in
-    (and whose note shows its errors): run, model, dataset, storage, compute or training; `advanced` folds it into
-    the Advanced settings. `unset` says what an empty optional value means ("auto", "all rows"): a number box shows
-    it as 0. `choices` gives a literal's values their words.
+    (and whose note shows its errors): run, model, dataset, storage, compute, training or reporting; `advanced` folds
+    it into the Advanced settings. `unset` says what an empty optional value means ("auto", "all rows"): a number box
+    shows it as 0. `choices` gives a literal's values their words.
     """
     form: dict[str, Any] = {"section": section, "advanced": advanced}
     if unset:
@@ -468,6 +468,43 @@ class StorageSpec(_Section):
         return self
 
 
+class ReportingSpec(_Section):
+    """Where the trainer also reports its metrics (TRL's own names, through transformers' `report_to`): the panel
+    always has them; Trackio and W&B are for users whose dashboards live there."""
+
+    trackio: Annotated[bool, shown("Trackio", "reporting", "the public recipe's dashboard")] = False
+    trackio_space: Annotated[
+        str | None,
+        shown("Trackio Space", "reporting", "owner/name of a Space for the dashboard; empty: a local Trackio project"),
+    ] = None
+    wandb: Annotated[bool, shown("Weights & Biases", "reporting", "with a W&B key saved on the Account page")] = False
+    project: Annotated[
+        str, shown("Project", "reporting", "the Trackio and W&B project; the run is named by its id")
+    ] = "grpo-panel"
+    wandb_entity: Annotated[
+        str | None, shown("W&B entity", "reporting", "a team or user; empty: the key's default", advanced=True)
+    ] = None
+
+    @field_validator("project", "wandb_entity")
+    @classmethod
+    def _project(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(r"^[A-Za-z0-9][\w.-]{0,127}$", value):
+            raise ValueError(f"{value!r} is not a project name; use letters, digits, '-', '_' and '.'")
+        return value
+
+    @field_validator("trackio_space")
+    @classmethod
+    def _space(cls, value: str | None) -> str | None:
+        value = (value or "").strip() or None
+        if value is not None and ("/" not in value or ".." in value or not _HUB_ID.match(value)):
+            raise ValueError(f"{value!r} is not a Space id; use 'owner/name' (created if it does not exist)")
+        return value
+
+    def report_to(self) -> list[str]:
+        """transformers' `report_to` names, in a fixed order."""
+        return [name for name, chosen in (("trackio", self.trackio), ("wandb", self.wandb)) if chosen]
+
+
 class ParentSpec(_Section):
     run_id: Annotated[str, Field(title="Parent run id")]
     version: Annotated[int, Field(ge=1, title="Parent version")]
@@ -486,6 +523,7 @@ class RunSpec(_Section):
     grpo: Annotated[GrpoSpec, shown("Training", "training")] = Field(default_factory=GrpoSpec)
     compute: Annotated[ComputeSpec, shown("Compute", "compute")] = Field(default_factory=ComputeSpec)
     storage: Annotated[StorageSpec, shown("Bucket", "storage")] = Field(default_factory=StorageSpec)
+    reporting: Annotated[ReportingSpec, shown("Reporting", "reporting")] = Field(default_factory=ReportingSpec)
     parent: Annotated[ParentSpec | None, Field(title="Parent run")] = None
 
     @model_validator(mode="before")
@@ -529,6 +567,11 @@ class RunSpec(_Section):
             raise ValueError(
                 f"grpo.completions_per_step: {self.grpo.completions_per_step} must be a multiple of the "
                 f"{processes} training processes, so every process trains the same number of completions"
+            )
+        if self.reporting.trackio and not self.reporting.trackio_space and self.compute.backend == "hf_jobs":
+            raise ValueError(
+                "reporting.trackio_space: a Trackio project written inside an HF Job is lost when the job ends; name "
+                "a Space (owner/name) to hold the dashboard, or untick Trackio"
             )
         if self.compute.trainer_sharding == "fsdp" and processes == 1:
             raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from jobs.contract import RunSpec, derived
+from jobs.trainer.reporting import report_arguments
 
 # Seconds to wait for a completion: long generations through the HF Jobs proxy take minutes.
 REQUEST_TIMEOUT_S = 900
@@ -78,7 +79,7 @@ def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | No
         save_strategy="steps",
         save_steps=grpo.save_steps,
         save_total_limit=2,
-        report_to="none",
         disable_tqdm=True,
+        **report_arguments(spec),
         **sharding_arguments(sharding),
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -53,6 +54,7 @@ from jobs.trainer.proxy_process import (
     replica_watchdog,
 )
 from jobs.trainer.replicas import read_replica_jobs, stop_replicas
+from jobs.trainer.reporting import install_reporting_packages, report_environment
 from jobs.trainer.rewards import build_rewards
 from jobs.trainer.telemetry import (
     RecordingQueue,
@@ -139,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             watchdogs.append(store_watchdog(store, spec.run_id, args.store_outage_timeout).start())
             replica_jobs = read_replica_jobs(store, spec.run_id)
 
+        ranks.from_main(lambda: install_reporting_packages(spec))
+        os.environ.update(report_environment(spec))
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
 
