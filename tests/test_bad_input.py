@@ -802,7 +802,12 @@ def test_the_launch_form_will_not_launch_what_its_check_refused(gate):
     page = LaunchPage(panel)
     with gr.Blocks():
         page.build()
-    form = {**form_from_spec(gate.spec(lora={"rank": 0})), "store_credential": "", "hf_credential": "", "wandb_credential": ""}
+    form = {
+        **form_from_spec(gate.spec(lora={"rank": 0})),
+        "store_credential": "",
+        "hf_credential": "",
+        "wandb_credential": "",
+    }
     values = {page.inputs[key]: form[key] for key in KEYS}
     outputs = page.check(values)
     assert set(outputs) == set(page._check_outputs())
