@@ -104,6 +104,21 @@ def test_a_negative_max_steps_is_named_in_place_and_gone_once_mended(page: Page)
     expect(error).to_be_hidden()
 
 
+def test_weights_and_biases_without_a_key_is_named_under_reporting(page: Page) -> None:
+    """Issue 18, item 3: W&B ticked with no key saved is refused before anything starts, in the Reporting note."""
+    page.locator("#reporting-wandb input").check()
+    page.locator("#check").click()
+    error = page.locator("#error-reporting")
+    expect(error).to_contain_text("W&B key", timeout=90_000)
+    expect(error).to_contain_text("Account page")
+    expect(page.locator("#launch")).to_be_disabled()
+    screenshot(page, "launch-reporting-no-key")
+    page.locator("#reporting-wandb input").uncheck()
+    page.locator("#check").click()
+    expect(page.locator("#launch-status")).to_contain_text("All checks passed", timeout=90_000)
+    expect(error).to_be_hidden()
+
+
 def test_wrong_bucket_keys_show_the_connection_error(page: Page, moto_server) -> None:
     bucket = moto_server.create_bucket()
     page.locator("#bucket-kind").get_by_text("MinIO / other S3").click()
