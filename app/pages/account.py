@@ -33,26 +33,16 @@ class AccountPage:
             elem_id="credentials-table",
             label="Saved credentials (encrypted at rest; the panel never shows them again)",
         )
-        with gr.Row(elem_classes="gp-align-end"):
-            self.token_name = gr.Textbox("hf-token", label="Name", scale=1)
-            self.token = gr.Textbox(
-                label="Hugging Face token (optional)",
-                type="password",
-                scale=3,
-                elem_id="account-token",
-                placeholder="hf_…  (stored encrypted, shown masked)",
-            )
-            self.save_button = gr.Button("Save token", elem_id="save-token", scale=1)
-        with gr.Row(elem_classes="gp-align-end"):
-            self.wandb_name = gr.Textbox("wandb", label="Name", scale=1)
-            self.wandb_key = gr.Textbox(
-                label="Weights & Biases key (optional)",
-                type="password",
-                scale=3,
-                elem_id="account-wandb",
-                placeholder="from wandb.ai/authorize; only a run that reports to W&B gets it, as a Job secret",
-            )
-            self.save_wandb_button = gr.Button("Save W&B key", elem_id="save-wandb", scale=1)
+        self.token_name, self.token, self.save_button = _secret_row(
+            "hf-token", "Hugging Face token (optional)", "hf_…  (stored encrypted, shown masked)", "Save token", "token"
+        )
+        self.wandb_name, self.wandb_key, self.save_wandb_button = _secret_row(
+            "wandb",
+            "Weights & Biases key (optional)",
+            "from wandb.ai/authorize; only a run that reports to W&B gets it, as a Job secret",
+            "Save W&B key",
+            "wandb",
+        )
         with gr.Row(elem_classes="gp-align-end"):
             self.delete_id = gr.Dropdown([], label="Credential", scale=3, elem_id="delete-credential")
             self.delete_button = gr.Button("Delete…", variant="stop", scale=1, elem_id="delete-credential-ask")
@@ -174,3 +164,14 @@ class AccountPage:
             return {**hidden, self.result: cards.note("Pick a credential to delete.", "warn"), **self.refresh(profile)}
         services.credentials.delete(services.owner, int(credential_id))
         return {**hidden, self.result: cards.note("Deleted.", "good"), **self.refresh(profile)}
+
+
+def _secret_row(name: str, label: str, placeholder: str, button: str, key: str) -> tuple:
+    """A row to save one secret under a name: (name box, secret box, save button), ids `account-<key>` and
+    `save-<key>`."""
+    with gr.Row(elem_classes="gp-align-end"):
+        name_box = gr.Textbox(name, label="Name", scale=1)
+        secret_box = gr.Textbox(
+            label=label, type="password", scale=3, elem_id=f"account-{key}", placeholder=placeholder
+        )
+        return name_box, secret_box, gr.Button(button, elem_id=f"save-{key}", scale=1)
