@@ -15,7 +15,7 @@ WORKDIR /home/user/app
 
 # Dependencies first, so code changes rebuild in seconds. torch comes from the CPU index: the panel never needs CUDA
 # (training runs on HF Jobs; the embedded demo runs on CPU).
-COPY --chown=user requirements.txt requirements-jobs.txt ./
+COPY --chown=user requirements.txt requirements-jobs.txt requirements-reporting.txt ./
 RUN pip install -r requirements.txt --extra-index-url https://download.pytorch.org/whl/cpu
 
 # Only what runs: the UI, the backend and the job code (the embedded demo starts jobs as local processes).
