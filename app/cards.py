@@ -6,6 +6,7 @@ markup to render.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from html import escape
@@ -15,6 +16,7 @@ from app.formatting import ago, clock, duration, money, number
 from backend.models import Event, Job, Run
 from backend.services.adapters import Comparison
 from backend.services.smoke import SmokeReport
+from jobs.contract import RunSpec
 
 STATUS_TONE = {
     "draft": "muted",
@@ -157,8 +159,32 @@ def run_header(run: Run, step_seconds: float | None, now: float | None = None, c
     <div><span>cost so far</span><b>{money(run.cost_usd)}</b></div>
     <div><span>adapter</span><b>{_version_text(run, current_step)}</b></div>
   </div>
+  {reported_to(run.spec_json)}
   {message}
 </div>"""
+
+
+@functools.lru_cache(maxsize=256)
+def reported_to(spec_json: str) -> str:
+    """Where the trainer also reports the run (its spec's Reporting section), with a link where there is one; empty
+    when only the panel has it. Cached by spec: it is asked on every tick."""
+    spec = RunSpec.from_json(spec_json)
+    reporting, places = spec.reporting, []
+    if reporting.trackio and reporting.trackio_space:
+        url = f"https://huggingface.co/spaces/{reporting.trackio_space}"
+        places.append(f'Trackio: <a href="{escape(url)}" target="_blank">{escape(reporting.trackio_space)}</a>')
+    elif reporting.trackio:
+        command = f"trackio show --project {reporting.project}"
+        places.append(f"Trackio: project {escape(reporting.project)} on this machine (<code>{escape(command)}</code>)")
+    if reporting.wandb:
+        path = "/".join(filter(None, [reporting.wandb_entity, reporting.project]))
+        url = f"https://wandb.ai/{reporting.wandb_entity}/{reporting.project}" if reporting.wandb_entity else ""
+        shown = f'<a href="{escape(url)}" target="_blank">{escape(path)}</a>' if url else f"project {escape(path)}"
+        places.append(f"W&amp;B: {shown}")
+    if not places:
+        return ""
+    where = " · ".join(places)
+    return f'<div class="gp-meta gp-reported-to">also reported to {where}, as run {escape(spec.run_id)}</div>'
 
 
 def _version_text(run: Run, current_step: int | None) -> str:

@@ -187,3 +187,18 @@ def test_a_wandb_key_is_kept_from_the_account_page_masked_and_offered_on_the_lau
     offered = launch.on_open("", "", "", "", None)[launch.inputs["wandb_credential"]]
     assert str(credential.id) in [value for _, value in offered.choices]
     assert WANDB_KEY[-4:] in repr(offered.choices) and WANDB_KEY not in repr(offered.choices)
+
+
+def test_the_monitor_header_says_where_else_the_run_is_reported_with_links(tmp_path):
+    from app.cards import reported_to
+
+    def line(reporting: dict) -> str:
+        return reported_to(demo_spec("report-demo", f"file://{tmp_path}", reporting=reporting).to_json())
+
+    assert line({}) == ""  # only the panel: nothing to say
+    local = line({"trackio": True})
+    assert "trackio show --project grpo-panel" in local and "as run report-demo" in local
+    hosted = line({"trackio": True, "trackio_space": "alice/dash", "wandb": True, "wandb_entity": "team"})
+    assert 'href="https://huggingface.co/spaces/alice/dash"' in hosted
+    assert 'href="https://wandb.ai/team/grpo-panel"' in hosted
+    assert "W&amp;B: project grpo-panel" in line({"wandb": True})  # no entity: the key's default, not guessed
