@@ -202,3 +202,26 @@ def test_the_monitor_header_says_where_else_the_run_is_reported_with_links(tmp_p
     assert 'href="https://huggingface.co/spaces/alice/dash"' in hosted
     assert 'href="https://wandb.ai/team/grpo-panel"' in hosted
     assert "W&amp;B: project grpo-panel" in line({"wandb": True})  # no entity: the key's default, not guessed
+
+
+def test_a_trainer_on_hf_jobs_finds_the_reporting_pins_in_its_code_bundle(tmp_path):
+    """The trainer reads requirements-reporting.txt beside its `jobs/` to install what its run reports with: the
+    bundle HF jobs unpack must carry it."""
+    import io
+    import subprocess
+    import sys
+    import tarfile
+
+    from backend.bundle import build_bundle
+
+    with tarfile.open(fileobj=io.BytesIO(build_bundle())) as archive:
+        archive.extractall(tmp_path, filter="data")
+    found = subprocess.run(
+        [sys.executable, "-c", "from jobs.trainer.reporting import REQUIREMENTS; print(REQUIREMENTS.read_text())"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "trackio==" in found and "wandb==" in found
