@@ -225,3 +225,17 @@ def test_a_trainer_on_hf_jobs_finds_the_reporting_pins_in_its_code_bundle(tmp_pa
         check=True,
     ).stdout
     assert "trackio==" in found and "wandb==" in found
+
+
+def test_a_trainer_that_cannot_install_its_reporting_package_says_what_and_how_to_go_on(tmp_path, monkeypatch):
+    """The HF Jobs branch (the job image lacks the packages), driven here: the pin is missing, pip is run for it and
+    fails (no index reachable), and the trainer's error names the package and the way out."""
+    from jobs.trainer.reporting import install_reporting_packages
+
+    requirements = tmp_path / "requirements-reporting.txt"
+    requirements.write_text("trackio==0.0.1\nwandb==0.0.1\n")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip fails at once instead of searching the registry
+    spec = parse_spec(spec_with(tmp_path, {"wandb": True}))
+    with pytest.raises(RuntimeError, match=r"could not install wandb==0\.0\.1 .* without reporting\.trackio / "):
+        install_reporting_packages(spec, requirements)
+    assert install_reporting_packages(spec) == []  # at its pin here: nothing to install

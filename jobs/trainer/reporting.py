@@ -47,9 +47,9 @@ def missing_packages(spec: RunSpec, path: Path = REQUIREMENTS) -> list[str]:
     return [f"{name}=={pinned[name]}" for name in spec.reporting.report_to() if installed(name) != pinned[name]]
 
 
-def install_reporting_packages(spec: RunSpec) -> list[str]:
+def install_reporting_packages(spec: RunSpec, path: Path = REQUIREMENTS) -> list[str]:
     """Install what `missing_packages` names (in the main process; the other ranks wait for it); what was installed."""
-    missing = missing_packages(spec)
+    missing = missing_packages(spec, path)
     if missing:
         print(f"trainer: installing {', '.join(missing)} to report to {', '.join(spec.reporting.report_to())}")
         if subprocess.call([sys.executable, "-m", "pip", "install", "-q", *missing]) != 0:
