@@ -127,7 +127,8 @@ class AccountPage:
         services = self.panel.services(profile)
         key = (key or "").strip()
         if len(key) < MIN_WANDB_KEY or any(character.isspace() for character in key):
-            problem = "Paste a key first." if not key else "Not saved: a W&B key is 40 characters or more, no spaces."
+            too_short = f"Not saved: a W&B key is {MIN_WANDB_KEY} characters or more, no spaces."
+            problem = too_short if key else "Paste a key first."
             return {
                 self.result: cards.field_error([f"{problem} Copy yours from wandb.ai/authorize."]),
                 self.wandb_key: "",
