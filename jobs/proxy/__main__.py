@@ -19,6 +19,12 @@ from jobs.store import ObjectNotFound, ObjectStore, StoreError
 
 log = logging.getLogger("jobs.proxy")
 
+# Allocations between two collections of young objects (Python's default: 700). Each request in flight holds tasks,
+# futures and parser state for tens of milliseconds, so at the default the collector walks the same live objects
+# several times before they die; every 50,000 it finds them mostly gone. Measured side by side
+# (docs/benchmarks/proxy.md): ~12 % less CPU per relayed request; one collection takes at most ~1.3 ms.
+YOUNG_COLLECTION_EVERY = 50_000
+
 
 async def serve(config: ProxyConfig, spec: RunSpec, store: ObjectStore, upstream_token: str | None) -> None:
     """Run a proxy until the process is asked to stop; then stop it cleanly (a last telemetry snapshot included)."""
@@ -31,6 +37,7 @@ async def serve(config: ProxyConfig, spec: RunSpec, store: ObjectStore, upstream
     # Everything allocated so far (boto3, pydantic, ...) lives as long as the process: keep it out of garbage
     # collections, which would otherwise walk it every time (~15 ms, a pause for every request in flight).
     gc.freeze()
+    gc.set_threshold(YOUNG_COLLECTION_EVERY)
     try:
         await stop.wait()
     finally:

@@ -13,6 +13,7 @@ known. Both ways give a token-id prompt as the same canonical text (ids joined b
 
 from __future__ import annotations
 
+import functools
 import json
 import json.decoder
 import re
@@ -30,6 +31,7 @@ _EXACT_FIELDS = frozenset({"model", "prompt", "messages", "stream"})
 _SCANSTRING = json.decoder.scanstring
 _WS = re.compile(r"[ \t\n\r]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_NAMES_REMEMBERED = 256  # a run sends a handful of model names, each thousands of times
 
 
 class BadName(ValueError):
@@ -93,7 +95,12 @@ def token_text(tokens: list[int]) -> bytes:
 
 def replace_model(body: bytes, span: tuple[int, int], name: str) -> bytes:
     """`body` with the JSON string literal at byte offsets `span` replaced by the string `name`."""
-    return body[: span[0]] + json.dumps(name).encode() + body[span[1] :]
+    return body[: span[0]] + _json_string(name) + body[span[1] :]
+
+
+@functools.lru_cache(maxsize=_NAMES_REMEMBERED)
+def _json_string(name: str) -> bytes:
+    return json.dumps(name).encode()
 
 
 def restore_model(payload: bytes, served: str, name: str) -> bytes:
@@ -160,6 +167,7 @@ class AdapterNames:
     def __init__(self, run_id: str):
         self.run_id = run_id
         self._replica_name = re.compile(rf"(?<![\w-]){re.escape(run_id)}-v([1-9][0-9]{{0,8}})(?![\w-])")
+        self._to_replica: dict[str, tuple[str, int | None]] = {}  # every request asks; names are few
 
     def version(self, trl_name: Any, field: str = "lora_name") -> int:
         """The version in a TRL adapter name; BadName (with what to send instead) if it is not one."""
@@ -173,11 +181,19 @@ class AdapterNames:
 
     def to_replica(self, model: str) -> tuple[str, int | None]:
         """(name to send to a replica, adapter version or None for the base model)."""
+        known = self._to_replica.get(model)
+        if known is not None:
+            return known
         if model.startswith(TRL_ADAPTER_PREFIX):
             version = self.version(model, "model")
-            return replica_adapter_name(self.run_id, version), version
-        check_served_name(model)
-        return model, None
+            known = replica_adapter_name(self.run_id, version), version
+        else:
+            check_served_name(model)
+            known = model, None
+        if len(self._to_replica) >= _NAMES_REMEMBERED:
+            self._to_replica.clear()
+        self._to_replica[model] = known
+        return known
 
     def to_trl(self, name: str) -> str | None:
         """The TRL name of one of this run's replica adapter names, else None."""
