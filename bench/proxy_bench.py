@@ -20,7 +20,9 @@ in this process that speaks to them with aiohttp, as TRL's rollout worker does.
    flight with service times of 0.2-1.6 s (each request's time derived from its seed, so both paths get the same).
 3. Throughput with a zero-cost replica at 128 in flight, proxied vs direct, and the proxy's CPU time per request;
    beside them the same proxy on asyncio's own loop instead of uvloop, the proxy of an earlier git revision
-   (--baseline), and a bare relay (no parsing, no routing) on asyncio transports, the floor for a Python relay.
+   (--baseline), the proxy's own server and client with nothing between them (no routing, no renaming: the floor
+   for its HTTP plumbing), and a bare relay (no parsing, no routing) on asyncio transports, the floor for a Python
+   relay.
 4. Adapter sync: publish a 10 MB adapter and broadcast it to 3 replicas that fetch it from a moto S3 server; 50 syncs.
 
 Direct and proxied runs alternate in short rounds because this machine's CPU speed drifts by up to 2x over minutes.
@@ -534,9 +536,39 @@ _WITHOUT_UVLOOP = (
 )
 
 
+# The proxy's own server and client with nothing in between (no fields read, no routing, no renaming, no headers
+# passed on): the floor under the proxy's per-request work on its own HTTP plumbing, as the bare relay is the floor
+# under any Python relay.
+_UNROUTED = (
+    "-c",
+    "import runpy, sys; from bench.proxy_bench import relay_without_routing; relay_without_routing(); "
+    "runpy.run_module('jobs.proxy', run_name='__main__', alter_sys=True)",
+)
+
+
+def relay_without_routing() -> None:
+    """Make the proxy about to run in this process relay each generation to its first replica, doing nothing else."""
+    from jobs.proxy.app import Proxy
+    from jobs.proxy.http_server import Exchange, Response
+
+    headers = [("Content-Type", "application/json")]
+
+    async def generate(self: Proxy, exchange: Exchange) -> Response:
+        replica = self.membership.routable[0]
+        request = exchange.request
+        upstream = await self.client.open(replica.origin, "POST", request.path, headers, request.body, 60.0)
+        try:
+            return Response(upstream.status, await upstream.read_all(), headers)
+        finally:
+            upstream.release()
+
+    Proxy._generate = generate  # type: ignore[method-assign]
+
+
 def bench_throughput(workdir: Path, quick: bool, baseline: str | None = None) -> dict:
     """Proxied vs direct at 128 in flight. Beside today's proxy: the same on asyncio's loop instead of uvloop, the
-    proxy of git revision `baseline` (if given) and a bare relay, each a process in front of the same replica."""
+    proxy of git revision `baseline` (if given), the proxy's server and client with no routing between them, and a
+    bare relay, each a process in front of the same replica."""
     prompts = make_prompts()
     rng = random.Random(3)
     adapter = write_adapter(workdir / "adapter")
@@ -553,7 +585,9 @@ def bench_throughput(workdir: Path, quick: bool, baseline: str | None = None) ->
             proxies.append(("proxied, asyncio loop", *running.start_proxy("asyncio loop", _WITHOUT_UVLOOP)))
             if baseline:
                 proxies.append((f"proxied at {baseline}", *running.start_proxy("baseline", cwd=checkout(baseline))))
-            for _, url, _ in proxies:
+            unrouted_url, unrouted_process = running.start_proxy("nothing routed", _UNROUTED)
+            # Every proxy is started before the adapter is loaded: one admitting the replica later would unload it.
+            for _, url, _ in [*proxies, (None, unrouted_url, None)]:
                 http_json(
                     "POST", url + "/v1/load_lora_adapter", {"lora_name": "trl-policy-v1", "lora_path": str(adapter)}
                 )
@@ -562,6 +596,7 @@ def bench_throughput(workdir: Path, quick: bool, baseline: str | None = None) ->
             modes = (
                 ("direct", replica, served, None),
                 *((name, url, "trl-policy-v1", process) for name, url, process in proxies),
+                ("proxied, nothing routed", unrouted_url, served, unrouted_process),
                 ("bare relay", f"http://127.0.0.1:{relay_port}", served, relay),
             )
             # Rollouts come 8 to a prompt, as in GRPO (the proxy remembers a prompt's block hashes).
