@@ -56,10 +56,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from jobs.contract import RunSpec, layout  # noqa: E402
+from jobs.ports import free_port  # noqa: E402
 from jobs.store import LocalStore  # noqa: E402
 from tests.support.fake_replica import PrefixCache  # noqa: E402
 from tests.support.moto_s3 import MotoS3Server  # noqa: E402
-from tests.support.net import free_port  # noqa: E402
 from tests.support.proxy_harness import write_adapter  # noqa: E402
 
 PROMPTS = 1460

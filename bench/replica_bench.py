@@ -41,9 +41,9 @@ sys.path.insert(0, str(REPO))
 
 from jobs.contract import parse_storage_uri  # noqa: E402
 from jobs.demo.tiny_model import ensure_tiny_model  # noqa: E402
+from jobs.ports import free_port  # noqa: E402
 from jobs.store import LocalStore, ObjectStore, S3Store  # noqa: E402
 from tests.support.moto_s3 import MotoS3Server  # noqa: E402
-from tests.support.net import free_port  # noqa: E402
 from tests.support.replica import ReplicaProcess, make_adapter, publish_adapter, tiny_spec, write_spec  # noqa: E402
 
 VOCAB = 467

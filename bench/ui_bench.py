@@ -35,7 +35,8 @@ from backend.context import PanelContext  # noqa: E402
 from backend.db import Database  # noqa: E402
 from backend.services.runs import RunService  # noqa: E402
 from jobs.demo.preset import demo_spec  # noqa: E402
-from tests.support.net import free_port, wait_http  # noqa: E402
+from jobs.ports import free_port  # noqa: E402
+from tests.support.net import wait_http  # noqa: E402
 
 OWNER = "local"
 RUN_ID = "bench-run"

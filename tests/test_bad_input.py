@@ -41,12 +41,12 @@ from backend.sandbox import SandboxLimits
 from backend.services.runs import RunNotFound, RunService
 from jobs.contract import layout
 from jobs.demo.preset import demo_spec
+from jobs.ports import free_port
 from jobs.replica.sidecar import Sidecar
 from jobs.store import LocalStore, publish_directory
 from tests.support.echo_server import EchoServer
 from tests.support.hub_emulator import HubEmulator
 from tests.support.loop_thread import LoopThread
-from tests.support.net import free_port
 from tests.support.proxy_harness import start_harness, write_adapter
 
 OWNER = LOCAL_OWNER

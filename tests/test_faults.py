@@ -52,6 +52,7 @@ from jobs.store import LocalStore, ObjectStore, S3Store, download_published, lis
 from jobs.telemetry import decode_jsonl
 from tests.support.faulty_proxy import FaultyProxy
 from tests.support.processes import RunProcesses
+from tests.support.runs import job_log_tails
 from tests.support.waiting import wait_until
 
 # `fault`: under CI=true a skip of any of these is a failure (tests/conftest.py).
@@ -1063,6 +1064,9 @@ def stale_replica_run(tmp_path: Path, run_id: str, steps: int, mode: str, record
         report(record_property, "a replica serving v(N-1) under vN's name", orphans=len(orphans))
         audits, verdicts = audit_verdicts(store, run_id)
         print(f"{run_id}: verdicts per version {verdicts}")
+        assert audits, f"{run_id} recorded no audit; it ended {final.status}: {final.status_message}\n" + job_log_tails(
+            run.ctx.local_launcher.workdir / run_id
+        )
         yield StaleRun(run_id, final, store, orphans, audits, verdicts)
     finally:
         run.close()

@@ -108,6 +108,17 @@ def emulated_jobs(emulator: HubEmulator, run_id: str) -> dict[str, list[str]]:
     return jobs
 
 
+def jobs_report(emulator: HubEmulator, run_id: str) -> str:
+    """Every job of the run the Hub created, with its stage and the tail of its log: why a role got a second job."""
+    lines = []
+    for role, ids in sorted(emulated_jobs(emulator, run_id).items()):
+        for job_id in ids:
+            job = emulator.job(job_id)
+            lines.append(f"{role} {job_id}: {job.stage} {job.message or ''} (created {job.created_at:%H:%M:%S})")
+            lines.extend(f"    {line}" for line in job.lines[-15:])
+    return "\n".join(lines)
+
+
 def take_over(ctx: PanelContext, run_id: str) -> Launch:
     """Another panel's poller: it takes the launch over once the dead panel's lease lapses, and finishes it."""
     poller = Poller(ctx, launches=Launches(ctx, stale_after_s=1.5))
@@ -141,7 +152,9 @@ def test_a_panel_killed_mid_launch_is_resumed_with_one_job_per_role(
         launch = take_over(panel.ctx, run_id)
         assert (launch.step, launch.takeovers) == ("done", 1), launch.message
         jobs = emulated_jobs(emulator, run_id)
-        assert {role: len(ids) for role, ids in jobs.items()} == {"replica-0": 1, "replica-1": 1, "trainer": 1}
+        assert {role: len(ids) for role, ids in jobs.items()} == {"replica-0": 1, "replica-1": 1, "trainer": 1}, (
+            jobs_report(emulator, run_id)
+        )
         with panel.ctx.db.session() as session:
             rows = session.exec(select(Job).where(Job.run_id == run_id)).all()
             run = session.get(Run, run_id)

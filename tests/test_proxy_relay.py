@@ -16,9 +16,9 @@ import requests
 
 from jobs import settings
 from jobs.contract import RunSpec, layout
+from jobs.ports import free_port
 from tests.support.fake_replica import FakeReplica, Seen
 from tests.support.loop_thread import LoopThread
-from tests.support.net import free_port
 from tests.support.proxy_harness import RUN_ID, TOKEN, start_harness
 from tests.support.tls import make_server_tls
 from tests.support.waiting import wait_until

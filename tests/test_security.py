@@ -67,11 +67,12 @@ from jobs import settings
 from jobs.contract import RewardSpec, RunSpec, layout
 from jobs.contract.control import STOP
 from jobs.demo.preset import demo_spec
+from jobs.ports import free_port
 from jobs.store import LocalStore
 from jobs.telemetry import encode_jsonl
 from tests.support.echo_server import EchoServer
 from tests.support.hub_emulator import HubEmulator
-from tests.support.net import accepted, free_port
+from tests.support.net import accepted
 from tests.support.runs import hub_demo_spec
 from tests.support.waiting import wait_until
 

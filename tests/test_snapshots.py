@@ -20,7 +20,8 @@ from backend.db import Database
 from backend.services.runs import RunService
 from backend.snapshots import SNAPSHOT_NAME, restore_snapshot, write_snapshot
 from jobs.demo.preset import demo_spec
-from tests.support.net import free_port, wait_http
+from jobs.ports import free_port
+from tests.support.net import wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,9 +19,9 @@ import pytest
 
 from jobs.contract import layout
 from jobs.contract.control import STOP, StopRequest
+from jobs.ports import free_port
 from jobs.processes import group_alive, terminate_group
 from jobs.store import LocalStore
-from tests.support.net import free_port
 from tests.support.processes import job_tree, process_table
 from tests.support.waiting import wait_until
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ from backend.plan import PORT, JobPlan
 from jobs import settings
 from jobs.contract import RunSpec, timeout_seconds
 from jobs.contract.control import JobRef, JobsRecord
+from jobs.ports import free_port
 from jobs.processes import group_alive, terminate_group
 from jobs.store.base import atomic_write
 
@@ -63,12 +63,6 @@ _INHERITED_ENV = (
     "NO_PROXY",
     "PYTHONPATH",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class LocalLauncher(Launcher):

@@ -16,7 +16,6 @@ import ctypes
 import logging
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +24,7 @@ from aiohttp import web
 
 from jobs import settings
 from jobs.models import resolve_model
+from jobs.ports import free_port
 from jobs.processes import terminate_group
 from jobs.replica.engine_command import choose_engine, engine_command
 from jobs.replica.heartbeat import Heartbeat
@@ -95,7 +95,7 @@ class ReplicaJob:
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
-        engine_port = self.args.engine_port or _free_port()
+        engine_port = self.args.engine_port or free_port()
         self.sidecar.engine_url = f"http://127.0.0.1:{engine_port}"
         runner = web.AppRunner(self.sidecar.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
         await runner.setup()
@@ -197,12 +197,6 @@ def _die_with_parent() -> None:
     """In the engine child before exec: get SIGTERM if the replica dies without cleaning up (Linux only)."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":

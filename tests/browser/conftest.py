@@ -21,8 +21,9 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from backend.db import PROJECT_ROOT, Database
+from jobs.ports import free_port
 from tests.browser.helpers import ARTIFACTS, TIMEOUT_MS, RunningPanel
-from tests.support.net import free_port, wait_http
+from tests.support.net import wait_http
 
 CHROMIUM = "/usr/bin/chromium"
 expect.set_options(timeout=TIMEOUT_MS)  # 2 shared cores: Gradio's first paint alone can take seconds

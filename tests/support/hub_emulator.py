@@ -118,8 +118,8 @@ from secrets import token_hex
 from typing import Any, Literal
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from jobs.ports import free_port
 from tests.support.bearer_proxy import BearerProxy, bearer_ok, send_json
-from tests.support.net import free_port
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,9 @@ import urllib.request
 import boto3
 from botocore.config import Config
 
+from jobs.ports import free_port
 from jobs.store import StoreCredentials
-from tests.support.net import free_port, wait_http
+from tests.support.net import wait_http
 
 _ADMIN_POLICY = json.dumps(
     {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}

@@ -18,12 +18,6 @@ def accepted(listener: socket.socket) -> bool:
     return True
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def wait_http(url: str, timeout: float = 30.0) -> None:
     """Wait until `url` answers at all (any HTTP status counts as up)."""
     deadline = time.monotonic() + timeout

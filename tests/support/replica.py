@@ -15,9 +15,9 @@ from pathlib import Path
 import requests
 
 from jobs.contract import DEMO_MODEL_ID, RunSpec, layout
+from jobs.ports import free_port
 from jobs.processes import process_table, with_descendants
 from jobs.store import ObjectStore, publish_directory
-from tests.support.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HTTP_TIMEOUT = 60  # seconds for one test request; generation on the tiny model takes milliseconds
