@@ -400,3 +400,24 @@ def test_the_training_figures_count_x_in_wall_time_or_generated_tokens(panel):
     ratio = ratio_kl_figure(reward, reward, options=ChartOptions(log_y=True, x_values={1: 5.0}, x_title="t"))
     assert ratio.layout.yaxis.type is None and list(ratio.data[0].x) == [5.0, None, None, None]
     assert _chart_options(services, "demo-axes", 0, False, "step") == ChartOptions()
+
+
+def test_a_tick_that_changes_nothing_says_so_in_a_form_gradio_accepts(panel):
+    """Gradio reads an empty dict as one output value and fails the event ("didn't return enough output values"),
+    which a browser test met in CI on the Adapters page's timer: "nothing changed" must name an output, skipped."""
+    from app.pages.adapters import AdaptersPage
+    from app.pages.monitor import MonitorPage
+
+    _record(panel, "demo-tick")
+    adapters, monitor = AdaptersPage(panel), MonitorPage(panel)
+    with gr.Blocks():
+        adapters.build()
+        monitor.build()
+    listed = adapters.show_run("demo-tick")[adapters.listed]
+    for answer, outputs in (
+        (adapters.refresh("demo-tick", listed), adapters._listing_outputs()),
+        (adapters.refresh(None, None), adapters._listing_outputs()),
+        (monitor.browse("", 1, "", "", "", "", True), [monitor.samples, monitor.best, monitor.worst]),
+    ):
+        assert answer and set(answer) <= set(outputs), answer
+        assert all(value == gr.skip() for value in answer.values()), answer

@@ -211,14 +211,16 @@ class AdaptersPage:
 
     def refresh(self, run_id: str | None, listed: list | None = None, profile: gr.OAuthProfile | None = None) -> dict:
         """A tick: when versions were added (or an alias moved), update the list, keeping every selection."""
+        # "Nothing changed" names one output: Gradio takes an empty dict for a single value and fails the tick.
+        unchanged = {self.listed: gr.skip()}
         services = self.panel.services_or_none(profile)
         if services is None or not run_id:
-            return {}
+            return unchanged
         run = services.runs.get(run_id)
         versions = services.adapters.versions(run_id)
         listing, choices = self._listing(services, run, versions)
         if listing[self.listed] == listed:
-            return {}
+            return unchanged
         return listing | {
             picker: gr.Dropdown(choices=choices) for picker in (self.version, self.version_a, self.version_b)
         }

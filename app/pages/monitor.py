@@ -454,7 +454,7 @@ class MonitorPage:
     ) -> dict:
         services = self.panel.services(profile)
         if not run_id:
-            return {}
+            return {self.samples: gr.skip()}  # not {}: Gradio takes an empty dict for a single value
         wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps)
         return self._browse(services, run_id, int(step), wanted)
 

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Browser, Page, expect
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from tests.browser.helpers import TIMEOUT_MS, RunningPanel, fill, open_tab, plot_points, rows, screenshot
+from tests.support.runs import job_log_tails
 
 pytestmark = pytest.mark.browser
 DEMO_STEPS = 40  # the run is stopped after a few steps; the margin keeps it from finishing first
@@ -149,11 +151,17 @@ def test_monitor_fills_as_the_run_trains_then_stops(
 ) -> None:
     open_tab(page, "Monitor")
     expect(page.locator("#run-header")).to_contain_text(demo_run)
-    page.wait_for_function(
-        "() => { const g = document.querySelector('#reward-plot .js-plotly-plot');"
-        " return g && g.data && g.data.length && g.data[0].x && g.data[0].x.length >= 3 }",
-        timeout=240_000,
-    )
+    try:
+        page.wait_for_function(
+            "() => { const g = document.querySelector('#reward-plot .js-plotly-plot');"
+            " return g && g.data && g.data.length && g.data[0].x && g.data[0].x.length >= 3 }",
+            timeout=240_000,
+        )
+    except PlaywrightTimeoutError:  # say why: the run's header, the panel's log and the jobs' logs
+        header = page.locator("#run-header").inner_text()
+        panel_log = panel.log.read_text(errors="replace")[-3000:]
+        jobs = job_log_tails(panel.data / "jobs" / demo_run)
+        raise AssertionError(f"no 3 reward points in 240 s; header: {header}\n{panel_log}\n{jobs}") from None
     page.locator("#stop-run").click()
     expect(page.locator("#run-header")).to_contain_text(re.compile("stopping|stopped"))
     expect(page.locator("#stop-run")).to_be_disabled()  # nothing left to stop
