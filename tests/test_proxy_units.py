@@ -52,6 +52,12 @@ def test_unusual_bodies_are_read_exactly(body):
     assert renamed.replace(b'"run-v3"', b"") == body.replace(body[slice(*fields.model_span)], b"")
 
 
+def test_a_repeated_prompt_is_read_as_the_replica_reads_it():
+    """JSON parsers keep a repeated key's last value, so that is the prompt the replica computes and routing hashes."""
+    body = b'{"model": "m", "prompt": [1, 2], "prompt": [3]}'
+    assert generation_fields(body).tokens == token_text(json.loads(body)["prompt"]) == b"3"
+
+
 def test_other_prompt_shapes_are_kept_for_the_router():
     assert generation_fields(b'{"model": "m", "prompt": "some text"}').prompt == "some text"
     chat = generation_fields(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}')
@@ -146,6 +152,24 @@ def test_forgetting_a_model_and_the_size_bound():
     assert router.counters()["table_blocks"] <= 8
     recent = route(router, pool, tokens(19, 19, 20, 20), model="v2")  # recently used blocks survive
     assert recent.matched_blocks == 2
+
+
+def test_a_prompt_sent_again_after_its_blocks_aged_or_were_cleared_is_taken_in_again():
+    """Recording a prompt its replica already holds is skipped (a GRPO group's other rollouts), but only while the
+    young generation lasts: once it turns over, or the table is cleared, the prompt must be recorded again."""
+    router, pool = Router(block_size=2, max_blocks=8), replicas(1)  # the generations turn over at 4 young blocks
+    body = tokens(1, 2, 3, 4)
+    route(router, pool, body)
+    route(router, pool, body)
+    route(router, pool, tokens(10, 10, 11, 11))  # 4 young blocks: they all become old
+    route(router, pool, body)  # used again: back to the young generation
+    route(router, pool, tokens(12, 12, 13, 13))  # turns over again: the prompt is old, not gone
+    route(router, pool, tokens(14, 14, 15, 15))
+    assert route(router, pool, body).matched_blocks == 2
+
+    router.clear()
+    route(router, pool, body)
+    assert route(router, pool, body).matched_blocks == 2
 
 
 @pytest.mark.parametrize(("lead_over", "kind"), [("mean", "affinity"), ("least", "spilled")])

@@ -435,14 +435,15 @@ class HttpClient:
 
     def forget(self, origin: Origin) -> None:
         """Close the idle connections to an upstream (it was ejected or removed)."""
-        for connection in self._pools.pop(origin.url, []):
+        self._close_idle(origin.url)
+
+    def _close_idle(self, url: str) -> None:
+        for connection in self._pools.pop(url, []):
             connection.close()
 
     async def close(self) -> None:
-        for pool in self._pools.values():
-            for connection in pool:
-                connection.close()
-        self._pools.clear()
+        for url in list(self._pools):
+            self._close_idle(url)
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)

@@ -5,10 +5,11 @@ TRL names every policy version `trl-policy-v<N>` and restarts at v1 in each run;
 never collides with a name a replica still holds. The proxy rewrites the `model` field on the way in and out.
 
 Bodies pass through byte for byte except that one string value, so every number, escape and key order stays as the
-sender wrote it. TRL's requests are flat objects (`model`, a token-id `prompt`, scalars), read here with three
-searches and no JSON parse; anything else (a chat request, `stream`, an escaped name, a second "model" key) is read
-exactly by walking the top-level members with the C JSON scanner, one value at a time, so the position of each is
-known. Both ways give a token-id prompt as the same canonical text (ids joined by commas), which the router hashes.
+sender wrote it. TRL's requests are flat objects (`model`, a token-id `prompt`, scalars), read here with a few
+searches and no JSON parse; anything else (a chat request, `stream`, an escaped name, a second "model" or "prompt"
+key) is read exactly by walking the top-level members with the C JSON scanner, one value at a time, so the position
+of each is known. Both ways give a token-id prompt as the same canonical text (ids joined by commas), which the
+router hashes.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jobs.contract.derived import TRL_ADAPTER_PREFIX, parse_trl_adapter_name, re
 _SCAN = json.JSONDecoder().scan_once
 _FAST_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]*)"')
 _FAST_PROMPT = re.compile(rb'"prompt"\s*:\s*\[')
+_FAST_KEYS = re.compile(rb'"(model|prompt|stream|messages)"')  # anywhere else, a key or a value: read exactly
 _TOKEN_TEXT = b"0123456789, \t\r\n"
 _JSON_SPACE = b" \t\r\n"
 _EXACT_FIELDS = frozenset({"model", "prompt", "messages", "stream"})
@@ -56,13 +58,15 @@ class GenerationFields:
 
 def generation_fields(body: bytes) -> GenerationFields:
     """The model, prompt and stream flag of a completion request. Raises BadJson for a body that is no JSON object."""
-    if b'"stream"' not in body and b'"messages"' not in body and body.count(b'"model"') == 1:
-        model = _FAST_MODEL.search(body)
-        prompt = _FAST_PROMPT.search(body)
-        if model is not None and prompt is not None:
-            end = body.find(b"]", prompt.end())
-            inner = body[prompt.end() : end]
-            if end > 0 and not inner.translate(None, _TOKEN_TEXT):
+    prompt = _FAST_PROMPT.search(body)
+    if prompt is not None:
+        end = body.find(b"]", prompt.end())
+        inner = body[prompt.end() : end]
+        # Token ids hold no key, and they are most of the body: the other keys are looked for around them.
+        if end > 0 and not inner.translate(None, _TOKEN_TEXT):
+            model = _FAST_MODEL.search(body)
+            keys = _FAST_KEYS.findall(body, 0, prompt.start()) + _FAST_KEYS.findall(body, end)
+            if model is not None and keys == [b"model"]:
                 try:
                     name = model.group(1).decode()
                 except UnicodeDecodeError:

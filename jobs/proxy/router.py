@@ -92,6 +92,9 @@ class Router:
         self._generation: dict[str, int] = {}
         self._namespace_ids: dict[tuple[str, int], int] = {}
         self._siblings: dict[tuple[int, int], int] = {}
+        # (prompt tip, slot) of single-prompt requests recorded since the young generation began: recording one again
+        # changes nothing, and the other rollouts of a GRPO group are exactly that.
+        self._recorded: set[tuple[int, int]] = set()
         self._chain_cache: OrderedDict[tuple[tuple[str, int], bytes], tuple[int, ...]] = OrderedDict()
         self._round_robin = 0
         self.routed = 0
@@ -257,6 +260,12 @@ class Router:
             self._siblings.pop(key, None)
 
     def _own(self, chains: list[tuple[int, ...]], slot: int, namespace: tuple[str, int]) -> None:
+        single = chains[0] if len(chains) == 1 and chains[0] else None
+        if single is not None:
+            recorded = (single[-1], slot)
+            if recorded in self._recorded:
+                return
+            self._recorded.add(recorded)
         bit = 1 << slot
         number = self._namespace_id(namespace)
         for chain in chains:
@@ -281,6 +290,7 @@ class Router:
             if len(young) >= self.max_blocks // 2:
                 self._old, self._old_counts = young, young_counts
                 self._young, self._young_counts = {}, {}
+                self._recorded = set()
 
     # -- forgetting ------------------------------------------------------------------------------------------------
 
@@ -291,6 +301,7 @@ class Router:
     def clear(self) -> None:
         """Forget everything (the replicas' prefix caches were reset)."""
         self._young, self._old, self._young_counts, self._old_counts = {}, {}, {}, {}
+        self._recorded = set()
 
     @property
     def tracked_blocks(self) -> int:
