@@ -22,7 +22,7 @@ in this process that speaks to them with aiohttp, as TRL's rollout worker does.
    beside them the same proxy on asyncio's own loop instead of uvloop, the proxy of an earlier git revision
    (--baseline), the proxy's own server and client with nothing between them (no routing, no renaming: the floor
    for its HTTP plumbing), and a bare relay (no parsing, no routing) on asyncio transports, the floor for a Python
-   relay.
+   relay. The proxy's CPU per request is also given over each of theirs, paired round by round.
 4. Adapter sync: publish a 10 MB adapter and broadcast it to 3 replicas that fetch it from a moto S3 server; 50 syncs.
 
 Direct and proxied runs alternate in short rounds because this machine's CPU speed drifts by up to 2x over minutes.
