@@ -3,6 +3,7 @@
     .venv/bin/python bench/proxy_bench.py            # everything, ~10 minutes on 2 cores
     .venv/bin/python bench/proxy_bench.py --only routing,sync --json figures.json
     .venv/bin/python bench/proxy_bench.py --only throughput --baseline <git revision>
+    .venv/bin/python bench/proxy_bench.py --only routing --repeat 3      # the median and worst of each configuration
 
 Every part runs real processes on loopback: simulated replicas (tests/support/fake_replica.py: a vLLM-shaped prefix
 cache, prefill charged per uncached prompt token, decode per generated token), `python -m jobs.proxy`, and a client
@@ -323,7 +324,9 @@ async def grpo_epoch(
     return issued
 
 
-def bench_routing(workdir: Path, quick: bool) -> list[dict]:
+def bench_routing(workdir: Path, quick: bool, repeat: int = 1) -> list[dict]:
+    """The grid of workloads x replicas x in flight x rule, `repeat` times over (the short workload's figures move
+    from run to run with how the machine schedules its processes; a summary gives the median and worst of each)."""
     prompts = make_prompts()
     if quick:
         prompts = prompts[:300]
@@ -331,6 +334,7 @@ def bench_routing(workdir: Path, quick: bool) -> list[dict]:
     results = []
     grid = [
         (workload, replicas, inflight, rule)
+        for _ in range(repeat)
         for workload in WORKLOADS
         for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384))
         for rule in ("proxy", "recipe rule")
@@ -370,7 +374,25 @@ def bench_routing(workdir: Path, quick: bool) -> list[dict]:
             }
         )
         print(_routing_line(results[-1]), flush=True)
+    if repeat > 1:
+        _print_routing_spread(results)
     return results
+
+
+def _print_routing_spread(results: list[dict]) -> None:
+    configurations: dict[tuple, list[dict]] = {}
+    for row in results:
+        configurations.setdefault((row["workload"], row["replicas"], row["inflight"], row["rule"]), []).append(row)
+    print(f"  over {len(results) // len(configurations)} runs each, median / worst:")
+    for (workload, replicas, inflight, rule), rows in configurations.items():
+        above = [row["above_minimum_pct"] for row in rows]
+        spilled = [row["spilled_pct"] for row in rows]
+        print(
+            f"  {workload:<5} {replicas} replicas, {inflight:>3} in flight, {rule:<11}: computed "
+            f"{statistics.median(above):.2f} / {max(above):.2f}% above minimum, spilled "
+            f"{statistics.median(spilled):.3f} / {max(spilled):.3f}%",
+            flush=True,
+        )
 
 
 def _routing_line(row: dict) -> str:
@@ -811,13 +833,14 @@ def main() -> None:
     parser.add_argument(
         "--baseline", default=None, help="a git revision whose proxy to measure beside today's in the throughput part"
     )
+    parser.add_argument("--repeat", type=int, default=1, help="run the routing part's grid this many times")
     parser.add_argument("--bare-relay", nargs=2, type=int, metavar=("PORT", "UPSTREAM_PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare_relay:
         serve_bare_relay(*args.bare_relay)
         return
     parts = {
-        "routing": bench_routing,
+        "routing": functools.partial(bench_routing, repeat=args.repeat),
         "latency": bench_latency,
         "throughput": functools.partial(bench_throughput, baseline=args.baseline),
         "sync": bench_sync,
