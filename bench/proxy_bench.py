@@ -333,13 +333,13 @@ def bench_routing(workdir: Path, quick: bool, repeat: int = 1) -> list[dict]:
     adapter = write_adapter(workdir / "adapter")
     results = []
     grid = [
-        (workload, replicas, inflight, rule)
-        for _ in range(repeat)
+        (run, workload, replicas, inflight, rule)
+        for run in range(repeat)
         for workload in WORKLOADS
         for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384))
         for rule in ("proxy", "recipe rule")
     ]
-    for workload, replicas, inflight, rule in grid:
+    for run, workload, replicas, inflight, rule in grid:
         args = ["--group-allowance", "0", "--lead-over", "least"] if rule == "recipe rule" else []
         with cluster(workdir, replicas, workload.replica_args(inflight), args) as running:
             started, cpu = time.monotonic(), cpu_seconds(running.proxy_process.pid)
@@ -354,6 +354,7 @@ def bench_routing(workdir: Path, quick: bool, repeat: int = 1) -> list[dict]:
         per_replica = [counter["requests"] for counter in counters]
         results.append(
             {
+                "run": run,
                 "workload": workload.name,
                 "replicas": replicas,
                 "inflight": inflight,
@@ -380,6 +381,7 @@ def bench_routing(workdir: Path, quick: bool, repeat: int = 1) -> list[dict]:
 
 
 def _print_routing_spread(results: list[dict]) -> None:
+    """Each configuration's median and worst over the runs of the grid: the figures to hold against the targets."""
     configurations: dict[tuple, list[dict]] = {}
     for row in results:
         configurations.setdefault((row["workload"], row["replicas"], row["inflight"], row["rule"]), []).append(row)
@@ -594,7 +596,7 @@ def bench_throughput(workdir: Path, quick: bool, baseline: str | None = None) ->
     prompts = make_prompts()
     rng = random.Random(3)
     adapter = write_adapter(workdir / "adapter")
-    rounds, count = (3, 2000) if quick else (10, 4000)
+    rounds, count = (4, 2000) if quick else (10, 4000)  # even: each order of the variants runs as often
     with cluster(workdir, 1, [], []) as running:
         proxy, replica = running.proxy, running.urls[0]
         served = None
@@ -836,6 +838,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="run the routing part's grid this many times")
     parser.add_argument("--bare-relay", nargs=2, type=int, metavar=("PORT", "UPSTREAM_PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.bare_relay:
         serve_bare_relay(*args.bare_relay)
         return

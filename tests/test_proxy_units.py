@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import re
 import socket
 from types import SimpleNamespace
@@ -56,6 +57,22 @@ def test_a_repeated_prompt_is_read_as_the_replica_reads_it():
     """JSON parsers keep a repeated key's last value, so that is the prompt the replica computes and routing hashes."""
     body = b'{"model": "m", "prompt": [1, 2], "prompt": [3]}'
     assert generation_fields(body).tokens == token_text(json.loads(body)["prompt"]) == b"3"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "trl-policy-v1", "prompt": [1], "\\u006dodel": "../x"}',  # the replica would load "../x"
+        b'{"model": "trl-policy-v1", "prompt": [1], "\\u0073tream": true}',
+        b'{"model": "trl-policy-v1", "prompt": [1], "\\u0070rompt": [3]}',
+        b'{"\\u006dodel": "trl-policy-v1", "prompt": [1, 2]}',
+    ],
+)
+def test_a_key_spelled_in_escapes_is_read_as_the_replica_reads_it(body):
+    fields, parsed = generation_fields(body), json.loads(body)
+    assert fields.model == parsed["model"]
+    assert fields.stream is (parsed.get("stream") is True)
+    assert fields.tokens == token_text(parsed["prompt"])
 
 
 def test_other_prompt_shapes_are_kept_for_the_router():
@@ -167,9 +184,48 @@ def test_a_prompt_sent_again_after_its_blocks_aged_or_were_cleared_is_taken_in_a
     route(router, pool, tokens(14, 14, 15, 15))
     assert route(router, pool, body).matched_blocks == 2
 
+    router = Router(block_size=2)
+    route(router, pool, body)
     router.clear()
     route(router, pool, body)
     assert route(router, pool, body).matched_blocks == 2
+
+
+def test_skipping_a_prompt_already_recorded_leaves_the_table_as_recording_it_again_would():
+    """The same random mix of prompts, replicas, batches, forgotten versions and turnovers, fed to a router that skips
+    and to one that records everything, leaves both tables equal at every step."""
+    rng = random.Random(7)
+    skipping, recording = Router(block_size=2, max_blocks=100), Router(block_size=2, max_blocks=100)
+    recording._recorded_before = lambda chains, bit: False  # type: ignore[method-assign]
+    skips: list[bool] = []
+
+    def counted(chains, bit, recorded_before=skipping._recorded_before):
+        skips.append(recorded_before(chains, bit))
+        return skips[-1]
+
+    skipping._recorded_before = counted  # type: ignore[method-assign]
+    stems = [[rng.randrange(5) for _ in range(4)] for _ in range(3)]  # shared prefixes make branches
+    prompts = [stem + [rng.randrange(50) for _ in range(rng.choice((0, 2, 4, 6)))] for stem in stems for _ in range(6)]
+    pool = replicas(3)
+    turnovers = 0
+    for _ in range(6000):
+        old_generation = skipping._old
+        step, model, slot = rng.random(), rng.choice(("v1", "v2")), rng.randrange(3)
+        batch = [rng.choice(prompts) for _ in range(rng.choice((1, 1, 1, 2)))]
+        for router in (skipping, recording):
+            if step < 0.01:
+                router.forget_model(model)
+            elif step < 0.015:
+                router.clear()
+            namespace, chains = router.chains(model, None, batch)
+            decision = router.decide(namespace, chains, pool)
+            decision.replica = pool[slot]
+            router.record(decision)
+            router.release(decision)
+        assert (skipping._young, skipping._old) == (recording._young, recording._old)
+        assert (skipping._young_counts, skipping._old_counts) == (recording._young_counts, recording._old_counts)
+        turnovers += skipping._old is not old_generation and bool(skipping._old)
+    assert sum(skips) > 1000 and turnovers > 50, (sum(skips), turnovers)  # both happened, often
 
 
 @pytest.mark.parametrize(("lead_over", "kind"), [("mean", "affinity"), ("least", "spilled")])

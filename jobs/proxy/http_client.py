@@ -438,6 +438,7 @@ class HttpClient:
         self._close_idle(origin.url)
 
     def _close_idle(self, url: str) -> None:
+        """Close and drop the idle connections pooled for one upstream."""
         for connection in self._pools.pop(url, []):
             connection.close()
 

@@ -6,10 +6,10 @@ never collides with a name a replica still holds. The proxy rewrites the `model`
 
 Bodies pass through byte for byte except that one string value, so every number, escape and key order stays as the
 sender wrote it. TRL's requests are flat objects (`model`, a token-id `prompt`, scalars), read here with a few
-searches and no JSON parse; anything else (a chat request, `stream`, an escaped name, a second "model" or "prompt"
-key) is read exactly by walking the top-level members with the C JSON scanner, one value at a time, so the position
-of each is known. Both ways give a token-id prompt as the same canonical text (ids joined by commas), which the
-router hashes.
+searches and no JSON parse; anything else (a chat request, `stream`, an escape outside the token ids, a second
+"model" or "prompt" key) is read exactly by walking the top-level members with the C JSON scanner, one value at a
+time, so the position of each is known. Both ways give a token-id prompt as the same canonical text (ids joined by
+commas), which the router hashes.
 """
 
 from __future__ import annotations
@@ -58,22 +58,9 @@ class GenerationFields:
 
 def generation_fields(body: bytes) -> GenerationFields:
     """The model, prompt and stream flag of a completion request. Raises BadJson for a body that is no JSON object."""
-    prompt = _FAST_PROMPT.search(body)
-    if prompt is not None:
-        end = body.find(b"]", prompt.end())
-        inner = body[prompt.end() : end]
-        # Token ids hold no key, and they are most of the body: the other keys are looked for around them.
-        if end > 0 and not inner.translate(None, _TOKEN_TEXT):
-            model = _FAST_MODEL.search(body)
-            keys = _FAST_KEYS.findall(body, 0, prompt.start()) + _FAST_KEYS.findall(body, end)
-            if model is not None and keys == [b"model"]:
-                try:
-                    name = model.group(1).decode()
-                except UnicodeDecodeError:
-                    raise BadJson("the body is not UTF-8") from None
-                tokens = inner.translate(None, _JSON_SPACE)
-                span = (model.start(1) - 1, model.end(1) + 1)
-                return GenerationFields(name, span, tokens, None, None, False)
+    fast = _flat_token_request(body)
+    if fast is not None:
+        return fast
     try:
         text = body.decode()
     except UnicodeDecodeError:
@@ -90,6 +77,32 @@ def generation_fields(body: bytes) -> GenerationFields:
     messages = members["messages"][0] if "messages" in members else None
     stream = "stream" in members and members["stream"][0] is True
     return GenerationFields(model, span, tokens, prompt, messages, stream)
+
+
+def _flat_token_request(body: bytes) -> GenerationFields | None:
+    """The fields of a body shaped as TRL sends it (one `model` string, a flat token-id `prompt`, no `stream` or
+    `messages`), read with a few searches; None for any other body, which is then read exactly."""
+    prompt = _FAST_PROMPT.search(body)
+    if prompt is None:
+        return None
+    end = body.find(b"]", prompt.end())
+    inner = body[prompt.end() : end]
+    if end < 0 or inner.translate(None, _TOKEN_TEXT):
+        return None
+    # Token ids hold no key and are most of the body, so the rest is searched around them. A backslash there may
+    # spell a key in escapes (\u006dodel), which only a JSON reader would see as "model".
+    before, after = (0, prompt.start()), (end, len(body))
+    if body.find(b"\\", *before) >= 0 or body.find(b"\\", *after) >= 0:
+        return None
+    model = _FAST_MODEL.search(body)
+    if model is None or _FAST_KEYS.findall(body, *before) + _FAST_KEYS.findall(body, *after) != [b"model"]:
+        return None
+    try:
+        name = model.group(1).decode()
+    except UnicodeDecodeError:
+        raise BadJson("the body is not UTF-8") from None
+    span = (model.start(1) - 1, model.end(1) + 1)
+    return GenerationFields(name, span, inner.translate(None, _JSON_SPACE), None, None, False)
 
 
 def token_text(tokens: list[int]) -> bytes:

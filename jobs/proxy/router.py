@@ -92,9 +92,7 @@ class Router:
         self._generation: dict[str, int] = {}
         self._namespace_ids: dict[tuple[str, int], int] = {}
         self._siblings: dict[tuple[int, int], int] = {}
-        # (prompt tip, slot) of single-prompt requests recorded since the young generation began: recording one again
-        # changes nothing, and the other rollouts of a GRPO group are exactly that.
-        self._recorded: set[tuple[int, int]] = set()
+        self._recorded: dict[int, int] = {}  # prompt tip -> slots it was recorded for in this young generation
         self._chain_cache: OrderedDict[tuple[tuple[str, int], bytes], tuple[int, ...]] = OrderedDict()
         self._round_robin = 0
         self.routed = 0
@@ -260,13 +258,9 @@ class Router:
             self._siblings.pop(key, None)
 
     def _own(self, chains: list[tuple[int, ...]], slot: int, namespace: tuple[str, int]) -> None:
-        single = chains[0] if len(chains) == 1 and chains[0] else None
-        if single is not None:
-            recorded = (single[-1], slot)
-            if recorded in self._recorded:
-                return
-            self._recorded.add(recorded)
         bit = 1 << slot
+        if self._recorded_before(chains, bit):
+            return
         number = self._namespace_id(namespace)
         for chain in chains:
             young, old = self._young, self._old
@@ -290,7 +284,22 @@ class Router:
             if len(young) >= self.max_blocks // 2:
                 self._old, self._old_counts = young, young_counts
                 self._young, self._young_counts = {}, {}
-                self._recorded = set()
+                self._recorded = {}
+
+    def _recorded_before(self, chains: list[tuple[int, ...]], bit: int) -> bool:
+        """Whether this one-prompt request was already recorded for this replica in the young generation, and note
+        that it now is. The other rollouts of a GRPO group are exactly that, and recording them again changed
+        nothing: every block of the prompt is young, owned by the replica, and knows its successor. Turning the
+        generations over or clearing the table empties the note, also when it happens while this request is being
+        recorded (the note is taken before)."""
+        if len(chains) != 1 or not chains[0]:
+            return False
+        tip = chains[0][-1]
+        slots = self._recorded.get(tip, 0)
+        if slots & bit:
+            return True
+        self._recorded[tip] = slots | bit
+        return False
 
     # -- forgetting ------------------------------------------------------------------------------------------------
 
@@ -301,7 +310,7 @@ class Router:
     def clear(self) -> None:
         """Forget everything (the replicas' prefix caches were reset)."""
         self._young, self._old, self._young_counts, self._old_counts = {}, {}, {}, {}
-        self._recorded = set()
+        self._recorded = {}
 
     @property
     def tracked_blocks(self) -> int:
