@@ -56,6 +56,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.baseline import checkout  # noqa: E402
 from jobs.contract import RunSpec, layout  # noqa: E402
 from jobs.ports import free_port  # noqa: E402
 from jobs.store import LocalStore  # noqa: E402
@@ -687,14 +688,6 @@ def bench_throughput(workdir: Path, quick: bool, baseline: str | None = None) ->
         flush=True,
     )
     return result
-
-
-def checkout(revision: str) -> Path:
-    """The project's jobs/ package at git `revision`, in a folder of its own (to run an earlier proxy from)."""
-    folder = Path(tempfile.mkdtemp(prefix="proxy-baseline-"))
-    archive = subprocess.run(["git", "archive", revision, "jobs"], cwd=ROOT, capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    return folder
 
 
 def _two_core_rate(*costs_us: float) -> float:

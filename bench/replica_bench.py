@@ -1,6 +1,6 @@
 """Replica figures on the tiny demo model: CPU-engine throughput and adapter load time from the store.
 
-    .venv/bin/python bench/replica_bench.py [--seconds 2] [--repeats 3]
+    .venv/bin/python bench/replica_bench.py [--seconds 2] [--repeats 3] [--baseline REV] [--only lora]
 
 1. Generated tokens/s with 1, 8 and 32 concurrent requests against the CPU engine as a replica runs it (batched) and
    with `--max-num-seqs 1` (one request at a time), and their ratio. Requests are TRL-shaped: a 20-token prompt as
@@ -8,7 +8,9 @@
 2. Prefill sharing: TRL's shape (groups of 8 identical prompts sent at once, 4 groups in flight) with sharing on and
    off, at 20- and 200-token prompts.
 3. The sidecar's hop: the same load as (1) at 32 concurrent requests, directly and through a replica's sidecar.
-4. Adapter loads through the sidecar: a `/v1/load_lora_adapter` naming a `store:` reference (download, sha256 check,
+4. LoRA rows: tokens per engine CPU-second at 32 concurrent requests that all name one adapter, and that name two
+   adapters in turn (a weight sync's overlap), with `--baseline REV` beside the engine of git revision REV.
+5. Adapter loads through the sidecar: a `/v1/load_lora_adapter` naming a `store:` reference (download, sha256 check,
    engine load) for a small (r=8) and a large (r=512, ~8 MB) adapter, from a local-folder store and from moto's S3
    server, next to loading the same adapter from a local path (the engine's part alone).
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -39,6 +42,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.baseline import checkout  # noqa: E402
 from jobs.contract import parse_storage_uri  # noqa: E402
 from jobs.demo.tiny_model import ensure_tiny_model  # noqa: E402
 from jobs.ports import free_port  # noqa: E402
@@ -50,8 +54,9 @@ VOCAB = 467
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 
 
-def request_body(prompt: list[int]) -> dict:
+def request_body(prompt: list[int], model: str | None = None) -> dict:
     return {
+        **({"model": model} if model else {}),
         "prompt": prompt,
         "max_tokens": 16,
         "temperature": 1.0,
@@ -82,22 +87,25 @@ async def wait_healthy(url: str, timeout: float = 120.0) -> None:
     raise TimeoutError(f"{url} not healthy within {timeout:.0f}s")
 
 
-async def independent_requests(url: str, concurrency: int, seconds: float) -> tuple[int, float]:
-    """`concurrency` clients each sending one request after another for `seconds`, with distinct random prompts.
-    Returns (generated tokens, elapsed seconds)."""
+async def independent_requests(
+    url: str, concurrency: int, seconds: float, models: tuple[str | None, ...] = (None,)
+) -> tuple[int, float]:
+    """`concurrency` clients each sending one request after another for `seconds`, with distinct random prompts,
+    client i naming `models[i % len(models)]` (None: the base model). Returns (generated tokens, elapsed seconds)."""
     generated = 0
     deadline = time.monotonic() + seconds
 
-    async def client(session: aiohttp.ClientSession) -> None:
+    async def client(session: aiohttp.ClientSession, model: str | None) -> None:
         nonlocal generated
         while time.monotonic() < deadline:
-            async with session.post(url + "/v1/completions", json=request_body(random_prompt(20))) as response:
-                body = await response.json()
-                generated += len(body["choices"][0]["token_ids"])
+            body = request_body(random_prompt(20), model)
+            async with session.post(url + "/v1/completions", json=body) as response:
+                answer = await response.json()
+                generated += len(answer["choices"][0]["token_ids"])
 
     started = time.monotonic()
     async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+        await asyncio.gather(*(client(session, models[i % len(models)]) for i in range(concurrency)))
     return generated, time.monotonic() - started
 
 
@@ -124,15 +132,16 @@ async def grouped_requests(url: str, prompt_length: int, seconds: float) -> tupl
 
 
 class Engine:
-    """`python -m jobs.replica.cpu_engine` on the tiny model with extra flags."""
+    """`python -m jobs.replica.cpu_engine` on the tiny model with extra flags, from this checkout or from `root` (a
+    `bench.baseline.checkout`)."""
 
-    def __init__(self, *flags: str):
+    def __init__(self, *flags: str, root: Path = REPO):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "jobs.replica.cpu_engine", "--model", str(ensure_tiny_model())]
         command += ["--port", str(self.port), "--max-model-len", "512", "--max-lora-rank", "512", *flags]
         self.process = subprocess.Popen(
-            command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.DEVNULL
+            command, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stderr=subprocess.DEVNULL
         )
 
     @property
@@ -168,7 +177,7 @@ class Best:
 Measure = tuple[list[int], Callable[[], Coroutine[Any, Any, tuple[int, float]]]]
 
 
-def compare(repeats: int, measures: dict[str, Measure]) -> dict[str, Best]:
+def compare(repeats: int, measures: dict[Any, Measure]) -> dict[Any, Best]:
     """The best of `repeats` runs of each measure, in alternation so that background load hits all of them alike."""
     best = {label: Best() for label in measures}
     for _ in range(repeats):
@@ -225,6 +234,44 @@ def prefill_sharing(seconds: float, repeats: int) -> None:
                 f"| {b.tokens_per_cpu_s:,.0f} | {gain:+.0%} |",
                 flush=True,
             )
+
+
+def lora_rows(seconds: float, repeats: int, work: Path, baseline: str | None) -> None:
+    print("\n## LoRA rows (32 concurrent requests naming adapters, tok per engine CPU-second)\n")
+    adapters = {f"v{n}": str(make_adapter(work / f"lora-v{n}", seed=n)) for n in (1, 2)}
+    roots = {"now": REPO, **({f"at {baseline}": checkout(baseline)} if baseline else {})}
+    loads = ("--max-loras", "2")
+    with contextlib.ExitStack() as stack:
+        engines = {label: stack.enter_context(Engine(*loads, root=root)) for label, root in roots.items()}
+        for engine in engines.values():
+            for name, path in adapters.items():
+                asyncio.run(load(engine.url, name, path))
+            asyncio.run(independent_requests(engine.url, 4, 1.0, ("v1",)))  # warm-up
+        mixes = {"one adapter": ("v2",), "two adapters": ("v1", "v2")}
+        best = compare(
+            repeats,
+            {
+                (label, mix): ([engine.pid], lambda e=engine, m=models: independent_requests(e.url, 32, seconds, m))
+                for label, engine in engines.items()
+                for mix, models in mixes.items()
+            },
+        )
+    print("| rows name | " + " | ".join(roots) + (f" | now / at {baseline}" if baseline else "") + " |")
+    print("|---|" + "---:|" * (len(roots) + bool(baseline)))
+    for mix in mixes:
+        figures = [best[label, mix].tokens_per_cpu_s for label in roots]
+        ratio = [f"{figures[0] / figures[1]:.2f}x"] if baseline else []
+        print(f"| {mix} | " + " | ".join([*(f"{f:,.0f}" for f in figures), *ratio]) + " |", flush=True)
+
+
+async def load(url: str, name: str, path: str) -> None:
+    body = {"lora_name": name, "lora_path": path}
+    async with (
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+        session.post(url + "/v1/load_lora_adapter", json=body) as r,
+    ):
+        if r.status != 200:
+            raise RuntimeError(f"load of {name} failed: {r.status} {await r.text()}")
 
 
 async def timed_load(url: str, name: str, path: str) -> float:
@@ -316,14 +363,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each throughput measurement")
     parser.add_argument("--repeats", type=int, default=3, help="runs per throughput figure (the best counts)")
+    parser.add_argument("--baseline", default=None, help="a git revision whose engine to measure beside today's")
+    parser.add_argument("--only", choices=["lora"], default=None, help="only the LoRA rows table")
     args = parser.parse_args()
     random.seed(0)
     print(f"# Replica benchmark ({os.cpu_count()} CPUs, load average before: {os.getloadavg()[0]:.2f})")
-    throughput(args.seconds, args.repeats)
-    prefill_sharing(args.seconds, args.repeats)
     with tempfile.TemporaryDirectory() as work:
-        sidecar_hop(args.seconds, args.repeats, Path(work))
-        adapter_loads(Path(work))
+        if args.only is None:
+            throughput(args.seconds, args.repeats)
+            prefill_sharing(args.seconds, args.repeats)
+            sidecar_hop(args.seconds, args.repeats, Path(work))
+        lora_rows(args.seconds, args.repeats, Path(work), args.baseline)
+        if args.only is None:
+            adapter_loads(Path(work))
 
 
 if __name__ == "__main__":

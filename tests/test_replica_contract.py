@@ -273,6 +273,30 @@ def test_two_adapters_served_concurrently_each_give_their_own_outputs(server, ad
         assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected, strict=True)) < TOLERANCE
 
 
+def test_requests_one_at_a_time_get_their_own_adapter_whichever_was_used_or_unloaded_before(
+    server, adapters, recompute, prompts
+):
+    """A batch whose rows all name one adapter runs with that adapter made active (jobs/replica/batcher.py,
+    `RowAdapters`): switching between adapters, back to the base model, and past the unload of the adapter that was
+    active, every answer is its own adapter's."""
+
+    def check(model: str, adapter: Path | None, seed: int) -> None:
+        choice = server.complete(model=model, prompt=prompts[0], seed=seed)["choices"][0]
+        expected = recompute.logprobs(prompts[0], choice["token_ids"], 1.0, adapter)
+        assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], expected, strict=True)) < TOLERANCE
+
+    with loaded(server, adapters["b"]) as name_b:
+        with loaded(server, adapters["a"]) as name_a:
+            for seed, (model, adapter) in enumerate([(name_a, "a"), (name_b, "b"), (name_a, "a"), (server.base, None)]):
+                check(model, adapters.get(adapter), seed)
+            with loaded(server, adapters["b"]) as another_b:  # loaded while `a` is active
+                check(name_a, adapters["a"], 10)
+                check(another_b, adapters["b"], 11)
+            check(name_a, adapters["a"], 12)  # `a` is active when it is unloaded
+        check(name_b, adapters["b"], 13)
+        check(server.base, None, 14)
+
+
 def test_streaming_gives_the_same_completion(server, prompts):
     whole = server.complete(prompt=prompts[0], seed=5)["choices"][0]
     response = requests.post(
