@@ -86,6 +86,9 @@ REPLICA_LOSS_TIMEOUT = Variable(
 STORE_OUTAGE_TIMEOUT = Variable(
     "GRPO_STORE_OUTAGE_TIMEOUT", "seconds the bucket may fail every call before the trainer stops the run", "300"
 )
+STORE_READ_TIMEOUT = Variable(
+    "GRPO_STORE_READ_TIMEOUT", "seconds a bucket call waits for an answer before it is retried", "60"
+)
 TORCH_THREADS = Variable("GRPO_TORCH_THREADS", "CPU threads for torch in the trainer", when_unset="torch's own choice")
 MODEL_CACHE = Variable(
     "GRPO_MODEL_CACHE", "where the built-in demo model is built and kept", "~/.cache/grpo-panel/models"
@@ -123,6 +126,7 @@ JOB_VARIABLES = (
     TRAINER_WORKDIR,
     REPLICA_LOSS_TIMEOUT,
     STORE_OUTAGE_TIMEOUT,
+    STORE_READ_TIMEOUT,
     TORCH_THREADS,
     MODEL_CACHE,
     WANDB_API_KEY,

@@ -708,6 +708,11 @@ def store_retries(run: FaultRun) -> list[tuple[str, str]]:
     ]
 
 
+# The store clients' read timeout in this run's jobs (60 s by default), and how long the stalled read hangs: past it.
+STORE_READ_TIMEOUT = 15
+STALL_S = STORE_READ_TIMEOUT + 5
+
+
 @pytest.fixture(scope="module")
 def store_faults(tmp_path_factory, moto_server):
     data = tmp_path_factory.mktemp("store-faults")
@@ -735,11 +740,13 @@ def store_faults(tmp_path_factory, moto_server):
         return faulty.injected - before
 
     try:
-        run.launch()
-        # Row 6: a read of the proxy's replica list hangs past the store client's 60 s timeout (the proxy re-reads
+        with pytest.MonkeyPatch.context() as patch:  # only the jobs started here
+            patch.setenv("GRPO_STORE_READ_TIMEOUT", str(STORE_READ_TIMEOUT))
+            run.launch()
+        # Row 6: a read of the proxy's replica list hangs past the store client's read timeout (the proxy re-reads
         # it in the background, so the run goes on meanwhile); later, for a while, every store call answers 503,
         # then every connection is reset.
-        faulty.inject("stall", 1, seconds=65, methods=("GET",), path="/control/upstreams.json")
+        faulty.inject("stall", 1, seconds=STALL_S, methods=("GET",), path="/control/upstreams.json")
         run.wait(lambda r: r.step >= 2 and not faulty.pending(), 300, what="training, the read stalled")
         seen["5xx"] = outage("status", 5, status=503)
         seen["resets"] = outage("reset", 5)

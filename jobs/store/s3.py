@@ -93,7 +93,7 @@ class S3Store(ObjectStore):
         credentials: StoreCredentials | None,
         retry: RetryPolicy = RetryPolicy(),
         connect_timeout: float = 5.0,
-        read_timeout: float = 60.0,
+        read_timeout: float | None = None,
     ):
         if location.kind != "s3" or not location.bucket:
             raise ValueError("S3Store needs an s3:// or hf://buckets/ location")
@@ -111,7 +111,7 @@ class S3Store(ObjectStore):
             response_checksum_validation="when_required",
             retries={"total_max_attempts": 1},
             connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
+            read_timeout=read_timeout or settings.STORE_READ_TIMEOUT.number(),
             max_pool_connections=32,
         )
         session = boto3.session.Session()
