@@ -25,6 +25,7 @@ from jobs.trainer.rewards import (
     normalize_answer,
     symbolically_equal,
 )
+from tests.support.waiting import wait_until
 
 EOS = 2
 
@@ -201,13 +202,19 @@ def test_a_reward_past_its_deadline_scores_nothing_and_is_reported_by_name(tmp_p
         release.wait(30)
         return [1.0] * len(completions)
 
-    reward = CheckedReward(hangs, "slow_judge", error_log=str(tmp_path / "e.jsonl"), deadline=0.2)
+    errors = tmp_path / "e.jsonl"
+    reward = CheckedReward(hangs, "slow_judge", error_log=str(errors), deadline=0.2)
     assert is_async_callable(reward)
-    try:
-        assert awaited(reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"])) == [None, None]
-    finally:
-        release.set()
-    record = json.loads((tmp_path / "e.jsonl").read_text().splitlines()[-1])
+    with ThreadPoolExecutor(1) as pool:
+        scores = pool.submit(asyncio.run, reward(completions=[assistant("a"), assistant("b")], answer=["1", "2"]))
+        try:
+            # The call is given up once its error is recorded; only then is the hung reward let go (the loop's
+            # shutdown waits for its thread, as TRL's long-lived loop would not).
+            wait_until(errors.exists, 30, what="the reward's deadline recorded")
+        finally:
+            release.set()
+        assert scores.result() == [None, None]
+    record = json.loads(errors.read_text().splitlines()[-1])
     assert record["reward"] == "slow_judge"
     assert record["error"] == "TimeoutError: did not answer within 0.2 s; its scores were left out"
     quick = CheckedReward(lambda completions, **kw: [0.5] * len(completions), "quick", deadline=0.2)
