@@ -7,8 +7,10 @@ Chromium) turns CI red rather than green with less tested.
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -68,6 +70,74 @@ def pytest_make_collect_report(collector: pytest.Collector):
     report: pytest.CollectReport = (yield).get_result()
     if report.skipped and in_ci() and report.nodeid.startswith(CI_STRICT_PATHS):
         _fail_skip(report, f"{report.nodeid} (skipped as a whole)")
+
+
+# Fixtures wider than a test that each parallel worker may start one of for itself (cheap beside a demo run); every
+# other such fixture makes the tests that share it one unit of work, so what it sets up happens once.
+PER_WORKER_FIXTURES = frozenset({"moto_server"})
+# The order work is handed to the workers in: real training runs first, then the browser, then everything else, so
+# that no worker is left with a long run while the others have finished.
+FIRST_MARKERS = ("e2e", "browser")
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    """The fixtures wider than one test that `item` uses, each named for the instance it gets: `module.fixture`,
+    `module.Class.fixture`, or for a session's, the folder of the conftest that defines it (`browser.panel`)."""
+    names = []
+    for name, definitions in item._fixtureinfo.name2fixturedefs.items():
+        definition = definitions[-1]
+        if definition.scope == "function" or name in PER_WORKER_FIXTURES or not _ours(definition, item.config.rootpath):
+            continue
+        module = Path(item.nodeid.split("::")[0]).stem
+        owner = {
+            "module": module,
+            "class": ".".join([module, *item.nodeid.split("::")[1:-1]]),
+        }.get(definition.scope, Path(inspect.getfile(definition.func)).parent.name)
+        names.append(f"{owner}.{name}")
+    return names
+
+
+def _ours(definition: pytest.FixtureDef, root: Path) -> bool:
+    """Defined by the suite being run, not by pytest or a plugin (their session fixtures, such as `tmp_path_factory`,
+    hold nothing worth sharing)."""
+    path = Path(inspect.getfile(definition.func)).resolve()
+    return path.is_relative_to(root) and "site-packages" not in path.parts
+
+
+def _work_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """Each test that shares a fixture with others -> the name of its group: tests are joined transitively, so a
+    test using two shared fixtures brings both fixtures' tests into one group."""
+    parent: dict[str, str] = {}
+
+    def root(name: str) -> str:
+        while parent.setdefault(name, name) != name:
+            name = parent[name]
+        return name
+
+    shared = {item.nodeid: _shared_fixtures(item) for item in items}
+    for names in shared.values():
+        for name in names[1:]:
+            parent[root(name)] = root(names[0])
+    return {nodeid: root(names[0]) for nodeid, names in shared.items() if names}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`--dist loadgroup`), a run shared by a module's tests is trained once: its tests go to one
+    worker together. The slowest kinds of test are collected first, so the workers take them up first."""
+    groups = _work_groups(items)
+    for item in items:
+        if item.nodeid in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+
+    def rank(item: pytest.Item) -> int:
+        """Training runs, then the browser, then other shared set-ups (replicas, emulators), then the rest."""
+        marks = [name for name in FIRST_MARKERS if item.get_closest_marker(name) is not None]
+        if marks:
+            return FIRST_MARKERS.index(marks[0])
+        return len(FIRST_MARKERS) + (item.nodeid not in groups)
+
+    items.sort(key=rank)  # stable: the order within each kind is kept
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,7 @@ def hub_spec(run_id: str, bucket: str, endpoint: str, **compute):
     return hub_demo_spec(run_id, bucket, endpoint, OWNER, engine="auto", **compute)
 
 
+@pytest.mark.e2e
 def test_a_demo_run_goes_end_to_end_through_hf_jobs(hub_panel, emulator, moto_server):
     ctx, hf_id, keys_id, bucket = hub_panel
     spec = hub_spec("hub-demo", bucket, moto_server.url)
@@ -152,6 +153,7 @@ def test_a_replica_that_fails_at_start_fails_the_run_before_the_trainer(hub_pane
     wait_until(lambda: all(j.stage in ("ERROR", "CANCELED", "COMPLETED") for j in emulator.jobs.values()), 60)
 
 
+@pytest.mark.e2e
 def test_a_trainer_failing_mid_run_cancels_the_replicas(hub_panel, emulator, moto_server):
     ctx, hf_id, keys_id, bucket = hub_panel
     source = "def f(completions, **kw):\n    raise RuntimeError('reward blew up')\n"

@@ -800,11 +800,16 @@ def user_reward(source: str) -> RewardSpec:
 
 
 def sandbox_processes() -> list[int]:
-    return [
-        process.pid
-        for process in psutil.process_iter(["cmdline"])
-        if any("sandbox_runner.py" in part for part in process.info["cmdline"] or [])
-    ]
+    """The reward sandboxes this test process started that are still alive (those of tests running beside it, in
+    other processes, are theirs to check)."""
+    alive = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if any("sandbox_runner.py" in part for part in process.cmdline()) and process.status() != "zombie":
+                alive.append(process.pid)
+        except psutil.Error:
+            continue
+    return alive
 
 
 def test_the_time_limit_ends_the_reward_in_bounded_time_with_nothing_left_behind():
