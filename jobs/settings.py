@@ -136,3 +136,5 @@ JOB_VARIABLES = (
     FAULT_SERVE_PREVIOUS_ADAPTER,
 )
 SECRET_VARIABLES = tuple(variable.name for variable in JOB_VARIABLES if variable.secret)
+# What a user sets by hand to tune a job: a local job inherits these from the panel's environment.
+TUNING_VARIABLES = tuple(variable for variable in JOB_VARIABLES if variable.set_by == "you")

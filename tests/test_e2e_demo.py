@@ -145,8 +145,11 @@ def test_the_replicas_were_stopped_and_nothing_is_left_running(finished_demo):
     assert stages == {"replica-0": "completed", "replica-1": "completed", "trainer": "completed"}
 
 
+RESUME_STEPS = 12  # a checkpoint every 4 steps: the trainer is killed once the first one is stored
+
+
 def test_a_killed_trainer_resumes_from_its_checkpoint(tmp_path):
-    ctx, poller = start_demo(tmp_path, "demo-resume", 16, save_steps=4)
+    ctx, poller = start_demo(tmp_path, "demo-resume", RESUME_STEPS, save_steps=4)
     store = LocalStore(tmp_path / "store")
 
     def checkpoint_beyond(step: int):
@@ -158,12 +161,12 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tmp_path):
             if s and s >= step
         ]
 
-    wait_until(checkpoint_beyond(8), 600, 0.5)
+    wait_until(checkpoint_beyond(4), 600, 0.5)
     versions_before = set(list_published(store, layout.adapters_prefix("demo-resume")))
     trainer_pgid = job_pgids(ctx, "demo-resume")["trainer#1"]
     os.killpg(trainer_pgid, signal.SIGKILL)  # preemption: no chance to save or to stop the replicas
     wait_until(lambda: not group_alive(trainer_pgid), 30)
-    checkpoint = max(checkpoint_beyond(8)())
+    checkpoint = max(checkpoint_beyond(4)())
 
     RunService(ctx, OWNER).relaunch_trainer("demo-resume")
     assert follow(ctx, poller, "demo-resume") == "finished"
@@ -182,7 +185,7 @@ def test_a_killed_trainer_resumes_from_its_checkpoint(tmp_path):
         if "reward" in r
     ]
     second = sorted(r["step"] for r in records if r["attempt"] == 2)
-    assert second == list(range(checkpoint + 1, 17))  # no step before the checkpoint was trained again
+    assert second == list(range(checkpoint + 1, RESUME_STEPS + 1))  # no step before the checkpoint trained again
     versions_after = list_published(store, layout.adapters_prefix("demo-resume"))
     assert versions_before <= set(versions_after)  # nothing the first attempt published was lost
     numbers = [layout.parse_version_dir(name) for name in versions_after]
@@ -484,6 +487,9 @@ def test_the_command_line_rolls_back_and_branches_and_says_what_is_wrong(finishe
     RunService(ctx, OWNER).delete("demo-e2e-cli")
 
 
+SNAPSHOT_STEPS = 12  # the snapshot is taken once 6 are ingested: as many again are polled after the restore
+
+
 def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(tmp_path, monkeypatch):
     """Issue 16: the database lives on local disk and a snapshot goes to the durable volume. The panel dies mid-run
     just after a snapshot and its local database goes with it (a Space restart); started again it restores the
@@ -499,7 +505,7 @@ def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(tmp
         settings.KEY.name, Fernet.generate_key().decode()
     )  # a Space's key is a secret, not in the data folder
     run_id, volume = "demo-snap", tmp_path / "volume"
-    ctx, poller = start_demo(tmp_path, run_id, 20)
+    ctx, poller = start_demo(tmp_path, run_id, SNAPSHOT_STEPS)
     token = ctx.vault.save(OWNER, "my token", "hf_token", "hf_SnapshotTestToken000000000000000")
     steps = lambda c: len(QueryService(c, OWNER).metric_series(run_id, "reward", max_points=None))  # noqa: E731
     wait_until(lambda: poller.poll_run(run_id) is not None and steps(ctx) >= 6, 600, 1.0, what="6 steps ingested")
@@ -518,7 +524,7 @@ def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(tmp
         status = follow(again, Poller(again, stall_after=120), run_id)
         assert status == "finished"
         points = QueryService(again, OWNER).metric_series(run_id, "reward", max_points=None)
-        assert [step for step, _ in points] == list(range(1, 21))  # each step once, those before the snapshot too
+        assert [step for step, _ in points] == list(range(1, SNAPSHOT_STEPS + 1))  # each once, before the snapshot too
         numbers = [v.version for v in QueryService(again, OWNER).versions(run_id)]
         assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) > versions_before
         events = [(e.kind, e.message, e.time) for e in QueryService(again, OWNER).events(run_id, limit=1000)]
@@ -529,7 +535,7 @@ def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(tmp
                     RolloutSample.run_id == run_id
                 )
             ).all()
-        assert {step for step, _, _ in samples} == set(range(1, 21))
+        assert {step for step, _, _ in samples} == set(range(1, SNAPSHOT_STEPS + 1))
         # Each record in the bucket once: two rollouts of a group may write the same completion, so rows are counted
         # against the records, not checked for being distinct.
         records = stored(LocalStore(tmp_path / "store"), run_id, "samples")

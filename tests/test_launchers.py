@@ -32,6 +32,7 @@ from backend.plan import JobPlan
 from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
+from jobs import settings as jobs_settings
 from jobs.contract import layout, parse_spec
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
@@ -352,7 +353,10 @@ def test_prices_and_the_cost_estimate(emulator):
 # --- the local launcher ---------------------------------------------------------------------------------------
 
 
-def test_local_launcher_submit_status_logs_cancel_and_no_orphans(tmp_path):
+def test_local_launcher_submit_status_logs_cancel_and_no_orphans(tmp_path, monkeypatch):
+    tuned = (jobs_settings.STORE_READ_TIMEOUT, jobs_settings.STORE_OUTAGE_TIMEOUT, jobs_settings.REPLICA_LOSS_TIMEOUT)
+    for variable in tuned:  # what a user tunes the jobs with by hand, in the panel's environment
+        monkeypatch.setenv(variable.name, "123")
     ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
     spec = demo_spec("local-l", f"file://{tmp_path / 'store'}", compute={"replicas": 1})
     write_spec(spec)
@@ -365,8 +369,10 @@ def test_local_launcher_submit_status_logs_cancel_and_no_orphans(tmp_path):
         "sidecar" in line or "engine" in line or "listening" in line.lower() for line in launcher.logs(job, 200)
     ), launcher.logs(job, 50)
     pgid = int((launcher.workdir / "local-l" / job.job_id / "pgid").read_text())
-    # The replica's token reaches it through its environment, never its command line.
-    assert secrets.replica_token in Path(f"/proc/{pgid}/environ").read_bytes().decode(errors="replace")
+    # The replica's token reaches it through its environment, never its command line; so do the tuned variables.
+    environ = Path(f"/proc/{pgid}/environ").read_bytes().decode(errors="replace").split("\0")
+    assert f"{jobs_settings.REPLICA_TOKEN.name}={secrets.replica_token}" in environ
+    assert {f"{variable.name}=123" for variable in tuned} <= set(environ)
     assert secrets.replica_token not in (launcher.workdir / "local-l" / job.job_id / "command").read_text()
     # A panel that restarts finds the job from its folder alone (a folder whose process never started is no job).
     (launcher.workdir / "local-l" / "replica-1-deadbeef").mkdir()

@@ -77,8 +77,10 @@ def test_list_orders_filters_and_pages_past_1000_keys(store):
 
 def test_s3_listing_pages_by_continuation_token(s3_store):
     """Issue 14: after the first page, ListObjectsV2's documented continuation token, not StartAfter (which a
-    gateway in front of S3 need not honour beyond the first request)."""
-    keys = [layout.telemetry_key("run-2", "metrics", seq) for seq in range(2010)]
+    gateway in front of S3 need not honour beyond the first request). Pages of 5 keys: the listing past S3's own
+    1000-key pages is the test above."""
+    s3_store.page_size = 5
+    keys = [layout.telemetry_key("run-2", "metrics", seq) for seq in range(14)]  # 11 after keys[2]: 3 pages
     for key in keys:
         s3_store.put_bytes(key, b"{}")
     requests: list[dict] = []

@@ -87,6 +87,8 @@ class StoreCredentials:
 
 
 class S3Store(ObjectStore):
+    page_size = 1000  # keys per listing request: the most S3 answers with
+
     def __init__(
         self,
         location: StorageLocation,
@@ -227,7 +229,7 @@ class S3Store(ObjectStore):
     def list(self, prefix: str = "", start_after: str | None = None, limit: int | None = None) -> Iterator[ObjectInfo]:
         check_prefix(prefix)
         count = 0
-        kwargs = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": 1000}
+        kwargs = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": self.page_size}
         if start_after is not None:
             kwargs["StartAfter"] = self.root + start_after
         while True:
@@ -244,7 +246,7 @@ class S3Store(ObjectStore):
                 return
             # The next page by its continuation token, ListObjectsV2's documented paging (gateways that front S3, like
             # HF's, need not support StartAfter beyond the first request).
-            kwargs = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": 1000}
+            kwargs = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": self.page_size}
             kwargs["ContinuationToken"] = page["NextContinuationToken"]
 
     def delete(self, key: str) -> None:
