@@ -63,6 +63,10 @@ HOUR = 3600.0
 TELEMETRY_STREAMS = ("metrics", "samples", "events", "proxy")
 
 
+# How often a test looks at what needs no poller pass (SQLite, the proxy's stats, the process table, the bucket).
+OBSERVE_INTERVAL = 0.25
+
+
 # --- processes ------------------------------------------------------------------------------------------------------
 
 
@@ -130,7 +134,8 @@ class FaultRun:
         return run
 
     def wait(self, predicate: Callable[[Run], bool], timeout: float, poll: bool = True, what: str = "run") -> Run:
-        """Observe until `predicate(run)`; fails at once if the run ended without it."""
+        """Observe until `predicate(run)`; fails at once if the run ended without it. Polling ourselves, once per
+        poller interval, as a panel does (each pass reads every stream of the run); else four times a second."""
 
         def check() -> Run | None:
             run = self.observe(poll)
@@ -140,14 +145,23 @@ class FaultRun:
                 raise AssertionError(f"the run ended ({run.status}: {run.status_message}) before {what}")
             return None
 
-        return wait_until(check, timeout, what=what)
+        return wait_until(check, timeout, self.interval(poll), what=what)
+
+    def interval(self, poll: bool) -> float:
+        """How often to look at the run: a poller pass of our own costs what a panel's does, a look at SQLite little."""
+        return self.poller.interval if poll else OBSERVE_INTERVAL
 
     def finish(self, timeout: float = 600, poll: bool = True) -> Run:
         """Follow the run to its end, then until every process of it is gone and the panel saw every job end."""
         run = self.wait(lambda r: r.status in TERMINAL_STATUSES, timeout, poll, what="run end")
-        wait_until(lambda: self.processes.snapshot() or not self.processes.running(), 90, what="processes gone")
         wait_until(
-            lambda: self.observe(poll) and all(job.stage in TERMINAL for job in self.jobs()), 60, what="jobs ended"
+            lambda: self.processes.snapshot() or not self.processes.running(), 90, OBSERVE_INTERVAL, "processes gone"
+        )
+        wait_until(
+            lambda: self.observe(poll) and all(job.stage in TERMINAL for job in self.jobs()),
+            60,
+            self.interval(poll),
+            what="jobs ended",
         )
         return run
 
@@ -368,6 +382,7 @@ def replica_faults(tmp_path_factory):
         stats = wait_until(
             lambda: (s := run.proxy_stats()) and replica_stats(s, "replica-1")["state"] == "ejected" and s,
             30,
+            OBSERVE_INTERVAL,
             what="replica-1 ejected",
         )
         routed_alone = replica_stats(stats, "replica-0")["routed"]
@@ -380,7 +395,7 @@ def replica_faults(tmp_path_factory):
             routed = stats and replica_stats(stats, "replica-0")["routed"] - routed_alone
             return stats if routed and routed >= 16 and run.observe(poll=False).step >= seen["killed_at"] + 2 else None
 
-        stats = wait_until(alone, 120, what="training on one replica")
+        stats = wait_until(alone, 120, OBSERVE_INTERVAL, what="training on one replica")
         seen["routed_alone"] = replica_stats(stats, "replica-0")["routed"] - routed_alone
         seen["still_ejected"] = replica_stats(stats, "replica-1")["state"]
         seen["replays_before"] = stats["adapters"]["replays"]
@@ -752,7 +767,7 @@ def store_faults(tmp_path_factory, moto_server):
         seen["resets"] = outage("reset", 5)
 
         # Row 7: every upload of one adapter version's weights is reset until we let it through.
-        target = (wait_until(run.proxy_stats, 60)["adapters"]["current"] or 0) + 2
+        target = (wait_until(run.proxy_stats, 60, OBSERVE_INTERVAL)["adapters"]["current"] or 0) + 2
         prefix = layout.adapter_prefix("fault-store", target)
         before = faulty.injected
         faulty.inject("reset", 1_000_000, methods=("PUT",), path=f"/{prefix}adapter_model.safetensors")
@@ -761,7 +776,7 @@ def store_faults(tmp_path_factory, moto_server):
             names = {info.key[len(prefix) :] for info in bucket.list(prefix)}
             return names if names and layout.MANIFEST not in names and faulty.injected - before >= 10 else set()
 
-        seen["partial"] = wait_until(interrupted, 120, what="an upload interrupted half-way")
+        seen["partial"] = wait_until(interrupted, 120, OBSERVE_INTERVAL, what="an upload interrupted half-way")
         replica = run.latest_job("replica-0")
         probe = requests.post(  # a replica asked for the half-uploaded version directly refuses it
             replica.endpoint + "/v1/load_lora_adapter",
@@ -774,14 +789,17 @@ def store_faults(tmp_path_factory, moto_server):
         faulty.clear()
         seen["interrupted_resets"] = faulty.injected - before
         seen["target"] = target
-        wait_until(lambda: bucket.exists(layout.manifest_key(prefix)), 120, what="the version published after all")
+        wait_until(
+            lambda: bucket.exists(layout.manifest_key(prefix)), 120, OBSERVE_INTERVAL, "the version published after all"
+        )
         seen["after"] = wait_until(
-            lambda: (s := run.proxy_stats()) and (s["adapters"]["current"] or 0) >= target and s, 120
+            lambda: (s := run.proxy_stats()) and (s["adapters"]["current"] or 0) >= target and s, 120, OBSERVE_INTERVAL
         )
 
         wait_until(
             lambda: run.observe(poll=True) and any("ReadTimeoutError" in line for _, line in store_retries(run)),
             120,
+            run.interval(poll=True),
             what="the stalled read timed out and was retried",
         )
         seen["final"] = run.finish()
