@@ -153,7 +153,7 @@ class Collector:
         self.results: dict[str, Result] = {}
 
     def pytest_runtest_logreport(self, report) -> None:
-        result = self.results.setdefault(report.nodeid, Result())
+        result = self.results.setdefault(test_id(report.nodeid), Result())
         result.properties.update(dict(report.user_properties))
         if hasattr(report, "wasxfail"):
             result.outcome, result.reason = ("xfailed" if report.skipped else "failed"), report.wasxfail
@@ -165,6 +165,12 @@ class Collector:
         elif report.skipped and result.outcome == "passed":
             result.outcome = "skipped"
             result.reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else ""
+
+
+def test_id(nodeid: str) -> str:
+    """A test's id without the `@group` that pytest-xdist's `--dist loadgroup` appends to tests sharing a worker."""
+    group = nodeid.rfind("@")
+    return nodeid[:group] if group > nodeid.rfind("]") else nodeid
 
 
 def fault_of(node: str, result: Result) -> str | None:
