@@ -129,6 +129,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid in groups:
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    # A test sharing a fixture with an end-to-end test waits for the same run: it is one too (`-m "not e2e"` must
+    # not train that run for the tests that only read it).
+    training = {groups[item.nodeid] for item in items if item.nodeid in groups and item.get_closest_marker("e2e")}
+    for item in items:
+        if groups.get(item.nodeid) in training and item.get_closest_marker("e2e") is None:
+            item.add_marker(pytest.mark.e2e)
 
     def rank(item: pytest.Item) -> int:
         """Training runs, then the browser, then other shared set-ups (replicas, emulators), then the rest."""

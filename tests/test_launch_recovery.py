@@ -137,6 +137,7 @@ def cancel_run_jobs(emulator: HubEmulator, run_id: str) -> None:
             emulator.job(job_id).cancel()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("index", "kill_point"), list(enumerate(KILL_POINTS)), ids=[k[0] for k in KILL_POINTS])
 def test_a_panel_killed_mid_launch_is_resumed_with_one_job_per_role(
     hub, moto_server, record_property, index, kill_point
@@ -177,6 +178,7 @@ def test_a_panel_killed_mid_launch_is_resumed_with_one_job_per_role(
     )
 
 
+@pytest.mark.e2e
 def test_a_run_stopped_while_its_panel_was_dead_mid_launch_is_cleaned_up(hub, moto_server, record_property):
     emulator, panel = hub
     run_id = "killed-then-stopped"

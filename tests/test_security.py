@@ -293,6 +293,7 @@ def hub_run(tmp_path_factory, moto_server) -> HubRun:
 # --- secrets ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e  # a whole run through the Hub emulator
 def test_no_secret_value_is_left_anywhere_after_a_run(hub_run):
     scan = SecretScan(hub_run.secrets)
     # Every object in the bucket (its key and its bytes), not only the run's prefix.
@@ -335,6 +336,7 @@ def test_no_secret_value_is_left_anywhere_after_a_run(hub_run):
     assert {entry.split(": ", 1)[1] for entry in control.found} == set(hub_run.secrets)
 
 
+@pytest.mark.e2e  # a whole run through the Hub emulator
 def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
     scan = SecretScan(hub_run.secrets)
     alice = profile(ALICE)
@@ -354,6 +356,7 @@ def test_no_secret_value_reaches_the_pages_after_entry(hub_run, pages):
 # --- the proxy and the replicas' ports --------------------------------------------------------------------------
 
 
+@pytest.mark.e2e  # a whole run through the Hub emulator
 def test_replica_ports_demand_the_bearer_token_on_the_hub(hub_run):
     """On HF Jobs the platform checks the token in front of an exposed port (the replica checks none there): the
     product's part is to expose the replica's port privately and to reach the replica only through the Hub's URL
@@ -376,6 +379,7 @@ def test_replica_ports_demand_the_bearer_token_on_the_hub(hub_run):
         assert "tiny-qwen2" not in refused["body"] and "lora" not in refused["body"].lower(), (caller, refused)
 
 
+@pytest.mark.e2e  # a whole run through the Hub emulator
 def test_the_proxy_in_the_trainer_job_listens_on_loopback_only(hub_run):
     assert hub_run.proxy_listens, "the trainer's proxy was never seen listening"
     assert {address for address, _ in hub_run.proxy_listens} == {"127.0.0.1"}
