@@ -548,7 +548,7 @@ def _service_calls(o: Owners) -> list[tuple[str, Callable[[], Any]]]:
         ("QueryService.alerts", lambda: queries.alerts(run)),
         ("QueryService.events", lambda: queries.events(run)),
         ("QueryService.alert_history", lambda: queries.alert_history(run)),
-        ("QueryService.job_log", lambda: queries.job_log(run, 1)),
+        ("QueryService.job_log", lambda: queries.job_log(run, 1, o.bob_store / "alices.log")),
         ("RunService.dismiss_alert", lambda: runs.dismiss_alert(run, 1)),
         ("ExportService.export", lambda: ExportService(ctx, BOB).export(run, "csv", o.bob_store)),
         ("QueryService.summary", lambda: queries.summary(run)),

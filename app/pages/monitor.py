@@ -27,6 +27,7 @@ from backend.launchers.base import TERMINAL
 from backend.models import Run
 from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS as EXPORT_FORMATS
+from backend.services.queries import JobLog
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound
 from jobs.contract import RunSpec, derived
 
@@ -485,17 +486,14 @@ class MonitorPage:
                 self.log_text: gr.Code("", label="Pick a job whose log to show"),
                 self.log_timer: gr.Timer(active=False),
             }
-        lines = services.queries.job_log(run_id, int(job_id))
-        running = any(job.id == int(job_id) and job.stage not in TERMINAL for job in services.queries.jobs(run_id))
-        wanted = (search or "").strip().lower()
-        shown = [line for line in lines if wanted in line.lower()] if wanted else lines
         path = self.exports / f"{run_id}-job-{int(job_id)}.log"  # rewritten as the log grows (Gradio serves a copy)
-        path.with_suffix(".tmp").write_text("\n".join(lines) + "\n")
-        path.with_suffix(".tmp").replace(path)
-        summary = f"{len(shown)} of {len(lines)} lines" if wanted else f"{len(lines)} lines"
+        log = services.queries.job_log(run_id, int(job_id), path, search or "")
+        running = any(job.id == int(job_id) and job.stage not in TERMINAL for job in services.queries.jobs(run_id))
         return {
-            self.log_text: gr.Code("\n".join(shown), label=f"Log ({summary}{', following' if running else ''})"),
-            self.log_file: gr.DownloadButton(f"Download the log ({len(lines)} lines)", value=str(path), visible=True),
+            self.log_text: gr.Code("\n".join(log.shown), label=log_label(log, running)),
+            self.log_file: gr.DownloadButton(
+                f"Download the whole log ({log.total:,} lines)", value=str(log.path), visible=True
+            ),
             self.log_timer: gr.Timer(active=running),  # a running job's log is read again until the job ends
         }
 
@@ -514,6 +512,14 @@ class MonitorPage:
             gr.Info(f"Stopping {run_id}: the trainer saves its adapter, then the jobs end.")
         else:
             gr.Info(f"{run_id} is {run.status}: there is nothing to stop.")
+
+
+def log_label(log: JobLog, following: bool) -> str:
+    """What the log view holds, and where it was cut if it was: the newest lines are shown, the rest downloaded."""
+    held = f"{log.matching:,} of {log.total:,} lines hold “{log.search}”" if log.search else f"{log.total:,} lines"
+    if log.left_out:
+        held += f"; the newest {len(log.shown):,} shown, the {log.left_out:,} before them only in the download"
+    return f"Log ({held}{', following' if following else ''})"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import requests
@@ -168,7 +169,13 @@ class Launcher(ABC):
     def state(self, job: JobHandle) -> JobState: ...
 
     @abstractmethod
-    def logs(self, job: JobHandle, tail: int = 50) -> list[str]: ...
+    def logs(self, job: JobHandle, tail: int = 50) -> list[str]:
+        """The newest `tail` lines of the job's log (job cards, launch errors)."""
+
+    @abstractmethod
+    def write_log(self, job: JobHandle, destination: Path) -> None:
+        """The job's whole log as the backend has it now, written to `destination`: nothing is cut here, start-up
+        errors and warnings included (the panel shows the newest part and says so; the download is all of it)."""
 
     @abstractmethod
     def cancel(self, job: JobHandle) -> None:

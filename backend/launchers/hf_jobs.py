@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from secrets import token_hex
 from typing import TypeVar
 
@@ -324,6 +325,17 @@ class HfJobsLauncher(Launcher):
             )[-tail:]
         except LaunchError as error:
             return [f"(logs unavailable: {error})"]
+
+    def write_log(self, job: JobHandle, destination: Path) -> None:
+        def fetch() -> None:  # from the first line again on a retry
+            with destination.open("w", encoding="utf-8") as log:
+                for line in self.api.fetch_job_logs(job_id=job.job_id, namespace=self._namespace(job)):
+                    log.write(f"{line}\n")
+
+        try:
+            self._call(fetch, f"read the {job.role} job's logs")
+        except LaunchError as error:
+            destination.write_text(f"(logs unavailable: {error})\n")
 
     def cancel(self, job: JobHandle) -> None:
         self._call(

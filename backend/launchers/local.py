@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ from jobs.processes import group_alive, terminate_group
 from jobs.store.base import atomic_write
 
 CANCEL_GRACE_S = 15.0
+TAIL_WINDOW_BYTES = 256 * 1024  # where a log's newest lines are looked for: far more than a job card's few
 _EXIT_RECORDER = """
 echo $$ > "$JOB_FOLDER/pgid.tmp" && mv -f "$JOB_FOLDER/pgid.tmp" "$JOB_FOLDER/pgid"
 trap : TERM INT
@@ -158,10 +160,17 @@ class LocalLauncher(Launcher):
             return []
         with open(path, "rb") as handle:
             handle.seek(0, os.SEEK_END)
-            size = handle.tell()
-            handle.seek(max(0, size - 256 * 1024))
+            start = max(0, handle.tell() - TAIL_WINDOW_BYTES)
+            handle.seek(start)
             lines = handle.read().decode(errors="replace").splitlines()
-        return lines[-tail:]
+        return lines[1 if start else 0 :][-tail:]  # a window that starts mid-line leaves that line out
+
+    def write_log(self, job: JobHandle, destination: Path) -> None:
+        source = self._folder(job) / "log"
+        if source.exists():
+            shutil.copyfile(source, destination)
+        else:
+            destination.write_bytes(b"")
 
     def cancel(self, job: JobHandle) -> None:
         folder = self._folder(job)

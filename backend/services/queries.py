@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy
@@ -30,7 +32,23 @@ class VersionUse:
     trainer_version: int  # the trainer's own version when it pulled them (policy_version + staleness)
 
 
-JOB_LOG_LINES = 20_000  # a job's log as the panel shows it: the newest lines, up to this many
+JOB_LOG_LINES = 20_000  # a job's log as the panel shows it: the newest lines, up to this many (the download has all)
+
+
+@dataclass(frozen=True)
+class JobLog:
+    """A job's whole log (at `path`) and the part of it the panel shows: the newest lines holding `search`."""
+
+    path: Path
+    total: int  # lines in the whole log
+    matching: int  # of them, those holding `search` (all, without one)
+    shown: list[str]
+    search: str = ""
+
+    @property
+    def left_out(self) -> int:
+        """Matching lines older than those shown: only in the download."""
+        return self.matching - len(self.shown)
 
 
 class QueryService:
@@ -195,15 +213,26 @@ class QueryService:
         with self.ctx.db.session() as session:
             return latest_proxy_snapshots(session, run_id, limit)
 
-    def job_log(self, run_id: str, job_id: int, lines: int = JOB_LOG_LINES) -> list[str]:
-        """The last `lines` lines of one of the run's jobs' logs, read from its launcher now (the job cards keep only
-        a short tail)."""
+    def job_log(self, run_id: str, job_id: int, into: Path, search: str = "", lines: int = JOB_LOG_LINES) -> JobLog:
+        """One of the run's jobs' whole log, read from its launcher now and written to `into`; of it, the newest
+        `lines` lines holding `search` (any, without one) to show."""
         run = self._check(run_id)
         with self.ctx.db.session() as session:
             job = session.get(Job, job_id)
         if job is None or job.run_id != run_id:
             raise LookupError(f"run {run_id} has no job {job_id}")
-        return self.ctx.launcher_for(run).logs(self.ctx.handle(job), lines)
+        partial = into.with_name(f"{into.name}.part")  # `into` is only ever a whole log: it may be served meanwhile
+        self.ctx.launcher_for(run).write_log(self.ctx.handle(job), partial)
+        partial.replace(into)
+        wanted, total, matching = search.strip().lower(), 0, 0
+        shown: deque[str] = deque(maxlen=lines)
+        with into.open(encoding="utf-8", errors="replace") as log:
+            for line in log:
+                total += 1
+                if wanted in line.lower():
+                    matching += 1
+                    shown.append(line.rstrip("\n"))
+        return JobLog(into, total, matching, list(shown), search.strip())
 
     def jobs(self, run_id: str) -> list[Job]:
         self._check(run_id)

@@ -181,9 +181,10 @@ def test_monitor_fills_as_the_run_trains_then_stops(
     open_tab(page, "Jobs")
     expect(page.locator("#job-cards")).to_contain_text("trainer")
     _dismiss_an_alert(page, panel, demo_run)
-    _read_a_whole_job_log(page)
+    _search_a_job_log(page)
     screenshot(page, "monitor-jobs")
     expect(page.locator("#run-header")).to_contain_text("stopped", timeout=180_000)
+    _read_a_long_job_log_whole(page, panel, demo_run, tmp_path)
     expect(page.locator("#run-header")).to_contain_text(re.compile(r"current v\d+ \(step \d+\)"))
     assert plot_points(page, "reward-plot") >= 3
     _browse_samples(page)
@@ -207,7 +208,7 @@ def _change_the_chart_options(page: Page) -> None:
     )
 
 
-def _read_a_whole_job_log(page: Page) -> None:
+def _search_a_job_log(page: Page) -> None:
     """Issue 18, item 5: a job's whole log (the cards keep a few lines), filtered by a search, and to download."""
     page.get_by_text("A job's whole log").click()
     page.locator("#log-job input").click()
@@ -216,8 +217,29 @@ def _read_a_whole_job_log(page: Page) -> None:
     page.locator("#show-log").click()
     log = page.locator("#job-log")
     expect(log).to_contain_text("Weight sync")
-    expect(log).to_contain_text(re.compile(r"Log \(\d+ of \d+ lines\)"))
+    expect(log).to_contain_text(re.compile(r"Log \([\d,]+ of [\d,]+ lines hold “Weight sync”"))
     expect(page.locator("#download-log")).to_be_visible()
+
+
+def _read_a_long_job_log_whole(page: Page, panel: RunningPanel, run_id: str, folder: Path) -> None:
+    """Issue 33, item 1: a log far longer than the panel used to read (its newest 256 KiB, from mid-line) is shown
+    from its first line, its label counts every line, and the download is the file, byte for byte."""
+    (log_file,) = (panel.data / "jobs" / run_id).glob("trainer-*/log")
+    with log_file.open("a") as log:  # the trainer has ended: its log is as long as a 40-step run's and more
+        log.writelines(f"padding line {n} " + "x" * 150 + "\n" for n in range(4_000))
+    text = log_file.read_text(errors="replace")
+    first, count = text.splitlines()[0], len(text.splitlines())
+    fill(page, "log-search", "")
+    page.locator("#show-log").click()
+    view = page.locator("#job-log")
+    expect(view).to_contain_text(f"Log ({count:,} lines)")
+    expect(view).to_contain_text(first[:80])
+    download = page.locator("#download-log")
+    expect(download).to_contain_text(f"Download the whole log ({count:,} lines)")
+    with page.expect_download() as saved:
+        download.click()
+    saved.value.save_as(folder / "trainer.log")
+    assert (folder / "trainer.log").read_bytes() == log_file.read_bytes()
 
 
 def _dismiss_an_alert(page: Page, panel: RunningPanel, run_id: str) -> None:
