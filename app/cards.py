@@ -115,16 +115,17 @@ def smoke_report(report: SmokeReport) -> str:
     return note(report.summary(), "good" if report.ok else "bad") + f'<div class="gp-table-wrap">{table}{link}</div>'
 
 
-def eta_seconds(run: Run, step_seconds: float | None, now: float | None = None) -> float | None:
-    """Time left: the recent seconds per step times the steps left, else the average pace since the start."""
+def eta_seconds(run: Run, step_seconds: float | None) -> float | None:
+    """Time left: the steps left at the run's recent seconds per step; None (estimating) until steps are timed.
+    Never the average since the start: that counts the start-up as if every step paid it again."""
     left = max(run.max_steps - run.step, 0)
     if left == 0:
         return 0.0
-    if step_seconds:
-        return left * step_seconds
-    if run.started_at and run.step:
-        return left * ((now or time.time()) - run.started_at) / run.step
-    return None
+    return left * step_seconds if step_seconds else None
+
+
+def _time_left(seconds: float | None) -> str:
+    return "estimating…" if seconds is None else duration(seconds)
 
 
 def run_header(run: Run, step_seconds: float | None, now: float | None = None, current_step: int | None = None) -> str:
@@ -135,7 +136,7 @@ def run_header(run: Run, step_seconds: float | None, now: float | None = None, c
     end = run.finished_at or now
     elapsed = end - run.started_at if run.started_at else None
     active = run.status in ("launching", "running", "degraded", "stalled")
-    left = eta_seconds(run, step_seconds, now) if active else None
+    left = eta_seconds(run, step_seconds) if active else None
     reward = f"{run.latest_reward:.3f}" if run.latest_reward is not None else "—"
     tone = STATUS_TONE.get(run.status, "muted")
     message = f'<div class="gp-status-message">{escape(run.status_message)}</div>' if run.status_message else ""
@@ -155,7 +156,7 @@ def run_header(run: Run, step_seconds: float | None, now: float | None = None, c
     <div><span>step</span><b>{run.step} / {run.max_steps}</b></div>
     <div><span>latest reward</span><b>{reward}</b></div>
     <div><span>elapsed</span><b>{duration(elapsed)}</b></div>
-    <div><span>time left</span><b>{duration(left) if active else "—"}</b></div>
+    <div><span>time left</span><b>{_time_left(left) if active else "—"}</b></div>
     <div><span>cost so far</span><b>{money(run.cost_usd)}</b></div>
     <div><span>adapter</span><b>{_version_text(run, current_step)}</b></div>
   </div>

@@ -7,6 +7,9 @@ toast that faded while the last success message stayed.
 
 from __future__ import annotations
 
+import re
+import time
+
 import gradio as gr
 import pytest
 
@@ -329,6 +332,32 @@ def test_the_header_says_which_step_the_current_version_holds(panel):
     header = cards.run_header(run, None, current_step=40)
     assert "current v41 (step 40) · best v38" in header
     assert "current v41 · best v38" in cards.run_header(run, None)  # the version not listed yet: no step claimed
+
+
+def test_time_left_is_estimated_from_timed_steps_not_from_the_start_up(panel):
+    """Issue 33, item 7: "time left 42m 39s" at step 1 of a run that ended 2.5 minutes later. Step 1 waits for the
+    rollout worker to start; the estimate waits for two steps after it, and follows their pace."""
+    from app import cards
+    from backend.models import MetricPoint
+    from backend.services.queries import QueryService
+    from jobs.contract import duration
+
+    _record(panel, "demo-eta")
+    queries = QueryService(panel.ctx, "local")
+
+    def timed(step: int, seconds: float) -> str:
+        with panel.ctx.db.session() as session:
+            session.add(MetricPoint(run_id="demo-eta", owner="local", step=step, name="perf/step_s", value=seconds))
+            session.commit()
+        run = RunService(panel.ctx, "local").get("demo-eta")
+        run.status, run.step, run.max_steps, run.started_at = "running", step, 40, time.time() - 70
+        header = cards.run_header(run, queries.step_seconds("demo-eta"))
+        return re.search(r"<span>time left</span><b>([^<]*)</b>", header).group(1)
+
+    assert timed(1, 64.0) == "estimating…"  # the start-up, not the pace
+    assert timed(2, 3.0) == "estimating…"
+    assert timed(3, 3.4) == duration(37 * 3.2)
+    assert timed(4, 60.0) == duration(36 * 3.4)  # one slow step (a resume's start-up) moves the median, not the mean
 
 
 def test_the_runs_page_overlays_any_logged_metric_with_branches_from_their_fork(panel):

@@ -139,18 +139,21 @@ class QueryService:
         return None if low is None else (int(low), int(high))
 
     def step_seconds(self, run_id: str, steps: int = 20) -> float | None:
-        """Seconds per optimizer step over the run's last `steps` steps (its own pace, whenever it is asked)."""
-        recent = self.recent_values(run_id, "perf/step_s", steps)
-        return statistics.fmean(recent) if recent else None
+        """Seconds per optimizer step at the run's own pace: the median of its last `steps` timed steps, the first
+        left out (it waits for the rollout worker to start: a demo's step 1 alone promised 42 minutes for a run that
+        ended 2.5 minutes later). None until two steps after the first are timed."""
+        recent = self.recent_values(run_id, "perf/step_s", steps, after_step=1)
+        return statistics.median(recent) if len(recent) >= 2 else None
 
-    def recent_values(self, run_id: str, name: str, count: int = 20) -> list[float]:
-        """The last `count` values of one metric, newest first (an index range scan, however long the run)."""
+    def recent_values(self, run_id: str, name: str, count: int = 20, after_step: int = 0) -> list[float]:
+        """The last `count` values of one metric past `after_step`, newest first (an index range scan, however long
+        the run)."""
         self._check(run_id)
         with self.ctx.db.session() as session:
             return list(
                 session.exec(
                     select(MetricPoint.value)
-                    .where(MetricPoint.run_id == run_id, MetricPoint.name == name)
+                    .where(MetricPoint.run_id == run_id, MetricPoint.name == name, MetricPoint.step > after_step)
                     .order_by(col(MetricPoint.step).desc())
                     .limit(count)
                 ).all()
