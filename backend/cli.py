@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -261,11 +262,15 @@ def download(args: argparse.Namespace) -> int:
     return 0
 
 
+def _four_places(value: float | None) -> str:
+    return "—" if value is None else f"{value:.4f}"
+
+
 def compare(args: argparse.Namespace) -> int:
     result = _services(args).adapters.compare(args.run, args.a, args.b)
     print(
         f"|ΔW| v{args.a} {result.total_norm_a:.4f}   |ΔW| v{args.b} {result.total_norm_b:.4f}   "
-        f"|difference| {result.total_diff_norm:.4f}   cosine {result.total_cosine}"
+        f"|difference| {result.total_diff_norm:.4f}   cosine {_four_places(result.total_cosine)}"
     )
     for module in result.modules:
         print(f"  {module.module:<60} {module.norm_a:9.4f} {module.norm_b:9.4f} {module.diff_norm:9.4f}")
@@ -370,17 +375,19 @@ def _build_parser() -> argparse.ArgumentParser:
     demo_parser = _command(
         commands, "demo", demo, "run the embedded demo end to end on this machine", "demo --steps 20"
     )
-    demo_parser.add_argument("--steps", type=int, default=40)
-    demo_parser.add_argument("--replicas", type=int, default=2)
-    demo_parser.add_argument("--seed", type=int, default=42)
+    demo_parser.add_argument("--steps", type=int, default=40, help="optimizer steps to train (default: %(default)s)")
+    demo_parser.add_argument(
+        "--replicas", type=int, default=2, help="inference replicas, each a local process (default: %(default)s)"
+    )
+    demo_parser.add_argument("--seed", type=int, default=42, help="the training seed (default: %(default)s)")
     demo_parser.add_argument(
         "--trainer-processes",
         type=int,
         default=1,
         help="data-parallel training processes (accelerate launch, gloo on the CPU); 64 completions per step are "
-        "split between them",
+        "split between them (default: %(default)s)",
     )
-    demo_parser.add_argument("--run-id")
+    demo_parser.add_argument("--run-id", help="the new run's id (default: demo-YYYYmmdd-HHMMSS, now)")
     launch_parser = _command(
         commands,
         "launch",
@@ -503,9 +510,14 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     install_log_redaction()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _build_parser().parse_args(argv)
     try:
+        args = _build_parser().parse_args(argv)
         return args.handler(args)
+    except BrokenPipeError:
+        # The reader went away (`python -m backend versions my-run | head`) with what it wanted. Point stdout at
+        # /dev/null, or flushing it at exit raises again, and end as a program SIGPIPE ended.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except (RunNotFound, VersionNotFound, RunStateError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

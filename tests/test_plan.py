@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from backend.context import PanelContext
 from backend.db import Database
@@ -175,3 +179,34 @@ def test_a_plan_names_the_secrets_a_launch_sends_and_holds_none_of_their_values(
     trainer = json.loads(shown)["jobs"][-1]
     assert set(trainer["secrets"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN", "UPSTREAM_TOKEN"}
     ctx.db.close()
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path):
+    """Issue 33, item 9: `python -m backend versions my-run | head` ended in a BrokenPipeError traceback."""
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line, as `head` is after its last
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "backend", "plan", "--preset", "demo"],
+            cwd=ROOT,
+            env={**os.environ, "GRPO_PANEL_DATA": str(tmp_path / "data")},
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 128 + signal.SIGPIPE
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+
+
+def test_the_demo_commands_options_say_what_they_do_and_their_defaults(capsys):
+    from backend.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for option, default in (("--steps", "40"), ("--replicas", "2"), ("--seed", "42"), ("--trainer-processes", "1")):
+        described = re.search(rf" {option} [A-Z_]+ (.+?)(?= --[a-z]| examples:)", help_text)
+        assert described and described.group(1).endswith(f"(default: {default})"), (option, help_text)
