@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -457,3 +458,31 @@ def test_the_weights_of_the_version_before_are_scored_then_the_trainers_own_rest
         assert torch.equal(model(input_ids=ids).logits, logits_v2)
     versions.note(model, 3)
     assert (versions.has(1), versions.has(2), versions.has(3)) == (False, True, True)
+
+
+def test_stale_drops_are_logged_once_then_summed_up_per_burst(caplog):
+    """Issue 33, item 5: TRL logged one INFO line per dropped sample (most of a demo trainer's log)."""
+    from accelerate.logging import get_logger
+    from accelerate.state import PartialState
+
+    from jobs.trainer.stale_drops import TRL_TRAINER_LOGGER, summarise_stale_drops
+
+    PartialState()
+    trl_logger = get_logger(TRL_TRAINER_LOGGER)  # as TRL's trainer makes its logger: "[RANK 0] " before each line
+    summary = summarise_stale_drops()
+    try:
+        with caplog.at_level(logging.INFO):
+            for burst in (5, 3):
+                for _ in range(burst):
+                    trl_logger.info("dropping stale sample (staleness=2, max=1)")
+                trl_logger.info("Weight sync: done. Total 0.8s")
+        lines = [record.getMessage() for record in caplog.records]
+    finally:
+        logging.getLogger(TRL_TRAINER_LOGGER).removeFilter(summary)
+    assert lines == [
+        "[RANK 0] dropping stale sample (staleness=2, max=1); further drops are counted in one line per burst",
+        "4 more samples dropped as too stale (5 in all)",
+        "[RANK 0] Weight sync: done. Total 0.8s",
+        "3 more samples dropped as too stale (8 in all)",
+        "[RANK 0] Weight sync: done. Total 0.8s",
+    ]

@@ -56,6 +56,7 @@ from jobs.trainer.proxy_process import (
 from jobs.trainer.replicas import read_replica_jobs, stop_replicas
 from jobs.trainer.reporting import install_reporting_packages, report_environment
 from jobs.trainer.rewards import build_rewards
+from jobs.trainer.stale_drops import summarise_stale_drops
 from jobs.trainer.telemetry import (
     RecordingQueue,
     RewardErrorForwarder,
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     main_process = ranks.is_main_process()
     setup_logging("trainer" if main_process else f"trainer-rank{ranks.rank()}")
+    summarise_stale_drops()
     cuda = torch.cuda.is_available()
     if args.torch_threads or not cuda:
         torch.set_num_threads(args.torch_threads or 1)  # on CPU the replicas need the other cores
