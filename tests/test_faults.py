@@ -723,8 +723,11 @@ def store_retries(run: FaultRun) -> list[tuple[str, str]]:
     ]
 
 
-# The store clients' read timeout in this run's jobs (60 s by default), and how long the stalled read hangs: past it.
-STORE_READ_TIMEOUT = 15
+# The store clients' read timeout in this run's jobs, and how long the stalled read hangs: past it. Below the 60 s
+# default, so that only a setting that reached the jobs times the stall out; far above what any read takes on a
+# loaded machine (with two busy processes beside the suite, 15 s timed out reads of every job, not only the stalled
+# one).
+STORE_READ_TIMEOUT = 45
 STALL_S = STORE_READ_TIMEOUT + 5
 
 

@@ -29,6 +29,7 @@ from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
 from jobs.models import eos_token_ids, parameter_count, resolve_model
+from jobs.ports import free_port
 from jobs.runtime import RunContext, add_run_arguments, open_run, read_json, setup_logging, spec_uri
 from jobs.store import StoreError
 from jobs.trainer import cpu_compat, ranks
@@ -78,7 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=settings.TRAINER_WORKDIR.get(),
         help=settings.TRAINER_WORKDIR.flag_help("local working folder, the same for every rank"),
     )
-    parser.add_argument("--proxy-port", type=int, default=8000)
+    parser.add_argument(
+        "--proxy-port",
+        type=int,
+        default=None,
+        help="the proxy's port on 127.0.0.1 (default: a free one; trainers sharing a host, as on the Hub Jobs "
+        "emulator, would otherwise meet on one port and talk to each other's proxy)",
+    )
     parser.add_argument("--replica-wait", type=float, default=900.0, help="seconds to wait for healthy replicas")
     parser.add_argument(
         "--replica-loss-timeout",
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         attempt, telemetry = 0, SilentTelemetry()  # the main process reports for every rank
     telemetry.status("starting")
-    proxy = ProxyProcess(spec_uri(spec.storage, spec.run_id), args.proxy_port, args.store_endpoint, args.store_region)
+    proxy_port = args.proxy_port or free_port()  # only the main process's proxy runs and is asked
+    proxy = ProxyProcess(spec_uri(spec.storage, spec.run_id), proxy_port, args.store_endpoint, args.store_region)
     watchdogs: list[Watchdog] = []
     replica_jobs = None  # the replica jobs as recorded at start: stoppable even if the bucket is gone by the end
     stop = GracefulStop(store, spec.run_id, telemetry)
