@@ -18,6 +18,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from tests.browser.helpers import TIMEOUT_MS, RunningPanel, fill, open_tab, plot_points, rows, screenshot
 from tests.support.runs import job_log_tails
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.browser
 DEMO_STEPS = 40  # the run is stopped after a few steps; the margin keeps it from finishing first
@@ -225,14 +226,17 @@ def _read_a_long_job_log_whole(page: Page, panel: RunningPanel, run_id: str, fol
     """Issue 33, item 1: a log far longer than the panel used to read (its newest 256 KiB, from mid-line) is shown
     from its first line, its label counts every line, and the download is the file, byte for byte."""
     (log_file,) = (panel.data / "jobs" / run_id).glob("trainer-*/log")
-    with log_file.open("a") as log:  # the trainer has ended: its log is as long as a 40-step run's and more
+    # The run shows "stopped" before the trainer's last lines: wait for its process to end (the launcher records
+    # its exit code then), so that the log no longer grows.
+    wait_until(lambda: (log_file.parent / "exit").exists(), 120, 0.5, what="the trainer process's end")
+    with log_file.open("a") as log:  # as long as a 40-step run's log and more
         log.writelines(f"padding line {n} " + "x" * 150 + "\n" for n in range(4_000))
     text = log_file.read_text(errors="replace")
     first, count = text.splitlines()[0], len(text.splitlines())
     fill(page, "log-search", "")
     page.locator("#show-log").click()
     view = page.locator("#job-log")
-    expect(view).to_contain_text(f"Log ({count:,} lines)")
+    expect(view).to_contain_text(f"Log ({count:,} lines")
     expect(view).to_contain_text(first[:80])
     download = page.locator("#download-log")
     expect(download).to_contain_text(f"Download the whole log ({count:,} lines)")
