@@ -227,7 +227,8 @@ class QueryService:
         partial = into.with_name(f"{into.name}.part")  # `into` is only ever a whole log: it may be served meanwhile
         self.ctx.launcher_for(run).write_log(self.ctx.handle(job), partial)
         partial.replace(into)
-        wanted, total, matching = search.strip().lower(), 0, 0
+        search = search.strip()
+        wanted, total, matching = search.lower(), 0, 0
         shown: deque[str] = deque(maxlen=lines)
         with into.open(encoding="utf-8", errors="replace") as log:
             for line in log:
@@ -235,7 +236,7 @@ class QueryService:
                 if wanted in line.lower():
                     matching += 1
                     shown.append(line.rstrip("\n"))
-        return JobLog(into, total, matching, list(shown), search.strip())
+        return JobLog(into, total, matching, list(shown), search)
 
     def jobs(self, run_id: str) -> list[Job]:
         self._check(run_id)
