@@ -15,6 +15,7 @@ from typing import Any
 from app.formatting import ago, clock, duration, money, number
 from backend.models import Event, Job, Run
 from backend.services.adapters import Comparison
+from backend.services.queries import SampleUse
 from backend.services.smoke import SmokeReport
 from jobs.contract import RunSpec
 
@@ -128,9 +129,16 @@ def _time_left(seconds: float | None) -> str:
     return "estimating…" if seconds is None else duration(seconds)
 
 
-def run_header(run: Run, step_seconds: float | None, now: float | None = None, current_step: int | None = None) -> str:
-    """Status, progress from step to max steps, time elapsed and left, cost so far, and the current adapter version
-    with the step it holds (`current_step`): v1 is the weights before the first step, so vN+1 follows step N."""
+def run_header(
+    run: Run,
+    step_seconds: float | None,
+    now: float | None = None,
+    current_step: int | None = None,
+    sample_use: SampleUse | None = None,
+) -> str:
+    """Status, progress from step to max steps, time elapsed and left, the share of generated samples trained on,
+    cost so far, and the current adapter version with the step it holds (`current_step`): v1 is the weights before
+    the first step, so vN+1 follows step N."""
     now = now or time.time()
     fraction = min(run.step / run.max_steps, 1.0) if run.max_steps else 0.0
     end = run.finished_at or now
@@ -139,7 +147,9 @@ def run_header(run: Run, step_seconds: float | None, now: float | None = None, c
     left = eta_seconds(run, step_seconds) if active else None
     reward = f"{run.latest_reward:.3f}" if run.latest_reward is not None else "—"
     tone = STATUS_TONE.get(run.status, "muted")
-    message = f'<div class="gp-status-message">{escape(run.status_message)}</div>' if run.status_message else ""
+    # A failure is said in the banner below the header, in its tone: not twice.
+    shown = run.status_message and run.status != "failed"
+    message = f'<div class="gp-status-message">{escape(run.status_message)}</div>' if shown else ""
     parent = (
         f'<span class="gp-meta">branch of <b>{escape(run.parent_run_id)}</b> v{run.parent_version}</span>'
         if run.parent_run_id
@@ -157,6 +167,7 @@ def run_header(run: Run, step_seconds: float | None, now: float | None = None, c
     <div><span>latest reward</span><b>{reward}</b></div>
     <div><span>elapsed</span><b>{duration(elapsed)}</b></div>
     <div><span>time left</span><b>{_time_left(left) if active else "—"}</b></div>
+    {_trained_on(sample_use)}
     <div><span>cost so far</span><b>{money(run.cost_usd)}</b></div>
     <div><span>adapter</span><b>{_version_text(run, current_step)}</b></div>
   </div>
@@ -186,6 +197,23 @@ def reported_to(spec_json: str) -> str:
         return ""
     where = " · ".join(places)
     return f'<div class="gp-meta gp-reported-to">also reported to {where}, as run {escape(spec.run_id)}</div>'
+
+
+def sample_count(offset: int, shown: int, total: int, page: int, pages: int) -> str:
+    """Which of the samples that pass the filters the table holds: never a silent cap."""
+    if not total:
+        return '<div class="gp-meta">No sample passes these filters.</div>'
+    where = f" · page {page} of {pages} (type another page and press Enter)" if pages > 1 else ""
+    return f'<div class="gp-meta">Samples {offset + 1:,}–{offset + shown:,} of {total:,}{where}</div>'
+
+
+def _trained_on(use: SampleUse | None) -> str:
+    """The share of the samples the trainer took from the replicas that it trained on: the rest were generated (and
+    paid for) in vain, too stale by the time the trainer reached them."""
+    if use is None or not use.pulled:
+        return "<div><span>trained on</span><b>—</b></div>"
+    why = f"{use.trained:,} of the {use.pulled:,} samples the trainer took; the rest were too stale"
+    return f'<div title="{why}"><span>trained on</span><b>{use.trained_share:.0%} of samples</b></div>'
 
 
 def _version_text(run: Run, current_step: int | None) -> str:
@@ -221,7 +249,7 @@ def alert_history(alerts: list[Event]) -> str:
             state = '<span class="gp-badge gp-muted">dismissed</span>'
         else:
             state = f'<span class="gp-badge gp-good">cleared</span> {clock(a.cleared_at)}' if a.cleared_at else "—"
-        step = f"step {a.step}" if a.step is not None else ""
+        step = f"step {a.step}" if a.step is not None else "—"
         rows.append(
             f"<tr><td>{clock(a.time)}</td><td>{step}</td><td>{escape(a.level)}</td>"
             f"<td><b>{escape(a.kind.replace('_', ' '))}</b> {escape(a.message)}</td><td>{state}</td></tr>"

@@ -29,6 +29,11 @@ CSS = """
 .gp-note { padding: 8px 12px; border-radius: 6px; font-size: 0.92rem; }
 .gp-note-info { background: #eff6ff; color: #1e3a8a; } .gp-note-good { background: #f0fdf4; color: #166534; }
 .gp-note-warn { background: #fffbeb; color: #92400e; } .gp-note-bad { background: #fef2f2; color: #991b1b; }
+/* Dark mode: the same tones, dark grounds and light text (light banners glared on a dark page). */
+.dark .gp-note-info, .dark .gp-alert-info { background: #172554; color: #dbeafe; }
+.dark .gp-note-good { background: #052e16; color: #dcfce7; }
+.dark .gp-note-warn, .dark .gp-alert-warning { background: #451a03; color: #fef3c7; }
+.dark .gp-note-bad, .dark .gp-alert-error, .dark .gp-field-error { background: #450a0a; color: #fee2e2; }
 .gp-json { max-height: 420px; overflow: auto; font-size: 0.8rem; padding: 8px 12px; margin: 0; white-space: pre; }
 .gp-run-header { padding: 4px 2px; }
 .gp-run-title { display: flex; gap: 10px; align-items: center; flex-wrap: wrap; }
@@ -38,7 +43,7 @@ CSS = """
 .gp-good-fill, .gp-info-fill { background: linear-gradient(90deg, #6366f1, #22c55e); }
 .gp-warn-fill { background: #f59e0b; } .gp-bad-fill { background: #ef4444; }
 .gp-done-fill { background: #6366f1; } .gp-muted-fill { background: #94a3b8; }
-.gp-stats { display: grid; grid-template-columns: repeat(6, minmax(0, 1fr)); gap: 8px; }
+.gp-stats { display: grid; grid-template-columns: repeat(auto-fit, minmax(110px, 1fr)); gap: 8px; }
 .gp-stats div { background: var(--block-background-fill); border: 1px solid var(--border-color-primary);
   border-radius: 8px; padding: 6px 10px; }
 .gp-stats span { display: block; font-size: 0.75rem; color: var(--body-text-color-subdued); text-transform: uppercase;
@@ -84,7 +89,6 @@ button:disabled, button[disabled] { opacity: 0.45; cursor: not-allowed; filter: 
 .gp-table-wrap th { text-align: left; font-weight: 600; color: var(--body-text-color-subdued);
   border-bottom: 2px solid var(--border-color-primary); padding: 6px 8px; }
 .gp-table-wrap td { border-bottom: 1px solid var(--border-color-primary); padding: 6px 8px; vertical-align: top; }
-@media (max-width: 900px) { .gp-stats { grid-template-columns: repeat(3, minmax(0, 1fr)); } }
 /* Figures follow the page's theme: plotly draws on white, so in dark mode its drawing is inverted, and turned back
    round the color wheel so that every series keeps its hue (blue stays blue). */
 .dark .js-plotly-plot .main-svg { filter: invert(0.9) hue-rotate(180deg); }

@@ -11,8 +11,8 @@ import gradio as gr
 from app.pages.account import AccountPage
 from app.pages.adapters import AdaptersPage
 from app.pages.launch import LaunchPage
-from app.pages.monitor import MonitorPage, run_choices
-from app.pages.runs import RunsPage
+from app.pages.monitor import MonitorPage, keep_charts, run_choices
+from app.pages.runs import RunsPage, keep_overlay
 from app.panel import Panel
 from app.public_api import PublicApi, make_private
 
@@ -30,13 +30,14 @@ def build_app(panel: Panel) -> gr.Blocks:
                 gr.LoginButton(scale=0, min_width=220)
         launch, runs, monitor = LaunchPage(panel), RunsPage(panel), MonitorPage(panel)
         adapters, account = AdaptersPage(panel), AccountPage(panel)
+        saved_overlay, saved_charts = keep_overlay(), keep_charts()  # outside the tabs, so loaded on every page load
         with gr.Tabs(selected="launch", elem_id="pages") as tabs:
             with gr.Tab("Launch", id="launch", elem_id="tab-launch") as launch_tab:
                 launch.build()
             with gr.Tab("Runs", id="runs", elem_id="tab-runs") as runs_tab:
-                runs.build()
+                runs.build(saved_overlay)
             with gr.Tab("Monitor", id="monitor", elem_id="tab-monitor") as monitor_tab:
-                monitor.build()
+                monitor.build(saved_charts)
             with gr.Tab("Adapters", id="adapters", elem_id="tab-adapters") as adapters_tab:
                 adapters.build()
             with gr.Tab("Account", id="account", elem_id="tab-account") as account_tab:
@@ -71,7 +72,7 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     tab_of["launch"].select(launch.on_open, launch.load_outputs(), launch.load_outputs()).then(
         lambda: _timers("launch"), None, timers
     )
-    tab_of["runs"].select(runs.refresh_now, [runs.compare, runs.metric], runs.refresh_outputs()).then(
+    tab_of["runs"].select(runs.refresh_now, runs.overlay_controls(), runs.refresh_outputs()).then(
         lambda: _timers("runs"), None, timers
     )
     # A new run in the dropdown redraws through its change event; the same run is kept current by the timer.
@@ -97,7 +98,7 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     runs.branch_button.click(
         runs.branch, [runs.selected, runs.branch_version, runs.branch_id, runs.branch_now], [child]
     ).then(follow_branch, [child, runs.branch_now], nav_outputs).then(
-        runs.refresh_now, [runs.compare, runs.metric], runs.refresh_outputs()
+        runs.refresh_now, runs.overlay_controls(), runs.refresh_outputs()
     )
 
     # A branch from the Adapters page: show it in Runs, overlaid on its parent.
@@ -114,3 +115,6 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     app.load(account.refresh, None, account.refresh_outputs()).then(
         launch.on_open, launch.load_outputs(), launch.load_outputs()
     )
+    # ... and the chart choices this browser made last time (kept in its local storage).
+    app.load(monitor.restore_charts, [monitor.saved_charts], monitor.chart_controls(), show_progress="hidden")
+    app.load(runs.restore, [runs.saved_overlay], [*runs.refresh_outputs(), runs.smoothing], show_progress="hidden")

@@ -77,6 +77,8 @@ def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = N
     """How the run uses its hardware, as the jobs will compute it (jobs/contract/derived.py), for a model of
     `parameters` where known."""
     compute, grpo = spec.compute, spec.grpo
+    limits = derived.rollout_limits(spec)
+    window = derived.staleness_window(grpo)
     processes = derived.trainer_processes(compute)
     per_device, accumulation = derived.batch_shape(grpo, processes, trainer_cuda)
     weights, autocast = derived.trainer_precision(trainer_cuda)
@@ -109,11 +111,26 @@ def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = N
             "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
         },
         "rollouts": {
-            "queue_size": derived.queue_size(grpo),
+            "queue_size": limits.queue,
             "max_staleness": grpo.max_staleness,
-            "max_inflight": grpo.max_inflight,
+            "max_inflight": limits.inflight,
+            "scored_groups": limits.scored_groups,
+            "staleness_window": window,
+            "expected_trained_share": _expected_trained_share(limits, grpo.num_generations, window),
         },
     }
+
+
+def _expected_trained_share(limits: derived.RolloutLimits, group: int, window: int) -> str:
+    """What share of the replicas' samples the trainer can be expected to train on, in words: nearly all while what
+    waits for it (in flight, scored and queued) fits the staleness window, fewer when the replicas outrun it."""
+    waiting = limits.inflight + limits.queue + limits.scored_groups * group
+    if waiting <= window:
+        return f"over 90 %: {waiting} samples in flight, scored and queued fit the staleness window of {window}"
+    return (
+        f"below 90 % whenever the replicas outrun the trainer: {waiting} samples in flight, scored and queued exceed "
+        f"the staleness window of {window}, and those beyond it go stale before the trainer reaches them"
+    )
 
 
 def _sharding(requested: str, processes: int, parameters: int | None, gpu_memory_gb: float) -> str:

@@ -40,6 +40,10 @@ SAMPLE_ROWS = 4
 # transformers does), and the config (attention heads, for the replicas' tensor parallelism).
 MODEL_FILES = {"tokenizer_config.json", "chat_template.jinja", "config.json"}
 HUB_PROBE_TIMEOUT = 5.0  # seconds for the one request that tells whether the Hub is reachable
+_LOCAL_JOBS_NEED_THE_HUB = (
+    "local jobs share this machine's network and load it from the Hub, so the run would fail after its replicas "
+    "start: check the network"
+)
 
 
 @dataclass
@@ -47,6 +51,8 @@ class Preflight:
     spec: RunSpec | None = None
     errors: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    # What could not be checked, each with why: shown as "not checked", never as passed.
+    unchecked: dict[str, str] = field(default_factory=dict)
     preview: list[dict[str, Any]] = field(default_factory=list)
     trials: list[RewardTrial] = field(default_factory=list)
     cost_per_hour: float | None = None
@@ -146,8 +152,9 @@ def _check_hub(ctx: PanelContext, spec: RunSpec, result: Preflight) -> bool:
     """One short request to the Hub, made only when the spec needs the Hub; whether it answered.
 
     Offline, each Hub check would retry on its own (huggingface_hub's backoff: ~25 s for the dataset alone) before
-    failing. HF Jobs cannot be submitted without the Hub: an error. A Hub model or dataset merely goes unchecked
-    (the jobs may well reach the Hub): one warning, which says what was not checked.
+    failing. HF Jobs cannot be submitted without the Hub: an error. Local jobs share this machine's network, so a Hub
+    model or dataset they cannot reach is an error on that field: launched, the run failed a minute later, after both
+    replicas had started. Whatever could not be checked is recorded as not checked.
     """
     hub_dataset = _hub_dataset(spec)
     if spec.compute.backend != "hf_jobs" and not hub_dataset and not _on_hub(spec.model.id):
@@ -163,11 +170,16 @@ def _check_hub(ctx: PanelContext, spec: RunSpec, result: Preflight) -> bool:
         reason = f"the Hub ({endpoint}) did not answer the panel ({type(error).__name__})"
     if spec.compute.backend == "hf_jobs":
         result.errors["compute.backend"] = f"{reason}; HF Jobs are submitted through it: check this machine's network"
-    unchecked = [spec.model.id] if _on_hub(spec.model.id) else []
+    local = spec.compute.backend == "local"
+    if _on_hub(spec.model.id):
+        result.unchecked["model"] = f"{spec.model.id}: {reason}"
+        if local:
+            result.errors["model.id"] = f"{reason}; {_LOCAL_JOBS_NEED_THE_HUB}, or give a model folder on this machine"
     if hub_dataset:
-        unchecked += [spec.dataset.id, "the rewards (they run on the dataset's rows)"]
-    if unchecked:
-        result.warnings.append(f"{reason}: not checked: {', '.join(unchecked)}; the jobs may still reach it")
+        result.unchecked["dataset"] = f"{spec.dataset.id}: {reason}"
+        result.unchecked["rewards"] = "they are tried on the dataset's rows"
+        if local:
+            result.errors["dataset.id"] = f"{reason}; {_LOCAL_JOBS_NEED_THE_HUB}, or upload the dataset to the bucket"
     return False
 
 
@@ -275,8 +287,11 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
         result.errors["model.id"] = f"{model} was not found on the Hub (or is private); check the id and the token"
     except HfHubHTTPError as error:
         result.errors["model.id"] = f"the Hub refused {model}: {str(error)[:200]}"
-    except Exception as error:  # offline: say so, the jobs may still reach the Hub
-        result.warnings.append(f"could not check {model} on the Hub ({type(error).__name__})")
+    except Exception as error:  # offline: say so; HF Jobs may still reach the Hub, local jobs would not
+        reason = f"the Hub did not answer for {model} ({type(error).__name__})"
+        result.unchecked["model"] = f"{model}: {reason}"
+        if spec.compute.backend == "local":
+            result.errors["model.id"] = f"{reason}; {_LOCAL_JOBS_NEED_THE_HUB}, or give a model folder on this machine"
     else:
         _check_chat_template(template, model, result)
         if info.safetensors is not None and spec.compute.backend == "hf_jobs":

@@ -1,8 +1,14 @@
-"""Figures of the embedded demo: wall time, steps/min, reward first 5 vs last 5 steps, adapter sync p50, per seed.
+"""Figures of the embedded demo per seed: the first reward and the end after Launch, steps/min, reward first 5 vs last
+5 steps, the share of generated samples trained on, CPU time, adapter sync p50.
 
     .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 30 40
     .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --trainer-processes 1 2   # DDP vs one process
     .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --trainer-processes 1 2 --sharding ddp fsdp
+    .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 40 --limits auto 64/256   # in flight / queued
+
+With several `--limits` each seed runs once per pair of rollout limits (`auto`: derived from the staleness window,
+jobs/contract/derived.py's `rollout_limits`), side by side. "trained on" is the share of the samples the trainer
+pulled that it trained on rather than dropped as too stale; "CPU" the CPU-seconds of every job process of the run.
 
 With several `--trainer-processes` each seed runs once per count, one after the other, so the rows compare the same
 seed under the same load: the 2-process rows are the trainer under `accelerate launch` (2 ranks over gloo), each
@@ -17,7 +23,9 @@ explains most of the spread in wall time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -34,26 +42,58 @@ from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.demo.preset import demo_spec
 
 
-def run_demo(steps: int, seed: int, processes: int = 1, sharding: str = "auto") -> dict:
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _wait_for_children_to_exit(limit_s: float = 120.0) -> None:
+    """Until every job process of the run has ended and been reaped, so its CPU time is counted."""
+    deadline = time.monotonic() + limit_s
+    me = str(os.getpid())
+    while time.monotonic() < deadline:
+        children = [p for p in Path("/proc").glob("[0-9]*/stat") if _parent(p) == me]
+        if not children:
+            return
+        time.sleep(0.5)
+
+
+def _parent(stat: Path) -> str | None:
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[1]
+    except (OSError, IndexError):
+        return None
+
+
+def run_demo(steps: int, seed: int, processes: int = 1, sharding: str = "auto", limits: str = "auto") -> dict:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         ctx = PanelContext(Database(root / "panel.sqlite3"), root)
         run_id = f"bench-{steps}-{seed}-{processes}-{sharding}"
         service = RunService(ctx, "bench")
-        grpo = {"max_steps": steps, "seed": seed}
+        grpo: dict = {"max_steps": steps, "seed": seed}
+        if limits != "auto":
+            inflight, queue = limits.split("/")
+            grpo.update(max_inflight=int(inflight), queue_size=int(queue))
         compute = {"trainer_processes": processes, "trainer_sharding": sharding}
         service.create(demo_spec(run_id, f"file://{root / 'store'}", grpo=grpo, compute=compute))
-        started = time.monotonic()
+        started, cpu_before = time.monotonic(), _children_cpu_s()
         service.launch(run_id, wait=True)
-        poller = Poller(ctx)
+        poller, first_reward = Poller(ctx), None
         while True:
             poller.poll_run(run_id)
-            if service.get(run_id).status in TERMINAL_STATUSES:
+            run = service.get(run_id)
+            if first_reward is None and run.latest_reward is not None:
+                first_reward = time.monotonic() - started
+            if run.status in TERMINAL_STATUSES:
                 break
             time.sleep(1)
         wall = time.monotonic() - started
+        _wait_for_children_to_exit()
+        cpu = _children_cpu_s() - cpu_before
         queries = QueryService(ctx, "bench")
         summary = queries.summary(run_id)
+        use = queries.sample_use(run_id)
         step_times = [v for _, v in queries.metric_series(run_id, "perf/step_s", max_points=None)]
         ratios = [v for _, v in queries.metric_series(run_id, "ratio", max_points=None)]
         ctx.db.close()
@@ -61,8 +101,12 @@ def run_demo(steps: int, seed: int, processes: int = 1, sharding: str = "auto") 
             "steps": steps,
             "seed": seed,
             "processes": processes if processes == 1 else f"{processes} ({sharding})",
+            "limits": limits,
+            "trained_share": use.trained_share,
+            "cpu_s": cpu,
             "status": summary.run.status,
             "wall_s": wall,
+            "first_reward_s": first_reward,
             "steps_per_min": steps / wall * 60,
             "first5": summary.reward_first5,
             "last5": summary.reward_last5,
@@ -80,21 +124,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, nargs="+", default=[30, 40])
     parser.add_argument("--trainer-processes", type=int, nargs="+", default=[1])
     parser.add_argument("--sharding", nargs="+", choices=["ddp", "fsdp"], default=["ddp"])
+    parser.add_argument("--limits", nargs="+", default=["auto"], help="in flight/queued pairs, e.g. 64/256, or auto")
     args = parser.parse_args()
     print(
-        "| steps | seed | trainer processes | status | wall | steps/min | reward first 5 → last 5 | sync p50 "
-        "| step p50 | ratio range | load avg |"
+        "| steps | seed | trainer processes | in flight/queued | status | first reward | wall | steps/min "
+        "| reward first 5 → last 5 | trained on | CPU | sync p50 | step p50 | ratio range | load avg |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for seed in args.seeds:
             layouts = [(n, sharding) for n in args.trainer_processes for sharding in ([] if n == 1 else args.sharding)]
-            for processes, sharding in [(1, "auto")] * (1 in args.trainer_processes) + layouts:
-                r = run_demo(steps, seed, processes, sharding)
+            for (processes, sharding), limits in itertools.product(
+                [(1, "auto")] * (1 in args.trainer_processes) + layouts, args.limits
+            ):
+                r = run_demo(steps, seed, processes, sharding, limits)
                 print(
-                    f"| {r['steps']} | {r['seed']} | {r['processes']} | {r['status']} | {r['wall_s']:.0f} s "
-                    f"| {r['steps_per_min']:.1f} "
-                    f"| {r['first5']:.3f} → {r['last5']:.3f} | {r['sync_p50']:.2f} s | {r['step_p50']:.2f} s "
+                    f"| {r['steps']} | {r['seed']} | {r['processes']} | {r['limits']} | {r['status']} "
+                    f"| {r['first_reward_s']:.0f} s | {r['wall_s']:.0f} s | {r['steps_per_min']:.1f} "
+                    f"| {r['first5']:.3f} → {r['last5']:.3f} "
+                    f"| {r['trained_share']:.0%} | {r['cpu_s']:.0f} s | {r['sync_p50']:.2f} s | {r['step_p50']:.2f} s "
                     f"| {r['ratio_min']:.3f}–{r['ratio_max']:.3f} | {r['load']:.1f} |",
                     flush=True,
                 )

@@ -488,8 +488,8 @@ def test_staleness_beyond_the_adapters_a_replica_holds(gate, refused):
 
 
 @row("staleness larger than the queue allows")
-def test_a_queue_that_cannot_hold_one_step(gate, refused):
-    refused(gate.spec(grpo={"queue_size": 32}), "grpo.queue_size", "raise it or lower completions_per_step")
+def test_a_queue_that_cannot_hold_one_group(gate, refused):
+    refused(gate.spec(grpo={"queue_size": 4}), "grpo.queue_size", "raise it to at least 8")
 
 
 @row("zero or too many replicas")

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from jobs.contract import RunSpec, SpecError, derived, layout, parse_spec, parse_storage_uri, timeout_seconds
+from jobs.demo.preset import demo_spec
 
 
 def errors_of(data: dict) -> dict[str, str]:
@@ -67,7 +68,8 @@ def test_json_round_trip_is_exact():
         ({"grpo": {"top_p": 0.9}}, "grpo.top_p", "TRL 1.16 does not model"),
         ({"grpo": {"top_k": 20}}, "grpo.top_k", "leave top-k at 0"),
         ({"grpo": {"max_staleness": 40}}, "grpo.max_staleness", "at most 16"),
-        ({"grpo": {"queue_size": 64}}, "grpo.queue_size", "cannot hold one step"),
+        ({"grpo": {"queue_size": 4}}, "grpo.queue_size", "cannot hold one group of 8"),
+        ({"grpo": {"max_inflight": 4}}, "grpo.max_inflight", "raise it to at least 8"),
         ({"grpo": {"completions_per_step": 100}}, "grpo.completions_per_step", "multiple of num_generations"),
         ({"grpo": {"max_stalenes": 2}}, "grpo.max_stalenes", "not a known field"),
         ({"grpo": {"max_completion_length": 5000}}, "grpo.max_completion_length", "below model.max_model_len"),
@@ -90,6 +92,21 @@ def test_each_rule_names_the_field_and_the_fix(data, field, fragment):
     errors = errors_of({"run_id": "valid-run", **data})
     assert field in errors, errors
     assert fragment in errors[field]
+
+
+def test_every_error_a_section_holds_is_reported_in_one_pass():
+    """Issue 33, item 9: completions_per_step's error came only once the other training errors were mended."""
+    with pytest.raises(SpecError) as refused:
+        parse_spec(
+            {"run_id": "one-pass", "grpo": {"max_steps": -5, "completions_per_step": 100, "queue_size": 2, "top_k": 9}}
+        )
+    assert set(refused.value.errors) == {
+        "grpo.max_steps",
+        "grpo.completions_per_step",
+        "grpo.queue_size",
+        "grpo.top_k",
+    }
+    assert refused.value.errors["grpo.completions_per_step"].startswith("100 must be a multiple of num_generations (8)")
 
 
 @pytest.mark.parametrize(
@@ -130,11 +147,27 @@ def test_timeouts_parse_like_hf_jobs():
             timeout_seconds(bad)
 
 
+def test_rollout_limits_keep_in_flight_and_queued_samples_within_the_staleness_window():
+    from backend.presets import math_recipe
+
+    demo = demo_spec("demo-limits", "file:///tmp/store")
+    assert derived.staleness_window(demo.grpo) == 64  # staleness 1 × a sync every step × 64 completions
+    assert derived.rollout_limits(demo) == (32, 24, 1)  # in flight, queued, TRL's scored groups: 64 samples
+    recipe = RunSpec.model_validate(math_recipe("recipe-limits", "me", "bucket"))
+    assert derived.staleness_window(recipe.grpo) == 2048  # 4 × 4 × 128
+    assert derived.rollout_limits(recipe) == (384, 768, 16)  # the recipe's measured fastest; TRL's 16 groups
+    one_group = demo.model_copy(update={"grpo": demo.grpo.model_copy(update={"completions_per_step": 8})})
+    assert derived.rollout_limits(one_group) == (8, 8, 1)  # never under one group, however small the window
+    chosen = demo.model_copy(update={"grpo": demo.grpo.model_copy(update={"max_inflight": 48, "queue_size": 96})})
+    assert derived.rollout_limits(chosen) == (48, 96, 1)
+
+
 def test_derived_values():
     assert [derived.vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 300, 512)] == [1, 8, 8, 16, 320, 512]
     assert derived.vllm_max_loras(4) == 6
     spec = RunSpec(run_id="derive")
-    assert derived.queue_size(spec.grpo) == 512
+    assert derived.staleness_window(spec.grpo) == 4 * 4 * 128
+    assert derived.rollout_limits(spec) == (256, 512, 16)  # two replicas' 128 each; two rounds of them queued
     assert derived.batch_shape(spec.grpo) == (64, 2)
     assert derived.replica_adapter_name("derive", 7) == "derive-v7"
     assert derived.parse_trl_adapter_name(derived.trl_adapter_name(12)) == 12

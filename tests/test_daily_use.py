@@ -209,6 +209,52 @@ def test_samples_are_found_by_text_version_and_reward_across_steps(panel):
     assert "Best of group 1" in picked[page.best] and "apple pie 1" in picked[page.best]
 
 
+def test_the_sample_browser_counts_pages_through_every_sample_and_refuses_a_filter_it_cannot_read(panel):
+    """Issue 33, item 4: the table held at most 200 rows with no count (step 3 had 232), a version "zzz" or a reward
+    bound "abc" listed the unfiltered table without a word, and the prompt a search found was not shown."""
+    from app.pages.monitor import SAMPLES_PER_PAGE, MonitorPage
+    from backend.models import RolloutSample
+
+    _record(panel, "demo-pages")
+    with panel.ctx.db.session() as session:
+        session.add_all(
+            RolloutSample(
+                run_id="demo-pages", owner="local", step=3, policy_version=2, staleness=1, group_id=index // 8,
+                prompt=f"Prompt {index // 8}: " + "count to ten " * 20, completion=f"c{index}", reward=index / 1000,
+                dropped=index % 29 == 0,
+            )
+            for index in range(232)
+        )  # fmt: skip
+        session.commit()
+    page = MonitorPage(panel)
+    with gr.Blocks():
+        page.build()
+
+    first = page.browse("demo-pages", 3, "", "", "", "", False)
+    assert len(first[page.samples]) == SAMPLES_PER_PAGE == 200
+    assert "Samples 1–200 of 232 · page 1 of 2" in first[page.sample_count]
+    second = page.browse("demo-pages", 3, "", "", "", "", False, 2)
+    assert len(second[page.samples]) == 32 and "Samples 201–232 of 232 · page 2 of 2" in second[page.sample_count]
+    listed = [*first[page.samples]["completion"], *second[page.samples]["completion"]]
+    assert sorted(listed) == sorted(f"c{index}" for index in range(232))  # every sample once over the two pages
+    versions = [*first[page.samples]["version"], *second[page.samples]["version"]]
+    assert versions.index("v2 (dropped)") == 224  # trained samples first, dropped ones after: over pages too
+    past_the_end = page.browse("demo-pages", 3, "", "", "", "", False, 9)
+    assert "Samples 201–232 of 232 · page 2 of 2" in past_the_end[page.sample_count]
+    prompt = first[page.samples]["prompt"][0]
+    assert prompt.startswith("Prompt ") and prompt.endswith("…") and len(prompt) == 101  # shortened, not left out
+    for filters, said in (
+        (("", "", "", "zzz", True), "Version: “zzz” is not a version; type a version such as 12 or v12."),
+        (("abc", "", "", "", True), "Reward ≥: “abc” is not a number; type a number such as 0.5."),
+        (("", "nan", "", "", True), "Reward ≤: “nan” is not a finite number"),
+    ):
+        refused = page.browse("demo-pages", 3, *filters)
+        assert said in refused[page.sample_count] and refused[page.samples].empty, filters
+    both = page.browse("demo-pages", 3, "abc", "", "", "zzz", True)[page.sample_count]
+    assert "Reward ≥" in both and "Version" in both  # every box that cannot be read, in one pass
+    assert "Samples 1–1 of 1" in page.browse("demo-pages", 3, "0.231", "", "", "v2", True)[page.sample_count]
+
+
 def test_the_account_page_keeps_only_tokens_the_hub_accepts_and_asks_before_deleting(panel, tmp_path):
     """Issue 18, item 7: a token is shown to the Hub (whoami) before it is kept; the Hub's answer (its user and
     access) is shown; offline, a token-shaped value is kept unchecked and the page says so; deleting asks first."""
@@ -247,8 +293,9 @@ def test_the_account_page_keeps_only_tokens_the_hub_accepts_and_asks_before_dele
 
 def test_an_unreachable_hub_is_found_in_one_request_and_says_what_went_unchecked(panel):
     """Issue 18, item 10: offline, preflight used to spend ~25 s in the dataset loader's retries alone. Now one
-    request finds the Hub down: a Hub model and dataset go unchecked with one warning that names them, and HF Jobs
-    (submitted through the Hub) are refused."""
+    request finds the Hub down: a Hub model and dataset are recorded as not checked, and HF Jobs (submitted through
+    the Hub) are refused. Issue 33, item 2: local jobs, which share the panel's network, are refused too, on the
+    model and dataset fields (launched, such a run failed a minute later, after both replicas had started)."""
     import socket
     import threading
 
@@ -272,13 +319,41 @@ def test_an_unreachable_hub_is_found_in_one_request_and_says_what_went_unchecked
     try:
         spec = presets.math_recipe("offline-hub", "someone", "grpo")
         result = run_preflight(panel.ctx, "local", spec)
+        local = {**spec, "run_id": "offline-local", "compute": {"backend": "local", "replicas": 1}}
+        local["storage"] = {"uri": f"file://{panel.ctx.folder / 'store'}"}
+        on_this_machine = run_preflight(panel.ctx, "local", local)
     finally:
         listener.close()
-    assert len(connections) == 1
-    (warning,) = [w for w in result.warnings if "did not answer the panel" in w]
-    assert "Qwen/Qwen2.5-Math-1.5B" in warning and spec["dataset"]["id"] in warning and "rewards" in warning
+    assert len(connections) == 2  # one request each
+    assert set(result.unchecked) == {"model", "dataset", "rewards"}
+    assert "Qwen/Qwen2.5-Math-1.5B" in result.unchecked["model"] and "did not answer" in result.unchecked["model"]
+    assert spec["dataset"]["id"] in result.unchecked["dataset"]
     assert "HF Jobs are submitted through it" in result.errors["compute.backend"]
     assert "dataset.id" not in result.errors and "model.id" not in result.errors
+    assert not on_this_machine.ok and "compute.backend" not in on_this_machine.errors
+    for field in ("model.id", "dataset.id"):
+        assert "local jobs share this machine's network" in on_this_machine.errors[field], field
+    assert "is not cached in" not in str(on_this_machine.errors)
+
+
+def test_a_check_that_could_not_run_is_shown_not_checked_never_passed():
+    """Issue 33, item 2: offline, Check settings said "All checks passed: bucket, dataset, rewards and compute" and
+    only in small print that the dataset and rewards had not been checked."""
+    from app.pages.launch import check_status
+    from backend.preflight import Preflight
+    from jobs.contract import RunSpec
+
+    spec = RunSpec(run_id="hub-run")
+    passed = check_status(Preflight(spec=spec, warnings=["2 replicas on 2 cores will be slow"]))
+    assert "All checks passed: bucket, model, dataset, rewards, compute" in passed and "gp-note-good" in passed
+    assert "Note: 2 replicas on 2 cores will be slow" in passed
+    unchecked = Preflight(spec=spec, unchecked={"model": "Qwen/Qwen2.5-Math-1.5B: the Hub did not answer"})
+    shown = check_status(unchecked)
+    assert "All checks passed" not in shown and "gp-note-warn" in shown
+    assert "Not checked: model: Qwen/Qwen2.5-Math-1.5B: the Hub did not answer" in shown
+    assert "Passed: bucket, dataset, rewards, compute" in shown
+    failed = check_status(Preflight(spec=spec, errors={"model.id": "x"}))
+    assert "1 problem to fix" in failed and "gp-note-bad" in failed
 
 
 def test_the_chart_controls_change_what_the_training_figures_plot():
@@ -360,6 +435,34 @@ def test_time_left_is_estimated_from_timed_steps_not_from_the_start_up(panel):
     assert timed(4, 60.0) == duration(36 * 3.4)  # one slow step (a resume's start-up) moves the median, not the mean
 
 
+def test_the_header_says_what_share_of_the_generated_samples_was_trained_on(panel):
+    """Issue 33, item 5: 53 % of a demo's samples were dropped as too stale, and nothing on the Monitor said so."""
+    from app import cards
+    from backend.models import RolloutSample
+    from backend.services.queries import QueryService
+
+    _record(panel, "demo-use")
+    queries = QueryService(panel.ctx, "local")
+    run = RunService(panel.ctx, "local").get("demo-use")
+    assert "<span>trained on</span><b>—</b>" in cards.run_header(run, None, sample_use=queries.sample_use(run.id))
+    with panel.ctx.db.session() as session:
+        for index in range(8):
+            session.add(
+                RolloutSample(
+                    run_id="demo-use", owner="local", step=2, policy_version=2 - (index < 2) * 2,
+                    staleness=(index < 2) * 2, group_id=0, prompt="p", completion="c", dropped=index < 2,
+                )
+            )  # fmt: skip
+        session.commit()
+    use = queries.sample_use(run.id)
+    assert (use.pulled, use.trained, use.trained_share) == (8, 6, 0.75)
+    # The Rollouts tab's samples-per-version figure counts them the same way (it read any number dropped as 1).
+    assert [(v.policy_version, v.samples, v.dropped) for v in queries.sample_versions(run.id)] == [(0, 2, 2), (2, 6, 0)]
+    header = cards.run_header(run, None, sample_use=use)
+    assert "<span>trained on</span><b>75% of samples</b>" in header
+    assert "6 of the 8 samples the trainer took; the rest were too stale" in header
+
+
 def test_the_runs_page_overlays_any_logged_metric_with_branches_from_their_fork(panel):
     """Issue 18, item 4: the Runs page compares any metric the ticked runs logged, not only the reward; a branch's
     curve starts at the step its parent version was published at."""
@@ -391,6 +494,53 @@ def test_the_runs_page_overlays_any_logged_metric_with_branches_from_their_fork(
     assert shown[page.metric].choices == [("kl", "kl"), ("reward", "reward")]
     again = page.refresh(["demo-parent", "demo-child"], shown[page.drawn], "kl")
     assert again[page.overlay] == gr.skip()  # nothing moved on: the overlay is left as drawn
+    # Issue 33, item 3: the overlay's own smoothing (it was always a rolling mean), and a reload restores it all.
+    raw = page.refresh_now(["demo-parent"], "kl", 1)[page.overlay]
+    assert "not smoothed" in raw.layout.title.text
+    assert list(raw.data[0].y) == pytest.approx([s / 100 for s in range(1, 11)])
+    wide = page.refresh_now(["demo-parent"], "kl", 4)[page.overlay]
+    assert list(wide.data[0].y)[3] == pytest.approx(sum(range(1, 5)) / 400)
+    from app.pages.runs import remember_overlay
+
+    restored = page.restore(remember_overlay(["demo-child", "gone-run"], "kl", 4))
+    assert restored[page.compare].value == ["demo-child"] and restored[page.metric].value == "kl"
+    assert restored[page.smoothing] == 4
+    assert list(restored[page.overlay].data[0].y)[3] == pytest.approx(sum(range(1, 5)) / 400)  # its own 4 steps
+    assert page.restore(None)[page.metric].value == "reward"  # a browser that kept nothing: the defaults
+
+
+def test_the_monitor_charts_any_logged_metric_and_a_reload_keeps_the_choice(panel):
+    """Issue 33, item 3: all 67 TRL metrics were ingested but the Monitor drew a fixed set."""
+    from app.pages.monitor import CHART_DEFAULTS, MonitorPage, remember_charts
+    from backend.models import MetricPoint
+
+    _record(panel, "demo-more")
+    with panel.ctx.db.session() as session:
+        session.add_all(
+            MetricPoint(run_id="demo-more", owner="local", step=step, name=name, value=step * scale)
+            for step in range(1, 9)
+            for name, scale in (("loss", 0.1), ("grad_norm", 2.0), ("entropy", 1.0))
+        )
+        session.commit()
+    page = MonitorPage(panel)
+    with gr.Blocks():
+        page.build()
+    shown = page.refresh("demo-more", "training", {}, 1, True, "", "", "", "", False, 1, 1, True, "step", ["loss"])
+    assert {"loss", "grad_norm", "entropy"} <= set(dict(shown[page.more_metrics].choices))
+    figure = shown[page.more_plot]
+    assert len(figure.data) == 1 and list(figure.data[0].y) == [step * 0.1 for step in range(1, 9)]
+    assert figure.layout.yaxis.type == "log" and figure.layout.yaxis.title.text == "loss"
+    two = page.refresh(
+        "demo-more", "training", {}, 1, True, "", "", "", "", False, 1, 3, False, "step", ["loss", "grad_norm"]
+    )
+    assert len(two[page.more_plot].data) == 4  # each metric per step and its rolling mean, in its own chart
+    assert two[page.more_plot].layout.yaxis2.title.text == "grad_norm"
+    saved = remember_charts(3, True, "wall time", ["grad_norm"])
+    restored = page.restore_charts(saved)
+    assert [restored[c] for c in (page.smoothing, page.log_y, page.x_axis)] == [3, True, "wall time"]
+    assert restored[page.more_metrics].value == ["grad_norm"]
+    defaults = page.restore_charts(None)
+    assert defaults[page.smoothing] == CHART_DEFAULTS["smoothing"] and defaults[page.more_metrics].value == []
 
 
 def test_the_training_figures_count_x_in_wall_time_or_generated_tokens(panel):
@@ -450,3 +600,68 @@ def test_a_tick_that_changes_nothing_says_so_in_a_form_gradio_accepts(panel):
     ):
         assert answer and set(answer) <= set(outputs), answer
         assert all(value == gr.skip() for value in answer.values()), answer
+
+
+def test_a_failed_run_says_its_failure_once(panel):
+    """Issue 33, item 2: a run's failure was shown three times: under the header, in the banner and as an alert."""
+    from app.pages.monitor import MonitorPage
+    from backend.models import Event, Run
+
+    _record(panel, "demo-failed")
+    failure = "dataset.id: could not load 'openai/gsm8k': the Hub did not answer"
+    with panel.ctx.db.session() as session:
+        run = session.get(Run, "demo-failed")
+        run.status, run.status_message = "failed", failure
+        session.add(run)
+        for kind, message in (("job_error", f"trainer: {failure}"), ("replica_lag", "replica-1 is 3 versions behind")):
+            session.add(Event(run_id="demo-failed", owner="local", time=time.time(), level="error", kind=kind,
+                              message=message))  # fmt: skip
+        session.commit()
+    page = MonitorPage(panel)
+    with gr.Blocks():
+        page.build()
+    shown = page.refresh("demo-failed", "training", {}, 1, True, "", "", "", "", False)
+    banner = shown[page.alerts].value
+    assert failure not in shown[page.header]
+    assert banner.count("could not load") == 1 and "The run failed: dataset.id" in banner
+    assert "replica-1 is 3 versions behind" in banner  # another alert is still shown
+
+
+def test_the_alerts_say_their_step_and_dismiss_shows_only_with_an_alert_in_force(panel):
+    """Issue 33, item 9: the alerts table's "at" column was empty for events the panel records (a stop, a launch
+    failure), and "Alert in force" with its Dismiss button showed with nothing to dismiss."""
+    from app.pages.monitor import MonitorPage
+    from backend.events import record_event
+    from backend.models import Run
+
+    _record(panel, "demo-alerts")
+    page = MonitorPage(panel)
+    with gr.Blocks():
+        page.build()
+
+    def jobs_tab() -> dict:
+        return page._jobs(panel.services(None), RunService(panel.ctx, "local").get("demo-alerts"))
+
+    quiet = jobs_tab()
+    assert quiet[page.alert_pick].visible is False and quiet[page.dismiss_button].visible is False
+    with panel.ctx.db.session() as session:
+        run = session.get(Run, "demo-alerts")
+        run.step = 12
+        session.add(run)
+        session.commit()
+    record_event(panel.ctx.db, "demo-alerts", "local", "job_error", "replica-0 ran out of memory", "error")
+    raised = jobs_tab()
+    assert raised[page.alert_pick].visible is True and raised[page.dismiss_button].visible is True
+    assert "<td>step 12</td>" in raised[page.alert_list]
+
+
+def test_a_branch_cannot_be_asked_for_before_a_version_is_picked(panel):
+    """Issue 33, item 9: the primary "Train a branch from here" button was lit with no run or version selected."""
+    from app.pages.adapters import AdaptersPage, _version_picked
+
+    page = AdaptersPage(panel)
+    with gr.Blocks():
+        page.build()
+    assert page.branch_button.interactive is False
+    assert _version_picked(None)[1].interactive is False and _version_picked("")[1].interactive is False
+    assert _version_picked("v3")[1].interactive is True

@@ -228,7 +228,7 @@ def produced_keys(spec: dict[str, Any]) -> list[tuple[str, str]]:
         ({**spec, "rewards": [spec["rewards"][1], spec["rewards"][1]]}, "rewards"),
         (_set(spec, "grpo.max_completion_length", 10_000), "grpo.max_completion_length"),
         (_set(spec, "parent.run_id", spec["run_id"]), "parent.run_id"),
-        (_set(spec, "grpo.queue_size", 8), "grpo.queue_size"),
+        (_set(spec, "grpo.queue_size", 2), "grpo.queue_size"),
         (_set(spec, "compute.backend", "hf_jobs"), "compute.namespace"),
         (_set(spec, "storage.uri", "s3://"), "storage.uri"),
     ]

@@ -68,6 +68,20 @@ def test_the_math_recipe_on_two_gpu_flavors_uses_every_gpu(tmp_path):
     }
     assert derived["replicas"]["tensor_parallel_size"] == 2 and derived["replicas"]["gpus_each"] == 2
     assert (derived["replicas"]["dtype"], derived["replicas"]["max_lora_rank"]) == ("bfloat16", 1)  # vLLM takes 1
+    rollouts = derived["rollouts"]  # the recipe's measured limits, derived from its 3 replicas and staleness window
+    assert (rollouts["max_inflight"], rollouts["queue_size"], rollouts["staleness_window"]) == (384, 768, 2048)
+    assert rollouts["expected_trained_share"].startswith("over 90 %") and rollouts["scored_groups"] == 16
+
+
+def test_the_plan_expects_stale_samples_when_the_replicas_may_outrun_the_trainer(tmp_path):
+    """Issue 33, item 5: the demo's old limits (64 in flight, 256 queued) against its window of 64 lost half of its
+    samples; the plan says so before launch, and the derived limits fit."""
+    derived = json.loads(plan_command(tmp_path, "--preset", "demo").stdout)["derived"]["rollouts"]
+    assert (derived["max_inflight"], derived["queue_size"], derived["staleness_window"]) == (32, 24, 64)
+    assert derived["expected_trained_share"].startswith("over 90 %")
+    done = plan_command(tmp_path, "--preset", "demo", "--set", "grpo.max_inflight=64", "--set", "grpo.queue_size=256")
+    share = json.loads(done.stdout)["derived"]["rollouts"]["expected_trained_share"]
+    assert share.startswith("below 90 %") and "328 samples in flight, scored and queued exceed the staleness" in share
 
 
 def test_full_prints_the_bootstrap_whole(tmp_path):

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from jobs.contract import DatasetSpec, layout, parse_spec
+from jobs.contract import DatasetSpec, derived, layout, parse_spec
+from jobs.demo.preset import demo_spec
 from jobs.store import LocalStore, publish_directory
 from jobs.telemetry import ChunkWriter, decode_jsonl, next_sequence
 from jobs.trainer import cpu_compat
@@ -224,8 +225,6 @@ def test_chunk_writer_keeps_records_when_the_store_fails(moto_server):
 
 
 def test_demo_preset_is_valid_and_overridable(tmp_path):
-    from jobs.demo.preset import demo_spec
-
     spec = demo_spec("demo-x", f"file://{tmp_path}", grpo={"max_steps": 5})
     assert spec.model.id == "builtin:tiny-qwen2" and spec.rewards[0].name == "digit_frac"
     assert spec.grpo.max_steps == 5 and spec.grpo.learning_rate == 2e-2
@@ -486,3 +485,23 @@ def test_stale_drops_are_logged_once_then_summed_up_per_burst(caplog):
         "3 more samples dropped as too stale (8 in all)",
         "[RANK 0] Weight sync: done. Total 0.8s",
     ]
+
+
+def test_the_rollout_worker_holds_no_more_scored_groups_than_the_window_leaves_room_for(monkeypatch):
+    """Issue 33, item 5: TRL's worker kept 16 scored groups beyond its queue (two demo steps' worth): a third of the
+    samples went stale. The trainer builds its worker with the derived count, and it is still TRL's worker."""
+    import importlib
+
+    from jobs.trainer.rollout_worker import TRL_TRAINER_MODULE, limit_scored_groups
+
+    cpu_compat.apply_cpu_patches(force=True)  # TRL's worker refuses to be built without vLLM unless patched
+    trainer = importlib.import_module(TRL_TRAINER_MODULE)
+    monkeypatch.setattr(trainer, "AsyncRolloutWorker", trainer.AsyncRolloutWorker)  # put back after the test
+    original = trainer.AsyncRolloutWorker
+    limit_scored_groups(2)
+    limit_scored_groups(1)  # a second call replaces the first rather than stacking on it
+    worker = trainer.AsyncRolloutWorker(queue_maxsize=24, num_generations=8)
+    assert isinstance(worker, original) and trainer.AsyncRolloutWorker.__mro__[1] is original
+    assert worker._loop_kwargs["score_queue_maxsize"] == 1 and worker._loop_kwargs["queue_maxsize"] == 24
+    spec = demo_spec("demo-groups", "file:///tmp/store")
+    assert derived.rollout_limits(spec) == (32, 24, 1)  # in flight, queued, scored groups: 64, the window

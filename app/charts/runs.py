@@ -17,8 +17,11 @@ class Curve:
     branch: bool = False
 
 
-def overlay_figure(curves: list[Curve], metric: str = "reward") -> go.Figure:
-    title = f"{metric} of the ticked runs (rolling mean; branches start where they forked)"
+def overlay_figure(curves: list[Curve], metric: str = "reward", smoothing: int = 0) -> go.Figure:
+    """Each ticked run's `metric`, smoothed by a rolling mean of `smoothing` steps (0: a window suited to the run's
+    length, 1: not smoothed)."""
+    smoothed = "not smoothed" if smoothing == 1 else "rolling mean"
+    title = f"{metric} of the ticked runs ({smoothed}; branches start where they forked)"
     if not curves:
         return empty_figure(title, "Tick runs in the list to compare them here")
     if not any(curve.points for curve in curves):
@@ -33,7 +36,7 @@ def overlay_figure(curves: list[Curve], metric: str = "reward") -> go.Figure:
         figure.add_scatter(
             x=steps,
             showlegend=True,
-            y=rolling_mean(values, smoothing_window(len(values))),
+            y=rolling_mean(values, smoothing or smoothing_window(len(values))),
             name=curve.label,
             line={"color": color, "width": 2, "dash": "dash" if curve.branch else "solid"},
         )

@@ -142,3 +142,39 @@ def step_time_figure(
             fillcolor=COLORS["other"],
         )
     return options.apply(integer_steps(figure, steps))
+
+
+def metrics_figure(metrics: dict[str, Series], options: ChartOptions = ChartOptions()) -> go.Figure:
+    """Any metrics the run logged, each in its own chart one above the other, sharing the x axis and the controls
+    above the training figures (smoothing, log scale, what x counts): loss, grad_norm, entropy, learning rate,
+    completion length, clip ratio, … — all 67 of TRL's, not only the fixed set drawn above."""
+    title = "More metrics"
+    if not metrics:
+        return empty_figure(title, "Pick metrics in the box above: each gets its own chart here")
+    from plotly.subplots import make_subplots
+
+    names = list(metrics)
+    figure = make_subplots(rows=len(names), cols=1, shared_xaxes=True, vertical_spacing=0.3 / len(names))
+    layout = base_figure(title, height=60 + 200 * len(names)).layout
+    figure.update_layout(
+        {key: layout[key] for key in ("template", "title", "height", "margin", "hovermode", "font", "uirevision")},
+        showlegend=False,
+    )
+    for row, name in enumerate(names, start=1):
+        steps, values = _xy(metrics[name])
+        window = options.window(len(values))
+        color = series_color(row - 1)
+        smoothed = window > 1 and len(values) > 1
+        raw = {"opacity": 0.35, "line": {"color": color, "width": 1}} if smoothed else {"line": {"color": color}}
+        figure.add_scatter(x=steps, y=values, name=f"{name} per step", row=row, col=1, **raw)
+        if smoothed:
+            mean = rolling_mean(values, window)
+            label = f"{name}, rolling mean ({window} steps)"
+            figure.add_scatter(x=steps, y=mean, name=label, row=row, col=1, line={"color": color, "width": 2})
+        figure.update_yaxes(title_text=name if values else f"{name}: nothing logged yet", row=row, col=1)
+    figure.update_xaxes(title_text=options.x_title, row=len(names), col=1)
+    figure = options.apply(figure)
+    if options.x_values is not None:
+        figure.update_xaxes(title_text=None)
+        figure.update_xaxes(title_text=options.x_title, row=len(names), col=1)
+    return figure

@@ -109,7 +109,9 @@ class AdaptersPage:
                         propose_run_id(self.panel.ctx, "branch"), label="Branch run id", elem_id="branch-id"
                     )
                     self.branch_now = gr.Checkbox(True, label="Start training now", elem_id="branch-now")
-                self.branch_button = gr.Button("Train a branch from here", elem_id="branch", variant="primary")
+                self.branch_button = gr.Button(
+                    "Train a branch from here", elem_id="branch", variant="primary", interactive=False
+                )
                 with gr.Row(elem_classes="gp-align-end"):
                     self.repo = gr.Textbox(label="Hub model repo", placeholder="your-name/my-adapter")
                     self.private = gr.Checkbox(True, label="Private repo")
@@ -153,7 +155,7 @@ class AdaptersPage:
         self.run.change(self.show_run, [self.run], [*self._listing_outputs(), self.download])
         self.timer.tick(self.refresh, [self.run, self.listed], self._listing_outputs(), show_progress="hidden")
         self.table.select(_picked_version, None, self.version)
-        self.version.change(lambda: gr.DownloadButton(visible=False), None, self.download)
+        self.version.change(_version_picked, [self.version], [self.download, self.branch_button])
         self.prepare_button.click(self.prepare_download, [self.run, self.version], [self.download, self.action])
         self.current_button.click(self.make_current, [self.run, self.version], [self.action]).then(
             self.refresh, [self.run], self._listing_outputs()
@@ -317,3 +319,8 @@ class AdaptersPage:
             {"prompt": lines, f"v{versions[0]}": texts[versions[0]], f"v{versions[1]}": texts[versions[1]]}
         )
         return gr.Dataframe(table, visible=True)
+
+
+def _version_picked(version: str | None) -> tuple[gr.DownloadButton, gr.Button]:
+    """Another version was picked: the zip prepared for the last one goes; a branch needs a version to start from."""
+    return gr.DownloadButton(visible=False), gr.Button(interactive=bool(version))

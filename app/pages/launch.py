@@ -34,6 +34,7 @@ from app.panel import Panel
 from backend import presets
 from backend.api import PanelServices
 from backend.limits import LimitReached
+from backend.preflight import Preflight
 from backend.sandbox import SandboxError
 from backend.services.runs import propose_run_id, run_id_taken
 from jobs.contract import RewardSpec, RunSpec, parse_spec, timeout_seconds
@@ -244,7 +245,9 @@ class LaunchPage:
         self._slot("rewards_code")
         with gr.Row(elem_classes="gp-align-end"):
             self.completion = gr.Textbox(
+                presets.SAMPLE_COMPLETIONS.get(self.preset.value, ""),
                 label="Completion to score (optional)",
+                elem_id="reward-completion",
                 scale=3,
                 placeholder="Leave empty to score each row's reference answer as if the model had written it",
             )
@@ -497,6 +500,7 @@ class LaunchPage:
             self.cost,
             self.trials,
             self.preview,
+            self.completion,
         ]
 
     def apply_preset(self, preset: str, profile: gr.OAuthProfile | None = None) -> dict:
@@ -524,6 +528,7 @@ class LaunchPage:
             **{slot: _errors([]) for slot in self.slots.values()},
             self.launch_button: gr.Button(interactive=False),
             self.status: cards.note("Preset loaded. Press Check settings: Launch is enabled once every check passes."),
+            self.completion: presets.SAMPLE_COMPLETIONS.get(preset, ""),
             self.code_group: gr.Group(visible=form["code_enabled"]),
             self.remote_row: gr.Row(visible=remote),
             self.keys_row: gr.Row(visible=remote),
@@ -617,26 +622,13 @@ class LaunchPage:
             if result.cost_per_hour is None
             else self._cost_total(form, result)
         )
-        if result.ok:
-            warnings = "; ".join(result.warnings)
-            status = cards.note(
-                "All checks passed: bucket, dataset, rewards and compute. Launch is enabled."
-                + (f" Note: {warnings}" if warnings else ""),
-                "good",
-            )
-        else:
-            status = cards.note(
-                f"{len(result.errors)} problem{'s' if len(result.errors) != 1 else ''} to fix (shown next to each "
-                "field). Launch stays disabled until Check settings passes.",
-                "bad",
-            )
         return {
             **{self.slots[slot]: _errors(routed[slot]) for slot in SLOTS},
             self.preview: preview_table(rows),
             self.trials: trials,
             self.cost: cost,
             self.launch_button: gr.Button(interactive=result.ok),
-            self.status: status,
+            self.status: check_status(result),
             self.advanced: gr.Accordion(open=True) if open_advanced else gr.update(),
             self.checked: self._fingerprint(form) if result.ok else "",
             self.rows: rows,
@@ -644,7 +636,7 @@ class LaunchPage:
             self.plan: cards.json_block(result.plan) if result.plan is not None else "",
         }
 
-    def _cost_total(self, form: dict[str, Any], result) -> str:
+    def _cost_total(self, form: dict[str, Any], result: Preflight) -> str:
         if form.get("compute.backend") != "hf_jobs":
             return self._cost_html(form, None)
         return cards.cost_line(money(result.cost_per_hour, per_hour=True), "at the Hub's current prices")
@@ -786,13 +778,47 @@ class LaunchPage:
             if not run_id:
                 return updates
             fresh = propose_run_id(self.panel.ctx, run_id.split("-")[0])
-            return updates | {self.checked: "", self.inputs["run_id"]: fresh} | navigate(run_id, profile)
+            launched = cards.note(
+                f"Launched {run_id}: its jobs are starting, on the Monitor. This form now proposes {fresh} for "
+                "another run: Check settings to launch it.",
+                "good",
+            )
+            return (
+                updates
+                | {self.checked: "", self.inputs["run_id"]: fresh, self.status: launched}
+                | navigate(run_id, profile)
+            )
 
         self.launch_button.click(
             launch_and_open,
             {*self._form_inputs(), self.checked},
             [self.launch_button, self.status, self.checked, self.inputs["run_id"], *outputs],
         )
+
+
+CHECKED = ("bucket", "model", "dataset", "rewards", "compute")
+
+
+def check_status(result: Preflight) -> str:
+    """Check settings' verdict. What could not be checked is said as such, as prominently as an error, and never
+    counted among what passed: offline, "All checks passed" once covered a dataset and rewards nobody had tried."""
+    if not result.ok:
+        count = len(result.errors)
+        return cards.note(
+            f"{count} problem{'s' if count != 1 else ''} to fix (shown next to each field). Launch stays disabled "
+            "until Check settings passes.",
+            "bad",
+        )
+    notes = f" Note: {'; '.join(result.warnings)}." if result.warnings else ""
+    if not result.unchecked:
+        return cards.note(f"All checks passed: {', '.join(CHECKED)}. Launch is enabled.{notes}", "good")
+    passed = [name for name in CHECKED if name not in result.unchecked]
+    missing = "; ".join(f"{name}: {why}" for name, why in result.unchecked.items())
+    return cards.note(
+        f"Not checked: {missing}. Passed: {', '.join(passed)}. Launch is enabled, since HF Jobs may reach what this "
+        f"panel could not; if they cannot, the run fails at its start.{notes}",
+        "warn",
+    )
 
 
 def _errors(messages: list[str]) -> gr.HTML:

@@ -8,8 +8,9 @@ everything else is skipped, so an idle viewer costs one small query per tick.
 from __future__ import annotations
 
 import json
+import math
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from backend.launchers.base import TERMINAL
 from backend.models import Run
 from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS as EXPORT_FORMATS
-from backend.services.queries import JobLog
+from backend.services.queries import JobLog, SampleFilters
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound
 from jobs.contract import RunSpec, derived
 
@@ -36,7 +37,10 @@ LOG_REFRESH_SECONDS = 3.0  # a followed job log is read again this often while i
 MAX_POINTS = 1000
 X_AXES = ("step", "wall time", "generated tokens")  # what the training figures' x axis may count
 SUBTABS = ("training", "rollouts", "replicas", "samples", "jobs")
-SAMPLE_COLUMNS = ["step", "group", "reward", "advantage", "version", "staleness", "scores", "completion"]
+SAMPLE_COLUMNS = ["step", "group", "reward", "advantage", "version", "staleness", "scores", "prompt", "completion"]
+SAMPLES_PER_PAGE = 200
+CHART_STORAGE_KEY = "grpo-panel.monitor.charts"
+CHART_DEFAULTS = {"smoothing": 0, "log_y": False, "x_axis": "step", "more_metrics": []}
 
 
 def run_choices(services: PanelServices | None) -> list[tuple[str, str]]:
@@ -53,7 +57,8 @@ class MonitorPage:
 
     # --- layout -------------------------------------------------------------------------------------------------
 
-    def build(self) -> None:
+    def build(self, saved_charts: gr.BrowserState | None = None) -> None:
+        """The page; `saved_charts` keeps the chart controls in the browser (see `keep_charts`)."""
         with gr.Row(elem_classes="gp-align-end"):
             self.run = gr.Dropdown([], label="Run", elem_id="monitor-run", scale=4, allow_custom_value=False)
             self.stop_button = gr.Button(
@@ -91,6 +96,17 @@ class MonitorPage:
                 with gr.Row():
                     self.ratio_plot = gr.Plot(training_charts.ratio_kl_figure([], []), show_label=False)
                     self.time_plot = gr.Plot(training_charts.step_time_figure([], [], [], []), show_label=False)
+                self.more_metrics = gr.Dropdown(
+                    [],
+                    value=[],
+                    multiselect=True,
+                    label="More metrics: any the run logged (loss, grad_norm, entropy, …), each in its own chart",
+                    elem_id="more-metrics",
+                )
+                self.more_plot = gr.Plot(
+                    training_charts.metrics_figure({}), show_label=False, elem_id="more-metrics-plot"
+                )
+                self.saved_charts = saved_charts or keep_charts()
                 with gr.Row(elem_classes="gp-align-end"):
                     self.export_format = gr.Radio(
                         list(EXPORT_FORMATS), value="csv", label="Export format", scale=1, elem_id="export-format"
@@ -140,6 +156,10 @@ class MonitorPage:
                     )
                     self.version = gr.Textbox(label="Version", placeholder="any", scale=1, elem_id="sample-version")
                     self.all_steps = gr.Checkbox(False, label="All steps", scale=1, elem_id="sample-all-steps")
+                    self.page = gr.Number(
+                        1, label="Page (Enter)", precision=0, minimum=1, scale=1, elem_id="sample-page"
+                    )
+                self.sample_count = gr.HTML("", elem_id="sample-count", padding=False)
                 self.samples = gr.Dataframe(
                     pd.DataFrame(columns=SAMPLE_COLUMNS),
                     interactive=False,
@@ -147,7 +167,7 @@ class MonitorPage:
                     max_height=320,
                     elem_id="samples-table",
                     label="Samples (click one to compare its group)",
-                    column_widths=["6%", "6%", "7%", "8%", "11%", "7%", "15%", "40%"],
+                    column_widths=["5%", "5%", "6%", "7%", "10%", "6%", "13%", "18%", "30%"],
                 )
                 with gr.Row(equal_height=False):
                     self.best = gr.HTML(
@@ -173,8 +193,10 @@ class MonitorPage:
                 gr.Markdown("### Alerts", elem_classes="gp-section-title")
                 self.alert_list = gr.HTML("", elem_id="alert-history", padding=False)
                 with gr.Row(elem_classes="gp-align-end"):
-                    self.alert_pick = gr.Dropdown([], label="Alert in force", scale=4, elem_id="alert-pick")
-                    self.dismiss_button = gr.Button("Dismiss", scale=1, elem_id="dismiss-alert")
+                    self.alert_pick = gr.Dropdown(
+                        [], label="Alert in force", scale=4, elem_id="alert-pick", visible=False
+                    )
+                    self.dismiss_button = gr.Button("Dismiss", scale=1, elem_id="dismiss-alert", visible=False)
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
@@ -186,15 +208,16 @@ class MonitorPage:
             self.drawn,
             self.stop_button,
             *(self.reward_plot, self.functions_plot, self.ratio_plot, self.time_plot),
+            *(self.more_metrics, self.more_plot),
             *(self.queue_plot, self.staleness_plot, self.tokens_plot, self.versions_plot),
             *(self.held, self.routing_plot, self.load_plot, self.sync_plot),
-            *(self.step, self.samples, self.best, self.worst),
-            *(self.jobs, self.log_job, self.alert_list, self.alert_pick),
+            *(self.step, self.sample_count, self.samples, self.best, self.worst),
+            *(self.jobs, self.log_job, self.alert_list, self.alert_pick, self.dismiss_button),
         ]
 
     def sample_filters(self) -> list:
         """The Samples tab's filters, in the order every handler that lists samples takes them."""
-        return [self.min_reward, self.max_reward, self.search, self.version, self.all_steps]
+        return [self.min_reward, self.max_reward, self.search, self.version, self.all_steps, self.page]
 
     def refresh_inputs(self) -> list:
         return [
@@ -213,8 +236,8 @@ class MonitorPage:
         return [self.undrawn if component is self.drawn else component for component in self.refresh_inputs()]
 
     def chart_controls(self) -> list:
-        """The Training tab's chart controls, in the order the refresh handlers take them."""
-        return [self.smoothing, self.log_y, self.x_axis]
+        """The Training tab's chart controls, in the order the refresh handlers take them (and CHART_DEFAULTS lists)."""
+        return [self.smoothing, self.log_y, self.x_axis, self.more_metrics]
 
     def _wire(self) -> None:
         self.timer.tick(self.refresh, self.refresh_inputs(), self.refresh_outputs(), show_progress="hidden")
@@ -239,14 +262,23 @@ class MonitorPage:
             self.refresh, self.redraw_inputs(), self.refresh_outputs(), show_progress="hidden"
         )
         browse = [self.run, self.step, *self.sample_filters()]
-        shown = [self.samples, self.best, self.worst]
+        shown = [self.sample_count, self.samples, self.best, self.worst]
         # The step box commits on Enter too (theme.HEAD turns Enter into the blur on which Gradio sends `release`).
-        self.step.release(lambda: False, None, self.follow).then(self.browse, browse, shown)
+        self.step.release(lambda: (False, 1), None, [self.follow, self.page]).then(self.browse, browse, shown)
         for box in (self.min_reward, self.max_reward, self.search, self.version):
-            box.submit(self.browse, browse, shown)
-        for event in (self.smoothing.release, self.log_y.input, self.x_axis.input):
-            event(self.refresh, self.redraw_inputs(), self.refresh_outputs(), show_progress="hidden")
-        self.all_steps.input(self.browse, browse, shown)
+            box.submit(lambda: 1, None, self.page).then(self.browse, browse, shown)
+        self.page.submit(self.browse, browse, shown)
+        # always_last: a second metric picked while the first one's charts are drawn is drawn too (Gradio's default
+        # drops an event raised while the previous one runs).
+        for event in (self.smoothing.release, self.log_y.input, self.x_axis.input, self.more_metrics.input):
+            event(
+                self.redraw_and_remember,
+                self.redraw_inputs(),
+                [*self.refresh_outputs(), self.saved_charts],
+                show_progress="hidden",
+                trigger_mode="always_last",
+            )
+        self.all_steps.input(lambda: 1, None, self.page).then(self.browse, browse, shown)
         self.samples.select(self.pick_group, [self.run, self.samples], [self.best, self.worst])
 
     # --- handlers -----------------------------------------------------------------------------------------------
@@ -269,9 +301,11 @@ class MonitorPage:
         search: str,
         version: str,
         all_steps: bool,
+        page: float | None = 1,
         smoothing: float = 0,
         log_y: bool = False,
         x_axis: str = "step",
+        more_metrics: list[str] | None = None,
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         """One tick: the header and alerts always; the visible sub-tab only when the run logged something new
@@ -290,20 +324,27 @@ class MonitorPage:
             return self._frame(cards.empty_state(f"No run {run_id}."), "", {}, stoppable=False)
         state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version]
         step_seconds = services.queries.step_seconds(run.id) if run.status not in ("finished", "stopped") else None
-        header = cards.run_header(run, step_seconds, current_step=_current_step(services, run))
-        banner = cards.alert_banner(services.queries.alerts(run.id))  # the poller clears an ended run's warnings
-        if run.status == "failed" and run.status_message:
-            banner = cards.note(f"The run failed: {run.status_message}", "bad") + banner
+        header = cards.run_header(
+            run, step_seconds, current_step=_current_step(services, run), sample_use=services.queries.sample_use(run.id)
+        )
+        alerts = services.queries.alerts(run.id)  # the poller clears an ended run's warnings
+        if run.status == "failed" and run.status_message:  # said once, in the banner: not again as an alert
+            failure = run.status_message
+            alerts = [a for a in alerts if a.message not in failure and failure not in a.message]
+            banner = cards.note(f"The run failed: {failure}", "bad") + cards.alert_banner(alerts)
+        else:
+            banner = cards.alert_banner(alerts)
         drawn = dict(drawn or {})
         figures: dict = {}
         if subtab == "jobs":
             figures = self._jobs(services, run)
         elif subtab == "samples":
-            wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps)
+            wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps, page)
             figures = self._samples(services, run, step, follow, wanted, fresh=drawn.get(subtab) != state)
             drawn[subtab] = state
         elif subtab == "training" and drawn.get(subtab) != state:
-            figures = self._training(services, run, _chart_options(services, run.id, smoothing, log_y, x_axis))
+            options = _chart_options(services, run.id, smoothing, log_y, x_axis)
+            figures = self._training(services, run, options, more_metrics or [])
             drawn[subtab] = state
         elif subtab in SUBTABS and drawn.get(subtab) != state:
             figures = getattr(self, f"_{subtab}")(services, run)
@@ -330,10 +371,48 @@ class MonitorPage:
             self.log_job: gr.Dropdown(choices=[(f"{job.role} (attempt {job.attempt})", job.id) for job in jobs]),
             self.jobs: cards.job_cards(jobs, beats, local=run.backend == "local"),
             self.alert_list: cards.alert_history(history),
-            self.alert_pick: gr.Dropdown(choices=in_force),
+            self.alert_pick: gr.Dropdown(choices=in_force, visible=bool(in_force)),
+            self.dismiss_button: gr.Button(visible=bool(in_force)),
         }
 
-    def _training(self, services: PanelServices, run: Run, options: ChartOptions) -> dict:
+    def redraw_and_remember(
+        self,
+        run_id: str | None,
+        subtab: str,
+        drawn: dict | None,
+        step: float | None,
+        follow: bool,
+        min_reward: str,
+        max_reward: str,
+        search: str,
+        version: str,
+        all_steps: bool,
+        page: float | None,
+        smoothing: float,
+        log_y: bool,
+        x_axis: str,
+        more_metrics: list[str] | None,
+        profile: gr.OAuthProfile | None = None,
+    ) -> dict:
+        """A chart control changed: redraw (`refresh`, same inputs), and keep the controls in the browser in the same
+        answer, so that a reload right after the change keeps it."""
+        filters = (min_reward, max_reward, search, version, all_steps, page)
+        charts = (smoothing, log_y, x_axis, more_metrics)
+        shown = self.refresh(run_id, subtab, drawn, step, follow, *filters, *charts, profile=profile)
+        return shown | {self.saved_charts: remember_charts(*charts)}
+
+    def restore_charts(self, saved: dict | None) -> dict:
+        """The chart controls as this browser last left them (on every page load)."""
+        saved = {**CHART_DEFAULTS, **(saved or {})}
+        more = [name for name in saved["more_metrics"] if isinstance(name, str)]
+        return {
+            self.smoothing: saved["smoothing"],
+            self.log_y: saved["log_y"],
+            self.x_axis: saved["x_axis"] if saved["x_axis"] in X_AXES else "step",
+            self.more_metrics: gr.Dropdown(choices=more, value=more, multiselect=True),
+        }
+
+    def _training(self, services: PanelServices, run: Run, options: ChartOptions, more: list[str]) -> dict:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
         functions = {r.name: series(run.id, f"rewards/{r.name}", MAX_POINTS) for r in spec.rewards}
@@ -350,12 +429,16 @@ class MonitorPage:
                 series(run.id, "perf/weight_sync_s", MAX_POINTS),
                 options,
             ),
+            self.more_metrics: gr.Dropdown(choices=sorted(set(services.queries.metric_names(run.id)) | set(more))),
+            self.more_plot: training_charts.metrics_figure(
+                {name: series(run.id, name, MAX_POINTS) for name in more}, options
+            ),
         }
 
     def _rollouts(self, services: PanelServices, run: Run) -> dict:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
-        queue_max = derived.queue_size(spec.grpo)
+        queue_max = derived.rollout_limits(spec).queue
         return {
             self.queue_plot: rollout_charts.queue_figure(
                 series(run.id, "sample/rollout_queue_size", MAX_POINTS),
@@ -390,6 +473,7 @@ class MonitorPage:
         if bounds is None:
             return {
                 self.step: gr.Slider(minimum=1, maximum=2, value=1),
+                self.sample_count: "",
                 self.samples: _samples_table([]),
                 self.best: cards.empty_state(
                     "Samples appear as soon as the trainer pulls its first batch of rollouts."
@@ -406,27 +490,27 @@ class MonitorPage:
         return slider | self._browse(services, run.id, target, wanted)
 
     def _browse(self, services, run_id, step, wanted: SampleFilter) -> dict:
-        """The samples of one step (or of every step) that pass the filters, and the best and worst of the group
-        listed first."""
-        step_range = (None, None) if wanted.all_steps else (step, step)
-        rows = services.queries.samples(
-            run_id,
-            step_from=step_range[0],
-            step_to=step_range[1],
-            min_reward=wanted.min_reward,
-            max_reward=wanted.max_reward,
-            text=wanted.text,
-            version=wanted.version,
-            limit=200,
-        )
-        # Newest step first; in a step, trained samples first (dropped ones were too stale to train on), each group
-        # together, best first.
-        rows = sorted(
-            rows,
-            key=lambda s: (-s.step, s.dropped, s.group_id, -(s.reward if s.reward is not None else float("-inf"))),
-        )
+        """One page of the samples of one step (or of every step) that pass the filters, how many there are, and the
+        best and worst of the group listed first. A filter box that cannot be read lists nothing and says why: a
+        table that ignored it would look filtered."""
+        if wanted.refused:
+            return {
+                self.sample_count: cards.note(" ".join(wanted.refused), "bad"),
+                self.samples: _samples_table([]),
+                self.best: cards.empty_state("Fix the filter above to list samples."),
+                self.worst: cards.empty_state(""),
+            }
+        filters = wanted.query(step)
+        total = services.queries.count_samples(run_id, filters)
+        pages = max(1, -(-total // SAMPLES_PER_PAGE))
+        page = min(wanted.page, pages)
+        offset = (page - 1) * SAMPLES_PER_PAGE
+        rows = services.queries.samples(run_id, **asdict(filters), limit=SAMPLES_PER_PAGE, offset=offset)
         first = (rows[0].step, rows[0].group_id) if rows else (step, None)
-        return {self.samples: _samples_table(rows)} | self._group_cards(services, run_id, *first)
+        count = cards.sample_count(offset, len(rows), total, page, pages)
+        return {self.sample_count: count, self.samples: _samples_table(rows)} | self._group_cards(
+            services, run_id, *first
+        )
 
     def _group_cards(self, services, run_id, step, group) -> dict:
         if group is None:
@@ -451,12 +535,13 @@ class MonitorPage:
         search: str,
         version: str,
         all_steps: bool,
+        page: float | None = 1,
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         services = self.panel.services(profile)
         if not run_id:
             return {self.samples: gr.skip()}  # not {}: Gradio takes an empty dict for a single value
-        wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps)
+        wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps, page)
         return self._browse(services, run_id, int(step), wanted)
 
     def pick_group(
@@ -524,30 +609,62 @@ def log_label(log: JobLog, following: bool) -> str:
 
 @dataclass(frozen=True)
 class SampleFilter:
-    """What the Samples tab's filter boxes ask for; a box left empty (or not understood) does not filter."""
+    """What the Samples tab's filter boxes ask for; a box left empty does not filter, and one that cannot be read is
+    `refused` with the reason."""
 
     min_reward: float | None
     max_reward: float | None
     text: str | None
     version: int | None
     all_steps: bool
+    page: int = 1
+    refused: tuple[str, ...] = ()
 
     @classmethod
-    def read(cls, min_reward: str, max_reward: str, search: str, version: str, all_steps: bool) -> SampleFilter:
-        return cls(
-            _number(min_reward, float),
-            _number(max_reward, float),
-            (search or "").strip() or None,
-            _number((version or "").strip().lstrip("vV"), int),
-            bool(all_steps),
-        )
+    def read(
+        cls, min_reward: str, max_reward: str, search: str, version: str, all_steps: bool, page: float | None = 1
+    ) -> SampleFilter:
+        refused: list[str] = []
+        low = _number(min_reward, float, "Reward ≥", "a number such as 0.5", refused)
+        high = _number(max_reward, float, "Reward ≤", "a number such as 0.5", refused)
+        wanted = _number((version or "").strip().lstrip("vV"), int, "Version", "a version such as 12 or v12", refused)
+        if wanted is not None and wanted < 0:
+            refused.append(f"Version: “{version}” is not a version; type one such as 12 or v12.")
+        text = (search or "").strip() or None
+        return cls(low, high, text, wanted, bool(all_steps), max(1, int(page or 1)), tuple(refused))
+
+    def query(self, step: int) -> SampleFilters:
+        """The listing's filters: the step picked, or every step."""
+        step_from, step_to = (None, None) if self.all_steps else (step, step)
+        return SampleFilters(step_from, step_to, self.min_reward, self.max_reward, self.text, self.version)
 
 
-def _number(text: str | None, kind: type[float] | type[int]) -> Any:
-    try:
-        return kind(text) if text not in (None, "") else None
-    except ValueError:
+def _number(text: str | None, kind: type[float] | type[int], box: str, example: str, refused: list[str]) -> Any:
+    """The number typed in a filter box, None when it is empty; one that is not a number is added to `refused`."""
+    text = (text or "").strip()
+    if not text:
         return None
+    try:
+        value = kind(text)
+    except ValueError:
+        refused.append(f"{box}: “{text}” is not {example.split(' such')[0]}; type {example}.")
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
+        refused.append(f"{box}: “{text}” is not a finite number; type {example}.")
+        return None
+    return value
+
+
+def keep_charts() -> gr.BrowserState:
+    """The chart controls, kept in this browser: a reload (or another day) opens the charts as they were. Made outside
+    the page's tab: Gradio mounts a tab's components when it is first opened, and an unmounted one loads nothing. A
+    fixed key rather than a fresh one per server: the choices are not secret, and survive a restarted panel."""
+    return gr.BrowserState(dict(CHART_DEFAULTS), storage_key=CHART_STORAGE_KEY, secret=CHART_STORAGE_KEY)
+
+
+def remember_charts(smoothing: float, log_y: bool, x_axis: str, more_metrics: list[str] | None) -> dict:
+    """What the browser keeps of the chart controls (CHART_DEFAULTS's keys)."""
+    return {"smoothing": smoothing, "log_y": log_y, "x_axis": x_axis, "more_metrics": list(more_metrics or [])}
 
 
 def _chart_options(services: PanelServices, run_id: str, smoothing: float, log_y: bool, x_axis: str) -> ChartOptions:
@@ -578,6 +695,10 @@ def _constant(value: str):
     return lambda: value
 
 
+def _shortened(text: str, limit: int) -> str:
+    return text[:limit] + ("…" if len(text) > limit else "")
+
+
 def _samples_table(rows: list) -> pd.DataFrame:
     def scores(sample) -> str:
         values = json.loads(sample.rewards_json or "{}")
@@ -593,7 +714,8 @@ def _samples_table(rows: list) -> pd.DataFrame:
                 "version": f"v{s.policy_version}" + (" (dropped)" if s.dropped else ""),
                 "staleness": s.staleness,
                 "scores": scores(s),
-                "completion": s.completion[:160] + ("…" if len(s.completion) > 160 else ""),
+                "prompt": _shortened(s.prompt, 100),
+                "completion": _shortened(s.completion, 160),
             }
             for s in rows
         ],

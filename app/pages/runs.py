@@ -21,6 +21,8 @@ from backend.models import Run
 from backend.services.runs import TERMINAL_STATUSES, propose_run_id
 
 REFRESH_SECONDS = 5.0
+OVERLAY_STORAGE_KEY = "grpo-panel.runs.overlay"
+OVERLAY_DEFAULTS = {"ticked": [], "metric": "reward", "smoothing": 0}
 COLUMNS = ["run id", "name", "status", "step", "latest reward", "elapsed", "cost", "branch of", "created"]
 
 
@@ -49,7 +51,8 @@ class RunsPage:
     def __init__(self, panel: Panel):
         self.panel = panel
 
-    def build(self) -> None:
+    def build(self, saved_overlay: gr.BrowserState | None = None) -> None:
+        """The page; `saved_overlay` keeps the overlay's choices in the browser (see `keep_overlay`)."""
         self.table = gr.Dataframe(
             runs_table([]),
             datatype=["str", "str", "html", "str", "number", "str", "str", "str", "str"],
@@ -91,7 +94,18 @@ class RunsPage:
             self.metric = gr.Dropdown(
                 ["reward"], value="reward", label="Metric", elem_id="runs-metric", scale=1, allow_custom_value=True
             )
+            self.smoothing = gr.Slider(
+                0,
+                100,
+                value=0,
+                step=1,
+                label="Smoothing window, steps (0: automatic, 1: none)",
+                scale=2,
+                elem_id="runs-smoothing",
+                elem_classes="gp-enter-commits",
+            )
         self.overlay = gr.Plot(overlay_figure([]), show_label=False, elem_id="runs-overlay")
+        self.saved_overlay = saved_overlay or keep_overlay()
         self.drawn = gr.State(None)  # what the overlay was last drawn from: ticks redraw it only when that changes
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
@@ -99,12 +113,20 @@ class RunsPage:
     def refresh_outputs(self) -> list:
         return [self.table, self.compare, self.metric, self.overlay, self.drawn, self.empty]
 
+    def overlay_controls(self) -> list:
+        """What the overlay is drawn from, in the order `refresh_now` takes it (and OVERLAY_DEFAULTS lists)."""
+        return [self.compare, self.metric, self.smoothing]
+
     def _wire(self) -> None:
-        inputs = [self.compare, self.drawn, self.metric]
+        inputs = [self.compare, self.drawn, self.metric, self.smoothing]
         self.timer.tick(self.refresh, inputs, self.refresh_outputs(), show_progress="hidden")
-        for control in (self.compare, self.metric):  # an empty `drawn`: redraw now
-            control.change(
-                self.refresh_now, [self.compare, self.metric], self.refresh_outputs(), show_progress="hidden"
+        for event in (self.compare.change, self.metric.change, self.smoothing.release):  # `drawn` empty: redraw now
+            event(
+                self.redraw_and_remember,
+                self.overlay_controls(),
+                [*self.refresh_outputs(), self.saved_overlay],
+                show_progress="hidden",
+                trigger_mode="always_last",
             )
         self.table.select(
             self.select,
@@ -121,20 +143,44 @@ class RunsPage:
             ],
         )
         self.stop_button.click(self.stop, [self.selected], [self.selection]).then(
-            self.refresh_now, [self.compare, self.metric], self.refresh_outputs()
+            self.refresh_now, self.overlay_controls(), self.refresh_outputs()
         )
 
     # --- handlers -----------------------------------------------------------------------------------------------
 
-    def refresh_now(self, ticked: list[str] | None, metric: str = "reward", profile: gr.OAuthProfile | None = None):
+    def refresh_now(
+        self,
+        ticked: list[str] | None,
+        metric: str = "reward",
+        smoothing: float = 0,
+        profile: gr.OAuthProfile | None = None,
+    ) -> dict:
         """Like a tick, but redraws the overlay even if no run moved on (runs ticked or another metric picked)."""
-        return self.refresh(ticked, None, metric, profile)
+        return self.refresh(ticked, None, metric, smoothing, profile)
+
+    def redraw_and_remember(
+        self, ticked: list[str] | None, metric: str, smoothing: float, profile: gr.OAuthProfile | None = None
+    ) -> dict:
+        """The overlay's runs, metric or smoothing changed: redraw, and keep them in the browser in the same answer."""
+        shown = self.refresh_now(ticked, metric, smoothing, profile)
+        return shown | {self.saved_overlay: remember_overlay(ticked, metric, smoothing)}
+
+    def restore(self, saved: dict | None, profile: gr.OAuthProfile | None = None) -> dict:
+        """The overlay as this browser last left it (on every page load): the same runs, metric and smoothing."""
+        saved = {**OVERLAY_DEFAULTS, **(saved or {})}
+        ticked = [run_id for run_id in saved["ticked"] or [] if isinstance(run_id, str)]
+        metric = saved["metric"] if isinstance(saved["metric"], str) and saved["metric"] else "reward"
+        smoothing = saved["smoothing"] if isinstance(saved["smoothing"], int | float) else 0
+        shown = self.refresh_now(ticked, metric, smoothing, profile)
+        metrics = gr.Dropdown(choices=shown[self.metric].choices, value=metric)
+        return shown | {self.metric: metrics, self.smoothing: smoothing}
 
     def refresh(
         self,
         ticked: list[str] | None,
         drawn: list | None = None,
         metric: str = "reward",
+        smoothing: float = 0,
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         """The table, the run choices, the metrics they logged, and the overlay of `metric` (redrawn only when a
@@ -152,9 +198,10 @@ class RunsPage:
         runs = services.runs.list()
         by_id = {run.id: run for run in runs}
         ticked = [run_id for run_id in ticked or [] if run_id in by_id]
-        metric = metric or "reward"
-        key = [metric, *([run_id, by_id[run_id].step, by_id[run_id].status] for run_id in ticked)]
-        overlay = gr.skip() if key == drawn else overlay_figure(self._curves(services, by_id, ticked, metric), metric)
+        metric, smoothing = metric or "reward", int(smoothing or 0)
+        key = [metric, smoothing, *([run_id, by_id[run_id].step, by_id[run_id].status] for run_id in ticked)]
+        curves = None if key == drawn else self._curves(services, by_id, ticked, metric)
+        overlay = gr.skip() if curves is None else overlay_figure(curves, metric, smoothing)
         logged = sorted({name for run_id in ticked for name in services.queries.metric_names(run_id)} | {"reward"})
         return {
             self.table: runs_table(runs),
@@ -239,3 +286,15 @@ class RunsPage:
             start_now,
             "Click a run and pick one of its adapter versions first.",
         )
+
+
+def keep_overlay() -> gr.BrowserState:
+    """The overlay's choices, kept in this browser: a reload opens the same runs, metric and smoothing. Made outside
+    the page's tab: Gradio mounts a tab's components when it is first opened, and an unmounted one loads nothing. A
+    fixed key rather than a fresh one per server: the choices are not secret, and survive a restarted panel."""
+    return gr.BrowserState(dict(OVERLAY_DEFAULTS), storage_key=OVERLAY_STORAGE_KEY, secret=OVERLAY_STORAGE_KEY)
+
+
+def remember_overlay(ticked: list[str] | None, metric: str, smoothing: float) -> dict:
+    """What the browser keeps of the overlay (OVERLAY_DEFAULTS's keys)."""
+    return {"ticked": list(ticked or []), "metric": metric or "reward", "smoothing": smoothing}

@@ -20,6 +20,9 @@ from backend.context import PanelContext
 from backend.ingest import latest_proxy_snapshots
 from backend.models import AdapterVersion, Event, Job, MetricPoint, ReplicaStatus, RolloutSample, Run
 
+# A count of dropped samples: summed as a Boolean column, SQLAlchemy reads any total back as True.
+_DROPPED = sqlalchemy.cast(col(RolloutSample.dropped), sqlalchemy.Integer)
+
 
 @dataclass(frozen=True)
 class VersionUse:
@@ -30,6 +33,53 @@ class VersionUse:
     samples: int
     dropped: int
     trainer_version: int  # the trainer's own version when it pulled them (policy_version + staleness)
+
+
+@dataclass(frozen=True)
+class SampleFilters:
+    """Which samples a listing holds; None does not filter."""
+
+    step_from: int | None = None
+    step_to: int | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    text: str | None = None
+    version: int | None = None
+
+    def apply(self, query: Any, run_id: str) -> Any:
+        query = query.where(RolloutSample.run_id == run_id)
+        if self.text:
+            escaped = self.text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            pattern = f"%{escaped}%"
+            query = query.where(
+                or_(
+                    col(RolloutSample.prompt).like(pattern, escape="\\"),
+                    col(RolloutSample.completion).like(pattern, escape="\\"),
+                )
+            )
+        if self.version is not None:
+            query = query.where(RolloutSample.policy_version == self.version)
+        if self.step_from is not None:
+            query = query.where(RolloutSample.step >= self.step_from)
+        if self.step_to is not None:
+            query = query.where(RolloutSample.step <= self.step_to)
+        if self.min_reward is not None:
+            query = query.where(col(RolloutSample.reward) >= self.min_reward)
+        if self.max_reward is not None:
+            query = query.where(col(RolloutSample.reward) <= self.max_reward)
+        return query
+
+
+@dataclass(frozen=True)
+class SampleUse:
+    """Of the samples the trainer took from the replicas, how many it trained on; the rest were too stale."""
+
+    pulled: int
+    trained: int
+
+    @property
+    def trained_share(self) -> float | None:
+        return self.trained / self.pulled if self.pulled else None
 
 
 JOB_LOG_LINES = 20_000  # a job's log as the panel shows it: the newest lines, up to this many (the download has all)
@@ -120,7 +170,7 @@ class QueryService:
                     step,
                     version,
                     func.count(),
-                    func.sum(col(RolloutSample.dropped)),
+                    func.sum(_DROPPED),
                     func.max(version + col(RolloutSample.staleness)),
                 )
                 .where(col(RolloutSample.run_id) == run_id, step > last - max_steps)
@@ -128,6 +178,15 @@ class QueryService:
                 .order_by(step, version)
             ).all()
         return [VersionUse(int(s), int(v), int(n), int(d or 0), int(t)) for s, v, n, d, t in rows]
+
+    def sample_use(self, run_id: str) -> SampleUse:
+        """How much of the replicas' work the trainer used: the samples it pulled and those it did not drop."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            pulled, dropped = session.exec(
+                select(func.count(), func.sum(_DROPPED)).where(RolloutSample.run_id == run_id)
+            ).one()
+        return SampleUse(int(pulled), int(pulled) - int(dropped or 0))
 
     def sample_steps(self, run_id: str) -> tuple[int, int] | None:
         """The first and last step that have rollout samples (for the sample browser's step slider)."""
@@ -171,34 +230,26 @@ class QueryService:
         text: str | None = None,
         version: int | None = None,
     ) -> list[RolloutSample]:
-        """Samples newest step first; `text` matches prompts and completions (case-insensitive for ASCII, taken
-        literally: `%` and `_` are no wildcards), `version` the adapter version that generated them."""
+        """Samples newest step first; in a step, those trained on before those dropped as too stale, each group
+        together, best first. `text` matches prompts and completions (case-insensitive for ASCII, taken literally:
+        `%` and `_` are no wildcards), `version` the adapter version that generated them."""
         self._check(run_id)
-        query = select(RolloutSample).where(RolloutSample.run_id == run_id)
-        if text:
-            pattern = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-            query = query.where(
-                or_(
-                    col(RolloutSample.prompt).like(pattern, escape="\\"),
-                    col(RolloutSample.completion).like(pattern, escape="\\"),
-                )
-            )
-        if version is not None:
-            query = query.where(RolloutSample.policy_version == version)
-        if step_from is not None:
-            query = query.where(RolloutSample.step >= step_from)
-        if step_to is not None:
-            query = query.where(RolloutSample.step <= step_to)
-        if min_reward is not None:
-            query = query.where(col(RolloutSample.reward) >= min_reward)
-        if max_reward is not None:
-            query = query.where(col(RolloutSample.reward) <= max_reward)
+        filters = SampleFilters(step_from, step_to, min_reward, max_reward, text, version)
+        query = filters.apply(select(RolloutSample), run_id).order_by(
+            col(RolloutSample.step).desc(),
+            col(RolloutSample.dropped),
+            col(RolloutSample.group_id),
+            col(RolloutSample.reward).desc(),  # SQLite puts a missing reward last here
+            col(RolloutSample.id),
+        )
         with self.ctx.db.session() as session:
-            return list(
-                session.exec(
-                    query.order_by(col(RolloutSample.step).desc(), col(RolloutSample.id)).offset(offset).limit(limit)
-                ).all()
-            )
+            return list(session.exec(query.offset(offset).limit(limit)).all())
+
+    def count_samples(self, run_id: str, filters: SampleFilters) -> int:
+        """How many samples `samples` pages through with the same filters."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            return int(session.exec(filters.apply(select(func.count()).select_from(RolloutSample), run_id)).one())
 
     def group(self, run_id: str, step: int, group_id: int) -> list[RolloutSample]:
         """Every sample of one group at one step, best first."""

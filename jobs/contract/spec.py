@@ -42,6 +42,8 @@ _NO_TRUNCATION = (
 MIN_HUB_TIMEOUT_S = 600
 # vLLM holds max_staleness + 2 adapters at once; beyond this they crowd out the KV cache for no gain.
 MAX_STALENESS = 16
+# What an empty in-flight or queue limit means (jobs/contract/derived.py: `rollout_limits`).
+_AUTO_LIMIT = "auto: what the staleness window can take"
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{1,46}[a-z0-9]$")
 DEMO_MODEL_ID = "builtin:tiny-qwen2"
 DEMO_DATASET_ID = "digits"
@@ -274,10 +276,14 @@ class GrpoSpec(_Section):
         int, Field(ge=1), shown("Weight sync every", "training", "optimizer steps per adapter version", advanced=True)
     ] = 4
     max_inflight: Annotated[
-        int, Field(ge=1), shown("Max in flight", "training", "requests at the replicas at once", advanced=True)
-    ] = 128
+        int | None,
+        Field(ge=1),
+        shown("Max in flight", "training", "requests at the replicas at once", unset=_AUTO_LIMIT, advanced=True),
+    ] = None
     queue_size: Annotated[
-        int | None, Field(ge=1), shown("Queue size", "training", unset="auto: max staleness × 128", advanced=True)
+        int | None,
+        Field(ge=1),
+        shown("Queue size", "training", "scored samples waiting for the trainer", unset=_AUTO_LIMIT, advanced=True),
     ] = None
     token_budget: Annotated[
         int, Field(ge=0), shown("Token budget", "training", "0 = off: completions per step", advanced=True)
@@ -335,21 +341,29 @@ class GrpoSpec(_Section):
             )
         return value
 
-    @model_validator(mode="after")
-    def _shape(self) -> GrpoSpec:
-        if self.completions_per_step % self.num_generations:
+    # The group-shape checks are field validators reading the generations per prompt (validated before them), not a
+    # model check: a model check runs only once every field is valid, so the form showed these errors only after the
+    # others had been mended. Each is skipped while num_generations itself is invalid.
+    @field_validator("completions_per_step")
+    @classmethod
+    def _whole_groups(cls, value: int, info: ValidationInfo) -> int:
+        group = info.data.get("num_generations")
+        if group and value % group:
             raise ValueError(
-                f"completions_per_step: {self.completions_per_step} must be a multiple of num_generations "
-                f"({self.num_generations}) so every step trains whole groups"
+                f"{value} must be a multiple of num_generations ({group}) so every step trains whole groups"
             )
-        if self.max_inflight < self.num_generations:
-            raise ValueError(f"max_inflight: must be at least num_generations ({self.num_generations})")
-        if self.queue_size is not None and self.queue_size < self.completions_per_step:
+        return value
+
+    @field_validator("max_inflight", "queue_size")
+    @classmethod
+    def _one_group(cls, value: int | None, info: ValidationInfo) -> int | None:
+        group = info.data.get("num_generations")
+        if value is not None and group and value < group:
             raise ValueError(
-                f"queue_size: {self.queue_size} cannot hold one step's completions "
-                f"({self.completions_per_step}); raise it or lower completions_per_step"
+                f"{value} cannot hold one group of {group} generations; raise it to at least {group}, or leave it "
+                "empty to derive it from the staleness window"
             )
-        return self
+        return value
 
 
 class ComputeSpec(_Section):

@@ -29,8 +29,6 @@ def demo_spec(run_id: str, storage_uri: str, **sections: dict[str, Any]) -> RunS
             "max_steps": 40,
             "max_staleness": 1,
             "weight_sync_steps": 1,
-            "max_inflight": 64,
-            "queue_size": 256,
             "gradient_checkpointing": False,
             "save_steps": 10,
             "audit_every": 10,

@@ -41,6 +41,7 @@ def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | No
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     grpo = spec.grpo
+    limits = derived.rollout_limits(spec)
     per_device, accumulation = derived.batch_shape(grpo, derived.trainer_processes(spec.compute), cuda)
     dtype, bf16 = derived.trainer_precision(cuda)
     return AsyncGRPOConfig(
@@ -72,8 +73,8 @@ def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | No
         # Asynchrony
         max_staleness=grpo.max_staleness,
         weight_sync_steps=grpo.weight_sync_steps,
-        max_inflight_tasks=grpo.max_inflight,
-        queue_maxsize=derived.queue_size(grpo),
+        max_inflight_tasks=limits.inflight,
+        queue_maxsize=limits.queue,
         # Bookkeeping
         logging_steps=1,
         save_strategy="steps",

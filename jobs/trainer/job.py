@@ -57,6 +57,7 @@ from jobs.trainer.proxy_process import (
 from jobs.trainer.replicas import read_replica_jobs, stop_replicas
 from jobs.trainer.reporting import install_reporting_packages, report_environment
 from jobs.trainer.rewards import build_rewards
+from jobs.trainer.rollout_worker import limit_scored_groups
 from jobs.trainer.stale_drops import summarise_stale_drops
 from jobs.trainer.telemetry import (
     RecordingQueue,
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(report_environment(spec))
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+        limit_scored_groups(derived.rollout_limits(spec).scored_groups)
 
         model_path = resolve_model(spec.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
