@@ -129,6 +129,18 @@ def _time_left(seconds: float | None) -> str:
     return "estimating…" if seconds is None else duration(seconds)
 
 
+def run_list(runs: list[Run]) -> str:
+    """Each run's key facts on one line (id, status, step, latest reward): what fits a phone's width."""
+    if not runs:
+        return ""
+    items = "".join(
+        f"<li><code>{escape(run.id)}</code> {badge(run.status)} step {run.step} / {run.max_steps}"
+        f" · reward {f'{run.latest_reward:.3f}' if run.latest_reward is not None else '—'}</li>"
+        for run in runs
+    )
+    return f'<ul class="gp-run-list">{items}</ul>'
+
+
 def run_header(
     run: Run,
     step_seconds: float | None,

@@ -91,12 +91,22 @@ button:disabled, button[disabled] { opacity: 0.45; cursor: not-allowed; filter: 
 .gp-table-wrap td { border-bottom: 1px solid var(--border-color-primary); padding: 6px 8px; vertical-align: top; }
 /* Figures follow the page's theme: plotly draws on white, so in dark mode its drawing is inverted, and turned back
    round the color wheel so that every series keeps its hue (blue stays blue). */
+.gp-phone-only { display: none !important; }
+.gp-run-list { margin: 0; padding-left: 18px; font-size: 0.9rem; } .gp-run-list li { margin: 3px 0; }
 .dark .js-plotly-plot .main-svg { filter: invert(0.9) hue-rotate(180deg); }
 /* At phone width every tab stays in the bar: Gradio moves those that do not fit (measured on a hidden copy with the
    same classes, so this applies to both) behind a "⋯" menu that hides whole pages. */
 @media (max-width: 520px) {
   .tab-wrapper button { padding: 4px 6px !important; font-size: 0.82rem !important; }
   .tab-wrapper { gap: 0 !important; }
+  /* A row of controls becomes a column, each control whole: the Monitor's run picker was cut, and the Adapters
+     page's lineage note, squeezed beside its picker, wrapped a word a line. */
+  .gp-align-end > * { min-width: 100% !important; }
+  /* The form's rows of fields (Gradio groups them in one .form box): at most two side by side, so that no label
+     is cut ("Trackic", "Weigh & Biase"). */
+  .gp-fields .form { flex-wrap: wrap !important; }
+  .gp-fields > *, .gp-fields .form > * { min-width: calc(50% - var(--layout-gap, 8px)) !important; }
+  .gp-phone-only { display: block !important; }
 }
 """
 

@@ -685,7 +685,7 @@ def _handler_calls(p: Pages, o: Owners) -> list[tuple[str, Callable[[gr.OAuthPro
         ("RunsPage.stop", lambda who: p.runs.stop(run, who)),
         ("RunsPage.launch_draft", lambda who: p.runs.launch_draft(o.alice_draft, who)),
         ("RunsPage.branch", lambda who: p.runs.branch(run, 1, "bob-runs-branch", True, who)),
-        ("MonitorPage.browse", lambda who: p.monitor.browse(run, 1, "", "", "", "", True, who)),
+        ("MonitorPage.browse", lambda who: p.monitor.browse(run, 1, "", "", "", "", True, 1, who)),
         ("MonitorPage.pick_group", lambda who: p.monitor.pick_group(run, table, event, who)),
         ("MonitorPage.stop", lambda who: p.monitor.stop(run, who)),
         ("MonitorPage.export", lambda who: p.monitor.export(run, "csv", who)),
@@ -734,6 +734,7 @@ def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
     bob = profile(BOB)
     shown = [
         pages.runs.refresh([RUN_ID, "alice-draft"], None, profile=bob),
+        pages.runs.restore({"ticked": [RUN_ID, "alice-draft"], "metric": "reward", "smoothing": 0}, bob),
         pages.monitor.open(RUN_ID, bob),
         pages.adapters.open(RUN_ID, RUN_ID, bob),
         pages.account.refresh(bob),
@@ -741,7 +742,7 @@ def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
     ]
     alices = [RUN_ID, "alice-draft", "hub ·", "bucket ·"]
     assert [value for value in alices if value in repr(shown)] == []
-    assert "bob-draft" in repr(shown[0]) and "bobs token" in repr(shown[3])  # bob does see his own
+    assert "bob-draft" in repr(shown[0]) and "bobs token" in repr(shown[4])  # bob does see his own
     for subtab in SUBTABS:  # asked for alice's run by id, the monitor answers as for a run that does not exist
         monitor = pages.monitor
         shown = monitor.refresh(RUN_ID, subtab, {}, None, True, "", "", "", "", False, profile=bob)

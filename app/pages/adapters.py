@@ -30,7 +30,7 @@ REFRESH_SECONDS = 5.0
 PICK_FIRST = "Pick a run and a version first (click a row of the table)."
 # A version's reward is a mean over the steps up to its own (backend.ingest.version_reward): said in its heading,
 # so that it is not read as the header's latest (one-step) reward.
-REWARD_COLUMN = f"reward (mean of {VERSION_REWARD_STEPS} steps)"
+REWARD_COLUMN = f"reward ({VERSION_REWARD_STEPS}-step mean)"
 COLUMNS = ["version", "step", REWARD_COLUMN, "size", "saved", "alias", "policy audit"]
 
 
@@ -88,7 +88,7 @@ class AdaptersPage:
             self.run = gr.Dropdown([], label="Run", elem_id="adapters-run", scale=3)
             self.lineage = gr.HTML("", elem_id="adapters-lineage", padding=False)
         with gr.Row():
-            with gr.Column(scale=3):
+            with gr.Column(scale=4):  # wide enough at 1400 px for the last column, the policy audit (it was cut)
                 self.table = gr.Dataframe(
                     versions_table(None, []),
                     interactive=False,

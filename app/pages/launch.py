@@ -156,7 +156,7 @@ class LaunchPage:
         ]
         fields.sort(key=lambda form_field: _SPEC_ORDER.index(form_field.path.split(".")[0]))
         for start in range(0, len(fields), FIELDS_PER_ROW):
-            with gr.Row():
+            with gr.Row(elem_classes="gp-fields"):
                 for form_field in fields[start : start + FIELDS_PER_ROW]:
                     self._field(form_field.path, _GENERATED_WIDGETS[form_field.kind], **_widget_options(form_field))
 

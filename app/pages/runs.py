@@ -23,7 +23,8 @@ from backend.services.runs import TERMINAL_STATUSES, propose_run_id
 REFRESH_SECONDS = 5.0
 OVERLAY_STORAGE_KEY = "grpo-panel.runs.overlay"
 OVERLAY_DEFAULTS = {"ticked": [], "metric": "reward", "smoothing": 0}
-COLUMNS = ["run id", "name", "status", "step", "latest reward", "elapsed", "cost", "branch of", "created"]
+# The key facts first: on a phone only the first columns fit without scrolling sideways.
+COLUMNS = ["run id", "status", "step", "latest reward", "name", "elapsed", "cost", "branch of", "created"]
 
 
 def runs_table(runs: list[Run], now: float | None = None) -> pd.DataFrame:
@@ -53,9 +54,11 @@ class RunsPage:
 
     def build(self, saved_overlay: gr.BrowserState | None = None) -> None:
         """The page; `saved_overlay` keeps the overlay's choices in the browser (see `keep_overlay`)."""
+        # At phone width the table's first columns are all that fit: its key facts are listed above it instead.
+        self.phone_list = gr.HTML("", elem_id="runs-phone", elem_classes="gp-phone-only", padding=False)
         self.table = gr.Dataframe(
             runs_table([]),
-            datatype=["str", "str", "html", "str", "number", "str", "str", "str", "str"],
+            datatype=["str", "html", "str", "number", "str", "str", "str", "str", "str"],
             interactive=False,
             wrap=True,
             elem_id="runs-table",
@@ -111,7 +114,7 @@ class RunsPage:
         self._wire()
 
     def refresh_outputs(self) -> list:
-        return [self.table, self.compare, self.metric, self.overlay, self.drawn, self.empty]
+        return [self.phone_list, self.table, self.compare, self.metric, self.overlay, self.drawn, self.empty]
 
     def overlay_controls(self) -> list:
         """What the overlay is drawn from, in the order `refresh_now` takes it (and OVERLAY_DEFAULTS lists)."""
@@ -188,6 +191,7 @@ class RunsPage:
         services = self.panel.services_or_none(profile)
         if services is None:
             return {
+                self.phone_list: "",
                 self.table: runs_table([]),
                 self.compare: gr.CheckboxGroup(choices=[]),
                 self.metric: gr.Dropdown(choices=["reward"]),
@@ -204,6 +208,7 @@ class RunsPage:
         overlay = gr.skip() if curves is None else overlay_figure(curves, metric, smoothing)
         logged = sorted({name for run_id in ticked for name in services.queries.metric_names(run_id)} | {"reward"})
         return {
+            self.phone_list: cards.run_list(runs),
             self.table: runs_table(runs),
             self.compare: gr.CheckboxGroup(choices=[(f"{r.name or r.id} ({r.id})", r.id) for r in runs], value=ticked),
             self.metric: gr.Dropdown(choices=logged),

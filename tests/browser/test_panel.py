@@ -366,6 +366,9 @@ def test_adapters_download_compare_and_branch(page: Page, demo_run: str, tmp_pat
     open_tab(page, "Adapters")
     expect(page.locator("#adapters-run input")).to_have_value(re.compile(demo_run))
     expect(rows(page, "versions-table").nth(3)).to_be_visible(timeout=180_000)  # a header, three versions
+    audit, table = rows(page, "versions-table").first.get_by_text("policy audit"), page.locator("#versions-table")
+    audit_box, table_box = audit.bounding_box(), table.bounding_box()
+    assert audit_box and table_box and audit_box["x"] + audit_box["width"] <= table_box["x"] + table_box["width"]
 
     page.locator("#prepare-download").click()
     save = page.locator("#download-zip")
@@ -465,9 +468,46 @@ def test_account_keeps_a_token_masked(page: Page) -> None:
     expect(page.locator("#delete-credential-yes")).to_be_hidden()
 
 
-def test_every_page_is_reachable_at_phone_width_and_in_dark_mode(browser: Browser, panel: RunningPanel) -> None:
+PHONE_WIDTH = 390
+
+
+def _key_facts_fit_a_phone(page: Page, name: str, run_id: str) -> None:
+    """What a page is for, in view at phone width: the runs' status, step and reward (the table showed only id and
+    name), the Monitor's whole run name, unclipped labels, and no note squeezed to a word a line."""
+
+    def right_edge(locator: Locator) -> float:
+        box = locator.bounding_box()
+        assert box is not None, locator
+        return box["x"] + box["width"]
+
+    def width(locator: Locator) -> float:
+        box = locator.bounding_box()
+        assert box is not None, locator
+        return box["width"]
+
+    if name == "Runs":
+        listed = page.locator("#runs-phone li", has_text=run_id)
+        expect(listed).to_contain_text(re.compile(r"\w+ step \d+ / \d+ · reward [\d.]+"))
+        assert right_edge(listed) <= PHONE_WIDTH
+    elif name == "Monitor":
+        assert width(page.locator("#monitor-run")) >= PHONE_WIDTH * 0.75
+    elif name == "Adapters":
+        assert width(page.locator("#adapters-lineage")) >= PHONE_WIDTH * 0.75
+    elif name == "Launch":
+        for box in ("reporting-trackio", "reporting-wandb"):
+            field = page.locator(f"#{box}")
+            clipped = field.evaluate(
+                "e => [e, ...e.querySelectorAll('*')].some(n => n.scrollWidth > n.clientWidth + 1)"
+            )
+            assert not clipped and right_edge(field) <= PHONE_WIDTH, box
+
+
+def test_every_page_is_reachable_at_phone_width_and_in_dark_mode(
+    browser: Browser, panel: RunningPanel, demo_run: str
+) -> None:
     """Issue 18, item 11: at 390 px every page's tab stays in the bar (Gradio moved three behind a "⋯" menu), the
-    Launch form is walked with the keyboard, and every page is screenshotted at that width in the dark theme."""
+    Launch form is walked with the keyboard, and every page is screenshotted at that width in the dark theme.
+    Issue 33, item 8: each page's key facts are there without scrolling sideways."""
     context = browser.new_context(viewport={"width": 390, "height": 844})
     page = context.new_page()
     page.set_default_timeout(TIMEOUT_MS)
@@ -478,6 +518,7 @@ def test_every_page_is_reachable_at_phone_width_and_in_dark_mode(browser: Browse
             expect(tab).to_be_visible()
             tab.click()
             expect(tab).to_have_attribute("aria-selected", "true")
+            _key_facts_fit_a_phone(page, name, demo_run)
             screenshot(page, f"phone-dark-{name.lower()}")
         run_id = page.locator("#run-id").locator("textarea, input").first
         run_id.focus()
