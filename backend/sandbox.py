@@ -117,12 +117,10 @@ def run_rewards(
             try:
                 code = process.wait(timeout=limits.seconds + 5)  # start-up (imports) is not the reward's time
             except subprocess.TimeoutExpired:
+                burned = _cpu_seconds(process.pid)
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-                raise SandboxError(
-                    f"the rewards took longer than {limits.seconds:.0f}s on {len(rows)} rows and were stopped; "
-                    "make the reward faster (it runs for every group during training)"
-                ) from None
+                raise SandboxError(stopped_by_the_clock(burned, limits, len(rows))) from None
         result_path = scratch / "result.json"
         if code != 0 or not result_path.exists():
             raise SandboxError(_explain_exit(code, scratch / "stdout", limits))
@@ -146,6 +144,37 @@ def _explain_error(error: str | None, limits: SandboxLimits) -> str | None:
     return error
 
 
+def stopped_by_the_clock(cpu_seconds: float, limits: SandboxLimits, rows: int) -> str:
+    """Why rewards the wall-clock deadline stopped were stopped: a reward that had burned its CPU allowance is named
+    as such (the deadline came first only because the machine was busy), any other was slow or waiting."""
+    if cpu_seconds >= limits.seconds:
+        return _cpu_exceeded(limits)
+    return (
+        f"the rewards took longer than {limits.seconds:.0f}s on {rows} rows and were stopped; make the reward faster "
+        "(it runs for every group during training)"
+    )
+
+
+def _cpu_exceeded(limits: SandboxLimits) -> str:
+    return (
+        f"the rewards used more than {limits.seconds:.0f}s of CPU and were stopped; make the reward faster "
+        "(it runs for every group during training)"
+    )
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time a live process has used so far (user + system), 0 if it cannot be read.
+
+    Which limit stopped a reward depends on the load: RLIMIT_CPU counts its own CPU, the wall clock everything else's
+    too. Under two busy workers a reward spinning in a loop reached the wall deadline first, and was reported as slow
+    rather than as burning CPU; its CPU time says which it was."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def _explain_exit(code: int, output: Path, limits: SandboxLimits) -> str:
     tail = output.read_bytes()[-1500:].decode(errors="replace").strip()
     if code == UNCONFINABLE_EXIT:
@@ -156,10 +185,7 @@ def _explain_exit(code: int, output: Path, limits: SandboxLimits) -> str:
     if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or output.stat().st_size >= limits.output_bytes:
         return f"the reward printed more than {limits.output_bytes // 1024} kB; remove the prints from the reward"
     if code in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU):
-        return (
-            f"the rewards used more than {limits.seconds:.0f}s of CPU and were stopped; make the reward faster "
-            "(it runs for every group during training)"
-        )
+        return _cpu_exceeded(limits)
     if "MemoryError" in tail or code == -signal.SIGSEGV:
         return f"the rewards needed more than {limits.memory_bytes >> 20} MB of memory"
     return f"the reward sandbox failed (exit code {code}): {tail[-600:]}"

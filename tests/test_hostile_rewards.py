@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +221,24 @@ def test_without_a_space_a_missing_layer_is_skipped_and_the_others_hold(tmp_path
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"applied": ["limits", "landlock"], "readable": False}
     assert os.path.exists(REPO / "README.md")
+
+
+def test_a_reward_burning_cpu_is_named_so_even_when_the_clock_stops_it_first():
+    """Seen in CI under load: a reward spinning in a loop got a third of a core, so the wall-clock deadline stopped
+    it before its CPU limit did, and it was reported as slow. Its CPU time, read before it is killed, says which."""
+    from backend.sandbox import _cpu_seconds, stopped_by_the_clock
+
+    limits = SandboxLimits(seconds=2)
+    assert "used more than 2s of CPU" in stopped_by_the_clock(2.3, limits, rows=2)
+    assert "took longer than 2s on 2 rows" in stopped_by_the_clock(0.1, limits, rows=2)  # a reward that waits
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 1.2\n"
+                                "while time.process_time() < end: pass\ntime.sleep(60)"])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while _cpu_seconds(spinner.pid) < 1.2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert 1.2 <= _cpu_seconds(spinner.pid) < 5  # its own CPU time, not the wall clock's
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert _cpu_seconds(spinner.pid) == 0.0  # gone: nothing to read

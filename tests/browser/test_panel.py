@@ -494,6 +494,10 @@ def _key_facts_fit_a_phone(page: Page, name: str, run_id: str) -> None:
     elif name == "Adapters":
         assert width(page.locator("#adapters-lineage")) >= PHONE_WIDTH * 0.75
     elif name == "Launch":
+        # Issue 33, item 9: the info banners stayed light on the dark page.
+        ground = page.locator("#launch-status .gp-note").evaluate("e => getComputedStyle(e).backgroundColor")
+        red, green, blue = (int(part) for part in re.findall(r"\d+", ground)[:3])
+        assert 0.2126 * red + 0.7152 * green + 0.0722 * blue < 100, ground  # a dark ground, as the page's
         for box in ("reporting-trackio", "reporting-wandb"):
             field = page.locator(f"#{box}")
             clipped = field.evaluate(
