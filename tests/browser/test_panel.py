@@ -51,6 +51,17 @@ def demo_run(browser: Browser, panel: RunningPanel) -> str:
     launch.click()
     expect(page.locator("#run-header")).to_contain_text(run_id)
     expect(page.locator("#run-header")).to_contain_text(re.compile("launching|running"))
+    # Issue 33, item 9: back on Launch, the status says what happened and what the form now proposes (it said
+    # "Opening the monitor…" beside the next run's id).
+    open_tab(page, "Launch")
+    box = page.locator("#run-id").locator("textarea, input").first
+    expect(box).to_have_value(re.compile(r"^demo-"))
+    expect(box).not_to_have_value(run_id)
+    status = page.locator("#launch-status")
+    expect(status).to_contain_text(f"Launched {run_id}")
+    expect(status).to_contain_text(f"This form now proposes {box.input_value()}")
+    expect(status).not_to_contain_text("Opening the monitor")
+    expect(launch).to_be_disabled()
     context.close()
     return run_id
 
@@ -116,6 +127,22 @@ def test_a_negative_max_steps_is_named_in_place_and_gone_once_mended(page: Page)
     page.locator("#check").click()
     expect(page.locator("#launch-status")).to_contain_text("All checks passed", timeout=90_000)
     expect(error).to_be_hidden()
+
+
+def test_a_hub_model_the_panel_cannot_reach_keeps_launch_disabled_for_local_jobs(page: Page) -> None:
+    """Issue 33, item 2: this panel's Hub answers nothing. A Hub model for local jobs (which share the panel's network)
+    was "All checks passed" and the run failed a minute after both replicas had started; now the field says the Hub
+    did not answer and what to do, nothing is called passed, and Launch stays disabled."""
+    fill(page, "model-id", "Qwen/Qwen2.5-0.5B-Instruct")
+    page.locator("#check").click()
+    error = page.locator("#error-model")
+    expect(error).to_contain_text("did not answer", timeout=90_000)
+    expect(error).to_contain_text("model folder on this machine")
+    status = page.locator("#launch-status")
+    expect(status).to_contain_text("problem")
+    expect(status).not_to_contain_text("All checks passed")
+    expect(page.locator("#launch")).to_be_disabled()
+    screenshot(page, "launch-hub-unreachable")
 
 
 def test_weights_and_biases_without_a_key_is_named_under_reporting(page: Page) -> None:
