@@ -1,7 +1,7 @@
 """Reliability figures: the fault matrix and the bad-input matrix run through pytest, summarised.
 
-Runs tests/test_faults.py, the two fault rows tested elsewhere (a killed trainer resuming from its checkpoint in
-tests/test_e2e_demo.py; the Hub API answering 5xx/429 in tests/test_launchers.py), tests/test_launch_recovery.py (the
+Runs tests/test_faults.py, the fault row tested elsewhere (the Hub API answering 5xx/429 in tests/test_launchers.py),
+tests/test_launch_recovery.py (the
 panel killed at each step of a launch), tests/test_bad_input.py, and the tests that meet each real-service behaviour
 the emulators reproduce (REAL_SERVICES). A small pytest plugin collects every test's
 outcome and the figures the tests record with `record_property` (`fault`, `records_lost`, `orphans`; `launch_kill`).
@@ -48,7 +48,6 @@ MATRIX = (
 )
 # Rows tested outside tests/test_faults.py (they record no figures; what they assert is in docs/reliability.md).
 ELSEWHERE = {
-    "tests/test_e2e_demo.py::test_a_killed_trainer_resumes_from_its_checkpoint": "trainer SIGKILLed mid-run",
     "tests/test_launchers.py::test_hub_errors_are_retried_without_duplicate_jobs": "the Hub API answering 5xx or 429",
 }
 # How HF Jobs and buckets really behave (issue 14): the emulator's switch that reproduces each behaviour, the test that

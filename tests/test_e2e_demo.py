@@ -1,7 +1,8 @@
 """The embedded demo for real: trainer + proxy + 2 CPU replicas as local processes, a local folder as the bucket.
 
-One demo run is shared by the assertions about a finished run; a second run is killed mid-way and relaunched to
-check that it resumes from its stored checkpoint.
+One demo run is shared by the assertions about a finished run, and by a panel that lost its database mid-way and came
+back from its snapshot. A trainer killed mid-run and resumed from its checkpoint is tested on the fault matrix's run
+that does exactly that (tests/test_faults.py, `clock_skew`), with two trainer processes below.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import signal
 import statistics
 import time
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from sqlmodel import select
@@ -23,7 +26,7 @@ from backend.db import Database
 from backend.models import Job, MetricPoint, RolloutSample
 from backend.poller import Poller
 from backend.services.queries import QueryService
-from backend.services.runs import RunService
+from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.contract import DEMO_MODEL_ID, layout
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
@@ -64,18 +67,94 @@ def job_pgids(ctx: PanelContext, run_id: str) -> dict[str, int]:
     return {f"{job.role}#{job.attempt}": int((folder / job.backend_job_id / "pgid").read_text()) for job in jobs}
 
 
+@dataclass
+class RestoredPanel:
+    """A second panel that came back mid-run from a snapshot of the first one's database (its own copy: the first one
+    goes on watching the run for the module's other tests), and what the lost database held when it was copied."""
+
+    ctx: PanelContext
+    token_id: int
+    steps_at_restore: int
+    versions_at_snapshot: int
+    versions_at_restore: int
+    events_at_snapshot: list[tuple]
+
+
+@dataclass
+class DemoRun:
+    ctx: PanelContext
+    store: LocalStore
+    status: str
+    wall: float
+    restored: RestoredPanel
+
+
+SNAPSHOT_AFTER_STEPS = 6  # the database is lost once 6 steps are ingested: the rest of the run is polled after
+
+
+def lose_the_database_mid_run(ctx: PanelContext, poller: Poller, folder: Path, run_id: str) -> RestoredPanel:
+    """Issue 16: the database lives on local disk and a snapshot goes to the durable volume. Just after a snapshot the
+    panel dies and its local database goes with it (a Space restart); the panel started again restores the snapshot.
+    The restored database is a new file beside the jobs' folders, which stay: they stand for the Hub, which keeps an HF
+    job's state across a panel restart."""
+    from backend.snapshots import restore_snapshot, write_snapshot
+
+    token = ctx.vault.save(OWNER, "my token", "hf_token", "hf_SnapshotTestToken000000000000000")
+    steps = lambda c: len(QueryService(c, OWNER).metric_series(run_id, "reward", max_points=None))  # noqa: E731
+    wait_until(
+        lambda: poller.poll_run(run_id) is not None and steps(ctx) >= SNAPSHOT_AFTER_STEPS,
+        600,
+        1.0,
+        what=f"{SNAPSHOT_AFTER_STEPS} steps ingested",
+    )
+    queries = QueryService(ctx, OWNER)
+    versions, events = (
+        len(queries.versions(run_id)),
+        [(e.kind, e.message, e.time) for e in queries.events(run_id, 1000)],
+    )
+    write_snapshot(ctx.db.path, folder / "volume")
+    database = folder / "restarted" / "panel.sqlite3"
+    assert restore_snapshot(database, folder / "volume")
+    again = PanelContext(Database(database), folder)
+    assert again.vault.hf_token(OWNER, token.id) == "hf_SnapshotTestToken000000000000000"
+    return RestoredPanel(
+        again, token.id, steps(again), versions, len(QueryService(again, OWNER).versions(run_id)), events
+    )
+
+
 @pytest.fixture(scope="module")
-def finished_demo(tmp_path_factory):
+def demo_run(tmp_path_factory):
+    from cryptography.fernet import Fernet
+
     tmp_path = tmp_path_factory.mktemp("demo")
-    ctx, poller = start_demo(tmp_path, "demo-e2e", STEPS)
-    started = time.monotonic()
-    status = follow(ctx, poller, "demo-e2e")
-    wall = time.monotonic() - started
-    # Give the jobs their grace to exit, then make sure every process of every job is gone.
-    wait_until(lambda: not any(group_alive(pgid) for pgid in job_pgids(ctx, "demo-e2e").values()), 60, 1.0)
-    poller.poll_run("demo-e2e")  # the panel keeps polling an ended run until its jobs are seen to end
-    yield ctx, LocalStore(tmp_path / "store"), status, wall
-    ctx.db.close()
+    # A Space's key is a secret, not in the data folder: the key of both panels, and of the command line's below.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(settings.KEY.name, Fernet.generate_key().decode())
+        ctx, poller = start_demo(tmp_path, "demo-e2e", STEPS)
+        started = time.monotonic()
+        restored = lose_the_database_mid_run(ctx, poller, tmp_path, "demo-e2e")
+        restarted = Poller(restored.ctx, stall_after=120)
+
+        def ended(panel: PanelContext, panel_poller: Poller) -> bool:
+            panel_poller.poll_run("demo-e2e")
+            return RunService(panel, OWNER).get("demo-e2e").status in TERMINAL_STATUSES
+
+        # Both panels poll to the end: the first for the module's tests, the restarted one catching up from the bucket.
+        wait_until(lambda: [ended(ctx, poller), ended(restored.ctx, restarted)] == [True, True], 900, 1.0)
+        status = RunService(ctx, OWNER).get("demo-e2e").status
+        wall = time.monotonic() - started
+        # Give the jobs their grace to exit, then make sure every process of every job is gone.
+        wait_until(lambda: not any(group_alive(pgid) for pgid in job_pgids(ctx, "demo-e2e").values()), 60, 1.0)
+        poller.poll_run("demo-e2e")  # the panel keeps polling an ended run until its jobs are seen to end
+        restarted.poll_run("demo-e2e")
+        yield DemoRun(ctx, LocalStore(tmp_path / "store"), status, wall, restored)
+        restored.ctx.db.close()
+        ctx.db.close()
+
+
+@pytest.fixture(scope="module")
+def finished_demo(demo_run):
+    return demo_run.ctx, demo_run.store, demo_run.status, demo_run.wall
 
 
 def test_the_demo_finishes_and_the_reward_rises(finished_demo):
@@ -143,60 +222,6 @@ def test_the_replicas_were_stopped_and_nothing_is_left_running(finished_demo):
     assert not any(group_alive(pgid) for pgid in job_pgids(ctx, "demo-e2e").values())
     stages = {job.role: job.stage for job in QueryService(ctx, OWNER).jobs("demo-e2e")}
     assert stages == {"replica-0": "completed", "replica-1": "completed", "trainer": "completed"}
-
-
-RESUME_STEPS = 12  # a checkpoint every 4 steps: the trainer is killed once the first one is stored
-
-
-def test_a_killed_trainer_resumes_from_its_checkpoint(tmp_path):
-    ctx, poller = start_demo(tmp_path, "demo-resume", RESUME_STEPS, save_steps=4)
-    store = LocalStore(tmp_path / "store")
-
-    def checkpoint_beyond(step: int):
-        return lambda: [
-            s
-            for s in (
-                layout.parse_checkpoint_dir(n) for n in list_published(store, layout.checkpoints_prefix("demo-resume"))
-            )
-            if s and s >= step
-        ]
-
-    wait_until(checkpoint_beyond(4), 600, 0.5)
-    versions_before = set(list_published(store, layout.adapters_prefix("demo-resume")))
-    trainer_pgid = job_pgids(ctx, "demo-resume")["trainer#1"]
-    os.killpg(trainer_pgid, signal.SIGKILL)  # preemption: no chance to save or to stop the replicas
-    wait_until(lambda: not group_alive(trainer_pgid), 30)
-    checkpoint = max(checkpoint_beyond(4)())
-
-    RunService(ctx, OWNER).relaunch_trainer("demo-resume")
-    assert follow(ctx, poller, "demo-resume") == "finished"
-
-    events = [
-        e
-        for info in store.list(layout.telemetry_prefix("demo-resume", "events"))
-        for e in decode_jsonl(store.get_bytes(info.key))
-    ]
-    (resume,) = [e for e in events if e["kind"] == "resume"]
-    assert resume["attempt"] == 2 and resume["resumed_from_step"] == checkpoint
-    records = [
-        r
-        for info in store.list(layout.telemetry_prefix("demo-resume", "metrics"))
-        for r in decode_jsonl(store.get_bytes(info.key))
-        if "reward" in r
-    ]
-    second = sorted(r["step"] for r in records if r["attempt"] == 2)
-    assert second == list(range(checkpoint + 1, RESUME_STEPS + 1))  # no step before the checkpoint trained again
-    versions_after = list_published(store, layout.adapters_prefix("demo-resume"))
-    assert versions_before <= set(versions_after)  # nothing the first attempt published was lost
-    numbers = [layout.parse_version_dir(name) for name in versions_after]
-    assert numbers == list(range(1, len(numbers) + 1))  # versions continue without a gap or a reuse
-    first_new = read_manifest(store, layout.adapter_prefix("demo-resume", len(versions_before) + 1)).meta
-    assert first_new["step"] == checkpoint  # the resumed attempt re-published its starting weights first
-    with ctx.db.session() as session:
-        steps = session.exec(select(Job.attempt).where(Job.run_id == "demo-resume", Job.role == "trainer")).all()
-    assert sorted(steps) == [1, 2]
-    wait_until(lambda: not any(group_alive(p) for p in job_pgids(ctx, "demo-resume").values()), 60, 1.0)
-    ctx.db.close()
 
 
 def stored(store, run_id: str, stream: str) -> list[dict]:
@@ -487,59 +512,30 @@ def test_the_command_line_rolls_back_and_branches_and_says_what_is_wrong(finishe
     RunService(ctx, OWNER).delete("demo-e2e-cli")
 
 
-SNAPSHOT_STEPS = 12  # the snapshot is taken once 6 are ingested: as many again are polled after the restore
-
-
-def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(tmp_path, monkeypatch):
-    """Issue 16: the database lives on local disk and a snapshot goes to the durable volume. The panel dies mid-run
-    just after a snapshot and its local database goes with it (a Space restart); started again it restores the
-    snapshot, and the poller catches up from the run's bucket: the run, its credentials, versions and alerts are back,
-    and nothing is counted twice. The local jobs' folders stay: they stand for the Hub, which keeps an HF job's state
-    across a panel restart."""
-    from cryptography.fernet import Fernet
-
-    from backend import settings
-    from backend.snapshots import restore_snapshot, write_snapshot
-
-    monkeypatch.setenv(
-        settings.KEY.name, Fernet.generate_key().decode()
-    )  # a Space's key is a secret, not in the data folder
-    run_id, volume = "demo-snap", tmp_path / "volume"
-    ctx, poller = start_demo(tmp_path, run_id, SNAPSHOT_STEPS)
-    token = ctx.vault.save(OWNER, "my token", "hf_token", "hf_SnapshotTestToken000000000000000")
-    steps = lambda c: len(QueryService(c, OWNER).metric_series(run_id, "reward", max_points=None))  # noqa: E731
-    wait_until(lambda: poller.poll_run(run_id) is not None and steps(ctx) >= 6, 600, 1.0, what="6 steps ingested")
-    versions_before = len(QueryService(ctx, OWNER).versions(run_id))
-    events_before = [(e.kind, e.message, e.time) for e in QueryService(ctx, OWNER).events(run_id, limit=1000)]
-    write_snapshot(ctx.db.path, volume)
-    ctx.db.close()
-    for path in tmp_path.glob("panel.sqlite3*"):  # the database, its WAL and shared memory: the local disk is gone
-        path.unlink()
-
-    assert restore_snapshot(tmp_path / "panel.sqlite3", volume)
-    again = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
-    try:
-        assert again.vault.hf_token(OWNER, token.id) == "hf_SnapshotTestToken000000000000000"
-        assert steps(again) >= 6 and len(QueryService(again, OWNER).versions(run_id)) == versions_before
-        status = follow(again, Poller(again, stall_after=120), run_id)
-        assert status == "finished"
-        points = QueryService(again, OWNER).metric_series(run_id, "reward", max_points=None)
-        assert [step for step, _ in points] == list(range(1, SNAPSHOT_STEPS + 1))  # each once, before the snapshot too
-        numbers = [v.version for v in QueryService(again, OWNER).versions(run_id)]
-        assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) > versions_before
-        events = [(e.kind, e.message, e.time) for e in QueryService(again, OWNER).events(run_id, limit=1000)]
-        assert set(events_before) <= set(events) and len(events) == len(set(events)), events
-        with again.db.session() as session:
-            samples = session.exec(
-                select(RolloutSample.step, RolloutSample.group_id, RolloutSample.completion).where(
-                    RolloutSample.run_id == run_id
-                )
-            ).all()
-        assert {step for step, _, _ in samples} == set(range(1, SNAPSHOT_STEPS + 1))
-        # Each record in the bucket once: two rollouts of a group may write the same completion, so rows are counted
-        # against the records, not checked for being distinct.
-        records = stored(LocalStore(tmp_path / "store"), run_id, "samples")
-        assert Counter(samples) == Counter((r["step"], r["group_id"], r["completion"]) for r in records)
-    finally:
-        wait_until(lambda: not any(group_alive(p) for p in job_pgids(again, run_id).values()), 60, 1.0)
-        again.db.close()
+def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(demo_run):
+    """Issue 16 (`lose_the_database_mid_run`): the restored panel has the run, its credentials, versions and alerts
+    back, and its poller catches up from the run's bucket without counting anything twice."""
+    restored, run_id = demo_run.restored, "demo-e2e"
+    again = restored.ctx
+    assert restored.steps_at_restore >= SNAPSHOT_AFTER_STEPS
+    assert restored.versions_at_restore == restored.versions_at_snapshot
+    queries = QueryService(again, OWNER)
+    assert again.vault.hf_token(OWNER, restored.token_id) == "hf_SnapshotTestToken000000000000000"
+    assert RunService(again, OWNER).get(run_id).status == "finished"
+    points = queries.metric_series(run_id, "reward", max_points=None)
+    assert [step for step, _ in points] == list(range(1, STEPS + 1))  # each once, before the snapshot too
+    numbers = [v.version for v in queries.versions(run_id)]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) > restored.versions_at_snapshot
+    events = [(e.kind, e.message, e.time) for e in queries.events(run_id, limit=1000)]
+    assert set(restored.events_at_snapshot) <= set(events) and len(events) == len(set(events)), events
+    with again.db.session() as session:
+        samples = session.exec(
+            select(RolloutSample.step, RolloutSample.group_id, RolloutSample.completion).where(
+                RolloutSample.run_id == run_id
+            )
+        ).all()
+    assert {step for step, _, _ in samples} == set(range(1, STEPS + 1))
+    # Each record in the bucket once: two rollouts of a group may write the same completion, so rows are counted
+    # against the records, not checked for being distinct.
+    records = stored(demo_run.store, run_id, "samples")
+    assert Counter(samples) == Counter((r["step"], r["group_id"], r["completion"]) for r in records)

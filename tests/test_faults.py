@@ -7,10 +7,9 @@ libfaketime. Every test also proves that no process of its run outlives it, and 
 the store count what was lost or duplicated. Each test records `fault`, `records_lost` and `orphans` as junit
 properties for `bench/reliability_report.py`.
 
-The Hub API answering 5xx/429 is tested in tests/test_launchers.py::test_hub_errors_are_retried_without_duplicate_jobs
-and a plain trainer kill + resume in tests/test_e2e_demo.py::test_a_killed_trainer_resumes_from_its_checkpoint; the
-clock-skew run below kills and relaunches its trainer too, and checks what that test does not: SQLite holds every
-step's telemetry exactly once.
+The Hub API answering 5xx/429 is tested in tests/test_launchers.py::test_hub_errors_are_retried_without_duplicate_jobs.
+The clock-skew run below kills its trainer and relaunches it: it serves the resume's own checks and the ledger's
+(SQLite holds every step's telemetry exactly once).
 """
 
 from __future__ import annotations
@@ -974,7 +973,8 @@ def clock_skew(tmp_path_factory):
         wait_until(lambda: checkpoint() >= 4, 300, 0.05, what="the checkpoint of step 4")
         run.kill("trainer")  # the moment a checkpoint exists: whatever the trainer had not written yet is gone
         seen["checkpoint"] = checkpoint()
-        seen["versions_at_kill"] = len(list_published(store, layout.adapters_prefix(run.run_id)))
+        seen["published_at_kill"] = set(list_published(store, layout.adapters_prefix(run.run_id)))
+        seen["versions_at_kill"] = len(seen["published_at_kill"])
         run.observe(poll=True)
         now = time.time()
         seen["heartbeats"] = {
@@ -1039,6 +1039,32 @@ def test_the_panel_shows_the_newest_proxy_snapshot_whatever_the_trainer_clocks(c
     run, seen = clock_skew
     report(record_property, "clock skew between jobs", orphans=len(seen["orphans"]))
     assert QueryService(run.ctx, OWNER).proxy_snapshots(run.run_id)[-1] == seen["last_snapshot"]
+
+
+def test_a_killed_trainer_resumes_from_its_checkpoint(clock_skew, record_property):
+    """A trainer SIGKILLed the moment its checkpoint of step 4 is stored (preemption: no chance to save or to stop the
+    replicas), relaunched: it resumes from that checkpoint, trains no step before it again, and loses no version the
+    first attempt published. Read on the clock-skew run, which kills and relaunches its trainer exactly so (one
+    training run for both: the suite's time is its runs, docs/testing.md)."""
+    run, seen = clock_skew
+    report(record_property, "trainer SIGKILLed mid-run", orphans=len(seen["orphans"]))
+    store, checkpoint = LocalStore(run.data / "store"), seen["checkpoint"]
+    assert checkpoint >= 4
+    (resume,) = [e for e in stream_records(store, run.run_id, "events") if e["kind"] == "resume"]
+    assert resume["attempt"] == 2 and resume["resumed_from_step"] == checkpoint
+    second = sorted(
+        r["step"] for r in stream_records(store, run.run_id, "metrics") if "reward" in r and r["attempt"] == 2
+    )
+    assert second == list(range(checkpoint + 1, SKEW_STEPS + 1))  # no step before the checkpoint trained again
+    published = list_published(store, layout.adapters_prefix(run.run_id))
+    assert seen["published_at_kill"] <= set(published)  # nothing the first attempt published was lost
+    numbers = [layout.parse_version_dir(name) for name in published]
+    assert numbers == list(range(1, len(numbers) + 1))  # versions continue without a gap or a reuse
+    first_new = read_manifest(store, layout.adapter_prefix(run.run_id, seen["versions_at_kill"] + 1)).meta
+    assert first_new["step"] == checkpoint  # the resumed attempt re-published its starting weights first
+    with run.ctx.db.session() as session:
+        attempts = session.exec(select(Job.attempt).where(Job.run_id == run.run_id, Job.role == "trainer")).all()
+    assert sorted(attempts) == [1, 2]
 
 
 # --- row 11: a replica keeps serving the version before under the new version's name -------------------------------

@@ -2,7 +2,7 @@
 
 The mid-run case — the panel dies after a snapshot, its database is lost, it comes back and the poller catches up
 from the run's bucket without counting anything twice — is tests/test_e2e_demo.py's
-`test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot`.
+`test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot`, on the module's demo run.
 """
 
 from __future__ import annotations
