@@ -18,6 +18,7 @@ from backend.models import Run
 from backend.preflight import Preflight, run_preflight
 from backend.sandbox import RewardTrial, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService
+from backend.services.evaluation import EvaluationService
 from backend.services.exports import ExportService
 from backend.services.queries import QueryService
 from backend.services.runs import RunService, run_row
@@ -33,6 +34,7 @@ class PanelServices:
         self.runs = RunService(ctx, owner)
         self.queries = QueryService(ctx, owner)
         self.adapters = AdapterService(ctx, owner)
+        self.evaluation = EvaluationService(ctx, owner)
         self.exports = ExportService(ctx, owner)
         self.credentials = ctx.vault
 

@@ -7,6 +7,8 @@ python -m backend smoke --spec run.json --hf-credential my-token --store-credent
                                   one cpu-basic HF job that proves the bucket, the code and the job's URL (cents)
 python -m backend export my-run --format parquet
                                   the run's metrics and samples as files pandas reads
+python -m backend eval my-run 0 last
+                                  score the base model and the last version on the run's held-out prompts
 
 `python -m backend --help` lists every command; `python -m backend COMMAND --help` shows its options and examples.
 """
@@ -257,6 +259,68 @@ def versions(args: argparse.Namespace) -> int:
     return 0
 
 
+def evaluate(args: argparse.Namespace) -> int:
+    """Score versions on the run's held-out prompts and print each with its 95 % interval."""
+    from jobs.evaluation.engine import EngineError
+    from jobs.evaluation.sampling import SamplingError
+
+    services = _services(args)
+    stored = [version.version for version in services.adapters.versions(args.run)]
+    numbers = _version_numbers(args.versions, stored)
+    changes: dict[str, object] = {"split": args.split, "prompts": args.prompts, "k": args.k}
+    if args.greedy:
+        changes |= {"greedy": True, "k": args.k or 1}
+    try:
+        evaluation = services.evaluation.evaluate(
+            args.run, numbers, {k: v for k, v in changes.items() if v is not None}
+        )
+    except (EngineError, SamplingError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    held, sampling = evaluation.held_out, evaluation.sampling
+    dropped = f"; {held.shared} shared with training dropped" if held.shared else ""
+    how = "greedy" if sampling.temperature == 0 else f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}"
+    print(f"{len(held.rows)} held-out prompts ({held.source}{dropped}), k={sampling.k}, {how}, seed {sampling.seed}")
+    names = list(evaluation.results[0].scores)
+    names = names if len(names) > 2 else names[:1]  # one reward: its score is the total
+    print(f"{'version':<8} " + "  ".join(f"{name + ' [95% interval]':<30}" for name in names) + "  pass@k  time")
+    for result, cached in zip(evaluation.results, evaluation.cached, strict=True):
+        cells = []
+        for name in names:
+            summary = result.summary(name)
+            cells.append(f"{summary.avg.mean:.3f} [{summary.avg.low:.3f}, {summary.avg.high:.3f}]".ljust(30))
+        passed = result.summary(names[0]).pass_at_k
+        when = "cached" if cached else f"{result.seconds:.1f}s"
+        label = f"v{result.version}" + (" base" if result.version == 0 else "")
+        print(f"{label:<8} " + "  ".join(cells) + f"  {'-' if passed is None else f'{passed:.3f}':>6}  {when}")
+    if len(numbers) == 2:
+        a, b = numbers
+        comparison = services.evaluation.compare(evaluation, a, b)
+        d = comparison.difference
+        print(
+            f"v{b} - v{a}: {d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}] on the same prompts; per prompt v{b} higher "
+            f"{comparison.wins}, equal {comparison.ties}, lower {comparison.losses}"
+        )
+    return 0
+
+
+def _version_numbers(words: list[str], stored: list[int]) -> list[int]:
+    """Version numbers from the command line: numbers (0: the base model), `last`, or `all`."""
+    numbers: list[int] = []
+    for word in words:
+        if word == "all":
+            numbers += [0, *stored]
+        elif word == "last":
+            if not stored:
+                raise ValueError("versions: the run has no version yet; `last` names none")
+            numbers.append(stored[-1])
+        elif word.isdigit():
+            numbers.append(int(word))
+        else:
+            raise ValueError(f"versions: {word!r} is not a version; give numbers (0: the base model), last or all")
+    return list(dict.fromkeys(numbers))
+
+
 def download(args: argparse.Namespace) -> int:
     print(_services(args).adapters.download_zip(args.run, args.version))
     return 0
@@ -439,6 +503,22 @@ def _build_parser() -> argparse.ArgumentParser:
         "download my-run 40",
     )
     _run_and_version(download_parser)
+    eval_parser = _command(
+        commands,
+        "eval",
+        evaluate,
+        "score adapter versions on the run's held-out prompts (never trained on), on this machine; two versions are "
+        "also compared prompt by prompt. Results are kept in the run's bucket: asking again reads them back",
+        "eval my-run 0 last",
+        "eval my-run all --k 8",
+        "eval my-run 20 40 --split test --greedy",
+    )
+    eval_parser.add_argument("run")
+    eval_parser.add_argument("versions", nargs="+", help="version numbers (0: the base model), last, or all")
+    eval_parser.add_argument("--split", help="a held-out split of the run's dataset (default: the run's eval settings)")
+    eval_parser.add_argument("--prompts", type=int, help="how many held-out prompts (default: the run's, 128)")
+    eval_parser.add_argument("--k", type=int, help="completions per prompt (default: the run's, 4)")
+    eval_parser.add_argument("--greedy", action="store_true", help="one greedy completion per prompt")
     compare_parser = _command(
         commands, "compare", compare, "compare two adapter versions, module by module", "compare my-run 20 40"
     )

@@ -30,6 +30,7 @@ from backend.vault import CredentialError
 from jobs.chat_templates import ADDITIONAL_TEMPLATES_DIR, ChatTemplateError, chat_template_in, response_template
 from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, derived, parse_spec
 from jobs.contract.flavors import flavor
+from jobs.evaluation.heldout import HeldOut, held_out
 from jobs.store import StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
 from jobs.trainer.reporting import missing_packages
@@ -58,6 +59,7 @@ class Preflight:
     cost_per_hour: float | None = None
     plan: dict[str, Any] | None = None  # what Launch would submit (backend/plan.py), once every check passed
     parameters: int | None = None  # the model's parameter count, where the Hub said it (it decides the sharding)
+    held_out: HeldOut | None = None  # the prompts versions are evaluated on, when the run evaluates
 
     @property
     def ok(self) -> bool:
@@ -111,6 +113,7 @@ def run_preflight(
     rows = _check_dataset(spec, store, result, sample_rows) if hub_online or not _hub_dataset(spec) else []
     if rows:
         _check_rewards(spec, rows, result, sandbox)
+        _check_held_out(spec, store, result)
     if not result.errors:
         result.plan = ctx.plan(probe, result.parameters).to_json()
     return result
@@ -365,6 +368,25 @@ def _check_dataset(spec: RunSpec, store, result: Preflight, sample_rows: int) ->
     preview = [dict(row) for row in prompts]
     result.preview = preview
     return preview
+
+
+def _check_held_out(spec: RunSpec, store, result: Preflight) -> None:
+    """The held-out prompts exist, have the dataset's columns, and some are left once the prompts shared with the
+    training rows are dropped (how many were is said: the run records it too)."""
+    if not spec.eval.enabled:
+        return
+    try:
+        held = held_out(spec, store)
+    except DatasetError as error:
+        field_name, _, message = str(error).partition(": ")
+        result.errors[field_name if field_name.startswith("eval") else "eval.split"] = message or str(error)
+        return
+    result.held_out = held
+    if held.shared:
+        result.warnings.append(
+            f"{held.shared} of the {held.candidates} held-out prompts ({held.source}) also occur in the training rows "
+            f"and are left out of evaluation; {len(held.rows)} are evaluated"
+        )
 
 
 def _check_rewards(spec: RunSpec, rows: list[dict[str, Any]], result: Preflight, limits: SandboxLimits) -> None:

@@ -81,6 +81,8 @@ class Gate:
                 data[section] = {**data[section], **values}
             else:
                 data[section] = values
+        if data["dataset"]["source"] != "builtin" and "eval" not in sections:
+            data["eval"] = {}  # the demo evaluates on the built-in dataset's test split, as demo_spec does
         return data
 
     def check(self, data: dict[str, Any], **credentials: int | None) -> Preflight:
@@ -383,6 +385,40 @@ def test_a_prompt_column_the_dataset_does_not_have(gate, refused):
 @pytest.mark.parametrize(("name", "text"), [("empty.jsonl", ""), ("header-only.csv", "prompt,answer\n")])
 def test_an_empty_dataset(gate, refused, name, text):
     refused(store_dataset(gate, name, text), "dataset.id", "at least one row")
+
+
+# --- held-out evaluation (issue 29) ---------------------------------------------------------------------------------
+
+
+@row("held-out split missing")
+def test_a_held_out_split_the_dataset_does_not_have(gate, refused, tmp_path, monkeypatch):
+    folder = tmp_path / "work" / "acme" / "mathset"
+    folder.mkdir(parents=True)
+    (folder / "train.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4"}\n')
+    monkeypatch.chdir(tmp_path / "work")
+    data = gate.spec(dataset={"source": "hub", "id": "acme/mathset", "split": "train"}, eval={"split": "test"})
+    refused(data, "eval.split", "one of ['train']")
+
+
+@row("held-out prompts all shared with training")
+def test_held_out_rows_whose_prompts_all_occur_in_training(gate, refused):
+    data = store_dataset(gate, "same.jsonl", '{"prompt": "1+1?", "answer": "2"}\n' * 12)
+    refused({**data, "eval": {"holdout": 4}}, "eval.holdout", "all 4 held-out prompts")
+
+
+@row("held-out rows leave none to train on")
+def test_held_out_rows_that_leave_nothing_to_train_on(gate, refused):
+    data = store_dataset(gate, "two.jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    refused({**data, "eval": {"holdout": 2}}, "eval.holdout", "carve fewer")
+
+
+@row("eval samples out of range")
+@pytest.mark.parametrize(
+    ("settings", "field", "fix"),
+    [({"k": 0}, "eval.k", "greater than or equal to 1"), ({"greedy": True, "k": 4}, "eval.k", "set k to 1")],
+)
+def test_eval_settings_out_of_range(gate, refused, settings, field, fix):
+    refused(gate.spec(eval={"split": "test", **settings}), field, fix)
 
 
 # --- rewards ----------------------------------------------------------------------------------------------------

@@ -28,10 +28,13 @@ from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.contract import DEMO_MODEL_ID, layout
+from jobs.demo.dataset import digits_rows
 from jobs.demo.preset import demo_spec
+from jobs.evaluation.heldout import held_out, normalise
 from jobs.processes import group_alive
 from jobs.store import LocalStore, download_published, list_published, read_manifest
 from jobs.telemetry import decode_jsonl
+from jobs.trainer.dataset import to_messages
 from tests.support.processes import RunProcesses, kill_job_tree
 from tests.support.runs import follow_to_end, wait_while_running
 from tests.support.waiting import wait_until
@@ -45,11 +48,12 @@ STEPS = 40
 REWARD_MARGIN = 0.3
 
 
-def start_demo(tmp_path, run_id: str, steps: int, compute: dict | None = None, **grpo) -> tuple[PanelContext, Poller]:
+def start_demo(
+    tmp_path, run_id: str, steps: int, compute: dict | None = None, evaluation: dict | None = None, **grpo
+) -> tuple[PanelContext, Poller]:
     ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
-    spec = demo_spec(
-        run_id, f"file://{tmp_path / 'store'}", grpo={"max_steps": steps, "seed": 0, **grpo}, compute=compute or {}
-    )
+    sections = {"compute": compute or {}} | ({"eval": evaluation} if evaluation else {})
+    spec = demo_spec(run_id, f"file://{tmp_path / 'store'}", grpo={"max_steps": steps, "seed": 0, **grpo}, **sections)
     service = RunService(ctx, OWNER)
     service.create(spec)
     service.launch(run_id, wait=True)
@@ -232,16 +236,26 @@ def stored(store, run_id: str, stream: str) -> list[dict]:
     ]
 
 
+HELD_OUT_ROWS = 4  # of the demo's 32
+
+
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys, sharding):
     """Issue 13: the trainer under `accelerate launch` with 2 CPU ranks (gloo), through the local launcher, holding
     the model whole on each rank (DDP) or sharded over them (FSDP2: what a model too large for one GPU gets). It
     trains to the end and the reward rises as with one process; only rank 0 reports (each step once) and publishes
     (each version once); every audit passes (under FSDP every rank scores); a checkpoint holds both ranks' parts, and
-    a relaunch after the whole trainer job is killed resumes from it; no process of the run survives it."""
+    a relaunch after the whole trainer job is killed resumes from it; no process of the run survives it. Rows carved
+    off for held-out evaluation (issue 29) reach neither rank: every other prompt is trained on, none of those."""
     run_id = f"demo-{sharding}"
     started = time.monotonic()
-    ctx, poller = start_demo(tmp_path, run_id, STEPS, compute={"trainer_processes": 2, "trainer_sharding": sharding})
+    ctx, poller = start_demo(
+        tmp_path,
+        run_id,
+        STEPS,
+        compute={"trainer_processes": 2, "trainer_sharding": sharding},
+        evaluation={"holdout": HELD_OUT_ROWS, "seed": 5},
+    )
     store = LocalStore(tmp_path / "store")
     processes = RunProcesses(ctx.local_launcher.workdir / run_id)
     service = RunService(ctx, OWNER)
@@ -297,6 +311,10 @@ def test_the_demo_trains_with_two_trainer_processes_as_with_one(tmp_path, capsys
         assert all(attempt == (1 if step <= resumed_from else 2) for step, attempt in points)
         samples = [s for s in stored(store, run_id, "samples") if not s["dropped"]]
         assert {s["step"] for s in samples} == set(range(1, STEPS + 1))
+        held = {normalise(to_messages(row["prompt"], None)) for row in held_out(ctx.spec(service.get(run_id))).rows}
+        trained = {normalise(s["prompt"]) for s in stored(store, run_id, "samples")}
+        assert len(held) == HELD_OUT_ROWS and not trained & held
+        assert len(trained) == len(digits_rows()) - HELD_OUT_ROWS
         events = stored(store, run_id, "events")
         (resume,) = [e for e in events if e["kind"] == "resume"]
         assert resume["attempt"] == 2 and resume["resumed_from_step"] == resumed_from
@@ -422,6 +440,37 @@ def _local(store, run_id: str, version: int):
     target = Path(tempfile.mkdtemp()) / "adapter"
     download_published(store, layout.adapter_prefix(run_id, version), target)
     return target
+
+
+def test_held_out_evaluation_scores_the_last_version_above_the_base_model_and_keeps_the_result(
+    finished_demo, monkeypatch, capsys
+):
+    """Issue 29: `python -m backend eval` scores versions on the demo's held-out split (the same instructions about
+    things it never trained on), each (prompt, sample) with its own seed: the last version scores above the base
+    model, prompt by prompt. Asked again, the results are read back from the bucket; another k evaluates again."""
+    from backend.services.adapters import AdapterService
+    from backend.services.evaluation import EvaluationService
+
+    ctx, store, _, _ = finished_demo
+    monkeypatch.setenv(settings.DATA.name, str(ctx.folder))
+    last = AdapterService(ctx, OWNER).versions("demo-e2e")[-1].version
+    assert main(["eval", "demo-e2e", "0", "last"]) == 0
+    printed = capsys.readouterr().out
+    assert "32 held-out prompts (split 'test'), k=4" in printed and "cached" not in printed, printed
+    evaluation = EvaluationService(ctx, OWNER).evaluate("demo-e2e", [0, last])
+    assert evaluation.cached == [True, True]  # read back: nothing generated again
+    base, trained = (result.summary("reward") for result in evaluation.results)
+    comparison = EvaluationService(ctx, OWNER).compare(evaluation, 0, last)
+    print(f"held-out reward: v0 {base.avg.mean:.3f} -> v{last} {trained.avg.mean:.3f}; {comparison}")
+    assert comparison.difference.low > 0 and comparison.wins > comparison.losses
+    assert f"v{last} - v0: {comparison.difference.mean:+.3f}" in printed
+    assert len(list(store.list(layout.run_prefix("demo-e2e") + "eval/"))) == 2
+    assert main(["eval", "demo-e2e", "last", "--k", "2"]) == 0
+    again = capsys.readouterr().out
+    assert "k=2" in again and "cached" not in again
+    assert len(list(store.list(layout.run_prefix("demo-e2e") + "eval/"))) == 3
+    assert main(["eval", "demo-e2e", "0", "--split", "train"]) == 2
+    assert "eval.split: 'train' is the split the run trains on" in capsys.readouterr().err
 
 
 def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path, monkeypatch, capsys):

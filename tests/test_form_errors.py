@@ -63,6 +63,12 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "dataset.answer_column": ("dataset", "Answer column"),
     "dataset.system_prompt": ("dataset", "System prompt"),
     "dataset.limit": ("dataset", "Row limit"),
+    "eval.split": ("dataset", "Held-out split"),
+    "eval.holdout": ("dataset", "Held-out rows"),
+    "eval.prompts": ("advanced", "Eval prompts"),
+    "eval.k": ("advanced", "Eval samples per prompt"),
+    "eval.greedy": ("advanced", "Greedy eval"),
+    "eval.seed": ("advanced", "Eval seed"),
     "rewards": ("rewards_code", "Rewards"),  # the list as a whole; the form has a code reward
     "rewards.*": (REWARD, None),  # a reward's trial: its message starts with the reward's name, no label
     "rewards.*.kind": (REWARD, "Kind"),

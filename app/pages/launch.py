@@ -54,7 +54,7 @@ PLACED_BY_HAND = frozenset(
     }
 )  # fmt: skip
 # The order of generated fields across the spec's sections: the training loop's settings before the adapter's.
-_SPEC_ORDER = ("run_id", "name", "model", "dataset", "grpo", "lora", "compute", "storage", "reporting")
+_SPEC_ORDER = ("run_id", "name", "model", "dataset", "eval", "grpo", "lora", "compute", "storage", "reporting")
 FIELDS_PER_ROW = 5
 # Shown only when the jobs run on HF Jobs.
 _HUB_ONLY = ("compute.namespace", "compute.trainer_flavor", "compute.replica_flavor", "compute.queue_timeout")
@@ -810,6 +810,9 @@ def check_status(result: Preflight) -> str:
             "bad",
         )
     notes = f" Note: {'; '.join(result.warnings)}." if result.warnings else ""
+    if result.held_out is not None:
+        held = result.held_out
+        notes += f" Versions can be evaluated on {len(held.rows)} held-out prompts ({held.source})."
     if not result.unchecked:
         return cards.note(f"All checks passed: {', '.join(CHECKED)}. Launch is enabled.{notes}", "good")
     passed = [name for name in CHECKED if name not in result.unchecked]

@@ -118,7 +118,7 @@ class AdapterService:
             raise VersionNotFound(f"run {run_id} has no adapter version {version}")
         return row
 
-    def _local_copy(self, run_id: str, version: int, folder: Path) -> Path:
+    def local_copy(self, run_id: str, version: int, folder: Path) -> Path:
         self.version(run_id, version)  # owner check and existence
         run = self.runs.get(run_id)
         target = folder / f"{run_id}-v{version}"
@@ -149,7 +149,7 @@ class AdapterService:
 
         row_a, row_b = self.version(run_id, version_a), self.version(run_id, version_b)
         with tempfile.TemporaryDirectory() as folder:
-            paths = [self._local_copy(run_id, v, Path(folder)) for v in (version_a, version_b)]
+            paths = [self.local_copy(run_id, v, Path(folder)) for v in (version_a, version_b)]
             weights = [load_file(str(p / "adapter_model.safetensors")) for p in paths]
             scales = [_lora_scale(p / "adapter_config.json") for p in paths]
         modules = compare_weights(weights[0], weights[1], *scales)
@@ -237,20 +237,14 @@ class AdapterService:
     ) -> list[str]:
         import torch
         from peft import PeftModel
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from jobs.models import resolve_model
 
         model_path = resolve_model(spec.model)
-        config = AutoConfig.from_pretrained(model_path, revision=spec.model.revision)
-        params = _estimate_params(config)
-        if params > LOCAL_GENERATION_MAX_PARAMS:
-            raise RunStateError(
-                f"{spec.model.id} has about {params / 1e9:.1f}B parameters, too large to generate on the panel; "
-                "compare generations while the run's replicas are up"
-            )
+        ensure_generates_here(spec, model_path, "compare generations while the run's replicas are up")
         with tempfile.TemporaryDirectory() as folder:
-            adapter = self._local_copy(run_id, version, Path(folder))
+            adapter = self.local_copy(run_id, version, Path(folder))
             tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
             base = AutoModelForCausalLM.from_pretrained(model_path, revision=spec.model.revision, dtype=torch.float32)
             model: Any = PeftModel.from_pretrained(base, str(adapter)).eval()  # transformers' generate is untyped
@@ -324,7 +318,7 @@ class AdapterService:
         run = self.runs.get(run_id)
         spec = RunSpec.from_json(run.spec_json)
         row = self.version(run_id, version)
-        adapter = self._local_copy(run_id, version, folder)
+        adapter = self.local_copy(run_id, version, folder)
         (adapter / "manifest.json").unlink(missing_ok=True)
         config_path = adapter / "adapter_config.json"
         config = json.loads(config_path.read_text())
@@ -425,6 +419,17 @@ def _lora_scale(config_path: Path) -> float:
     rank = config.get("r") or 1
     alpha = config.get("lora_alpha") or rank
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def ensure_generates_here(spec: RunSpec, model_path: str, instead: str) -> None:
+    """Refuse a model too large for the panel's own CPU; `instead` says what the user can do."""
+    from transformers import AutoConfig
+
+    params = _estimate_params(AutoConfig.from_pretrained(model_path, revision=spec.model.revision))
+    if params > LOCAL_GENERATION_MAX_PARAMS:
+        raise RunStateError(
+            f"{spec.model.id} has about {params / 1e9:.1f}B parameters, too large to generate on the panel; {instead}"
+        )
 
 
 def _estimate_params(config: Any) -> int:

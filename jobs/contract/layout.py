@@ -151,6 +151,13 @@ def audit_prefix(run_id: str) -> str:
     return run_prefix(run_id) + "audit/"
 
 
+def eval_key(run_id: str, version: int, key: str) -> str:
+    """One version's held-out evaluation, under the hash of what it depends on (jobs/evaluation/results.py)."""
+    if not re.fullmatch(r"[0-9a-f]{16}", key):
+        raise ValueError(f"invalid evaluation key {key!r}")
+    return run_prefix(run_id) + f"eval/{key}/v{version:06d}.json"
+
+
 # How the proxy names a published adapter version to a replica's sidecar: the `lora_path` of a load request is
 # `store:<adapter prefix>` instead of a local path, and the sidecar materialises it from its own store.
 STORE_REF_SCHEME = "store:"

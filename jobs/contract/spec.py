@@ -519,6 +519,68 @@ class ReportingSpec(_Section):
         return [name for name, chosen in (("trackio", self.trackio), ("wandb", self.wandb)) if chosen]
 
 
+MAX_EVAL_PROMPTS = 4096
+MAX_EVAL_SAMPLES = 64
+
+
+class EvalSpec(_Section):
+    """Held-out prompts that adapter versions are scored on and never trained on (jobs/evaluation).
+
+    They come from another split of the run's dataset, or from rows carved off the training split with `seed` (the
+    trainer never sees those); either way, a prompt that also occurs in the training rows is dropped and counted.
+    Off when neither is set. Every version is scored on the same prompts with the same seed per (prompt, sample), so
+    two versions are compared on the same draws.
+    """
+
+    split: Annotated[
+        str | None,
+        shown(
+            "Held-out split", "dataset", "another split of the dataset to evaluate versions on, e.g. test", unset="none"
+        ),
+    ] = None
+    holdout: Annotated[
+        int | None,
+        Field(ge=1, le=MAX_EVAL_PROMPTS),
+        shown(
+            "Held-out rows",
+            "dataset",
+            "rows carved off the training split for evaluation; never trained on",
+            unset="none",
+        ),
+    ] = None
+    prompts: Annotated[
+        int,
+        Field(ge=1, le=MAX_EVAL_PROMPTS),
+        shown("Eval prompts", "dataset", "held-out prompts each version is scored on", advanced=True),
+    ] = 128
+    k: Annotated[
+        int,
+        Field(ge=1, le=MAX_EVAL_SAMPLES),
+        shown("Eval samples per prompt", "dataset", "k: completions drawn per held-out prompt", advanced=True),
+    ] = 4
+    greedy: Annotated[
+        bool, shown("Greedy eval", "dataset", "one greedy completion per prompt (k = 1)", advanced=True)
+    ] = False
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED), shown("Eval seed", "dataset", advanced=True)] = 0
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        return (value.strip() or None) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalSpec:
+        if self.split is not None and self.holdout is not None:
+            raise ValueError("holdout: choose held-out rows or a held-out split, not both; empty one of them")
+        if self.greedy and self.k > 1:
+            raise ValueError(f"k: greedy decoding gives one completion per prompt, not {self.k}; set k to 1")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.split is not None or self.holdout is not None
+
+
 class ParentSpec(_Section):
     run_id: Annotated[str, Field(title="Parent run id")]
     version: Annotated[int, Field(ge=1, title="Parent version")]
@@ -538,6 +600,7 @@ class RunSpec(_Section):
     compute: Annotated[ComputeSpec, shown("Compute", "compute")] = Field(default_factory=ComputeSpec)
     storage: Annotated[StorageSpec, shown("Bucket", "storage")] = Field(default_factory=StorageSpec)
     reporting: Annotated[ReportingSpec, shown("Reporting", "reporting")] = Field(default_factory=ReportingSpec)
+    eval: Annotated[EvalSpec, shown("Evaluation", "dataset")] = Field(default_factory=EvalSpec)
     parent: Annotated[ParentSpec | None, Field(title="Parent run")] = None
 
     @model_validator(mode="before")
@@ -572,6 +635,16 @@ class RunSpec(_Section):
                 f"grpo.max_completion_length: {self.grpo.max_completion_length} must be below model.max_model_len "
                 f"({self.model.max_model_len}) to leave room for the prompt"
             )
+        if self.eval.split is not None:
+            if self.eval.split == self.dataset.split:
+                raise ValueError(
+                    f"eval.split: {self.eval.split!r} is the split the run trains on; name another split (e.g. test), "
+                    "or carve held-out rows off it instead"
+                )
+            if self.dataset.source == "store":
+                raise ValueError(
+                    "eval.split: a file in the bucket has no other split; carve held-out rows off it instead"
+                )
         if self.parent is not None and self.parent.run_id == self.run_id:
             raise ValueError("parent.run_id: must name another run; a branch gets its own run id")
         from jobs.contract.derived import trainer_processes  # derived values build on this module

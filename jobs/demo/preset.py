@@ -41,4 +41,7 @@ def demo_spec(run_id: str, storage_uri: str, **sections: dict[str, Any]) -> RunS
             data[section] = {**data[section], **values}
         else:
             data[section] = values
+    if data["dataset"]["source"] == "builtin":
+        # The built-in dataset's test split: the same instructions about other things, never trained on.
+        data.setdefault("eval", {"split": "test"})
     return parse_spec(data)

@@ -28,6 +28,7 @@ import torch
 from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
+from jobs.evaluation.heldout import training_rows
 from jobs.models import eos_token_ids, parameter_count, resolve_model
 from jobs.ports import free_port
 from jobs.runtime import RunContext, add_run_arguments, open_run, read_json, setup_logging, spec_uri
@@ -163,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
         fit_tokenizer(tokenizer, spec.model.id)  # e.g. Qwen2.5-Math: TRL reads its replies with the recipe's template
         max_prompt = spec.model.max_model_len - spec.grpo.max_completion_length
-        dataset = build_prompts(spec.dataset, load_rows(spec.dataset, store), tokenizer, max_prompt)
+        # Rows carved off for held-out evaluation are never trained on (jobs/evaluation/heldout.py).
+        rows = training_rows(load_rows(spec.dataset, store), spec.eval)
+        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt)
+        if spec.eval.holdout is not None:
+            log.info("%d rows held out for evaluation; training on the other %d", spec.eval.holdout, len(rows))
         error_log = workdir / "reward_errors.jsonl"
         if main_process:
             errors = RewardErrorForwarder(error_log, telemetry).start()

@@ -40,6 +40,8 @@ def demo_run(browser: Browser, panel: RunningPanel) -> str:
     page.locator("#check").click()
     expect(page.locator("#launch-status")).to_contain_text("All checks passed", timeout=90_000)
     expect(launch).to_be_enabled()
+    # Issue 29: the demo's held-out prompts (its dataset's test split) are counted by the check.
+    expect(page.locator("#launch-status")).to_contain_text("evaluated on 32 held-out prompts (split 'test')")
     expect(rows(page, "dataset-preview").nth(1)).to_contain_text("Write some numbers")
     plan = page.locator("#launch-plan")  # what Launch will submit: shown collapsed once the check passed
     expect(plan).to_be_visible()

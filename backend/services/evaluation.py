@@ -1,0 +1,175 @@
+"""Held-out evaluation of a run's stored versions on this machine: the embedded default's CPU engine serves the
+run's model, each version is loaded under its own LoRA name for its turn, and the run's rewards score the
+completions in the reward sandbox, as they did in Check settings.
+
+Results go to the run's bucket under the hash of what they depend on (jobs/evaluation/results.py): asking again reads
+them back, changing the prompts, the sampling or the rewards evaluates again.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backend.context import PanelContext
+from backend.models import Run
+from backend.sandbox import SandboxLimits, run_rewards
+from backend.services.adapters import AdapterService, ensure_generates_here
+from backend.services.runs import RunService
+from jobs.contract import EvalSpec, RunSpec, SpecError, layout, parse_spec
+from jobs.evaluation.engine import adapter_loaded, local_engine
+from jobs.evaluation.heldout import HeldOut, held_out
+from jobs.evaluation.results import VersionEval, result_key
+from jobs.evaluation.sampling import Sampling, sample
+from jobs.evaluation.statistics import Paired, paired
+from jobs.store import ObjectNotFound, ObjectStore
+from jobs.trainer.dataset import build_prompts, prompt_token_ids
+
+TOTAL = "reward"  # the weighted sum of the rewards, as TRL's `reward` metric
+# The reward sandbox's time for one scoring call grows with the completions it scores (start-up aside).
+SANDBOX_SECONDS_PER_COMPLETION = 0.05
+
+
+class EvaluationError(ValueError):
+    """The evaluation cannot run as asked; the message names the field or the version and what to do."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """The versions asked for, each with its result, and whether it was read back from the bucket."""
+
+    held_out: HeldOut
+    sampling: Sampling
+    results: list[VersionEval]
+    cached: list[bool]
+
+
+class EvaluationService:
+    def __init__(self, ctx: PanelContext, owner: str):
+        self.ctx, self.owner = ctx, owner
+        self.runs = RunService(ctx, owner)
+        self.adapters = AdapterService(ctx, owner)
+
+    def evaluate(self, run_id: str, versions: list[int], changes: dict[str, Any] | None = None) -> Evaluation:
+        """Evaluate `versions` of the run (0: the base model) on its held-out prompts; `changes` alter its eval
+        settings for this evaluation (a held-out split, the prompt count, k, greedy)."""
+        run = self.runs.get(run_id)
+        spec = self.spec(run, changes or {})
+        for version in versions:
+            if version:
+                self.adapters.version(run_id, version)  # the owner's run, and a version it holds
+        store = self.ctx.store_for(run)
+        held = held_out(spec, store)
+        sampling = Sampling.of(spec)
+        key = result_key(
+            {
+                "prompts": held.fingerprint,
+                "sampling": sampling.describe(),
+                "rewards": [reward.model_dump() for reward in spec.rewards],
+                "dataset": spec.dataset.model_dump(include={"prompt_column", "answer_column", "system_prompt"}),
+            }
+        )
+        found = {version: _cached(store, run_id, version, key) for version in versions}
+        missing = [version for version, result in found.items() if result is None]
+        fresh = self._evaluate_here(run, spec, held, sampling, key, missing, store) if missing else {}
+        results = [found[version] or fresh[version] for version in versions]
+        return Evaluation(held, sampling, results, [found[version] is not None for version in versions])
+
+    def compare(self, evaluation: Evaluation, a: int, b: int, score: str = TOTAL) -> Paired:
+        """Version b against version a, prompt by prompt, on one evaluation's held-out prompts."""
+        by_version = {result.version: result for result in evaluation.results}
+        return paired(by_version[a].summary(score).per_prompt, by_version[b].summary(score).per_prompt)
+
+    def spec(self, run: Run, changes: dict[str, Any]) -> RunSpec:
+        """The run's spec with its eval settings changed. Rows carved off the training split are held out only if
+        the run carved them: carving others now would score prompts it trained on."""
+        stored = self.ctx.spec(run)
+        try:
+            spec = parse_spec(
+                {**stored.model_dump(mode="json"), "eval": {**stored.eval.model_dump(), **changes}}, stored=True
+            )
+        except SpecError as error:
+            raise EvaluationError(str(error)) from None
+        settings, carved = spec.eval, (stored.eval.holdout, stored.eval.seed)
+        if settings.holdout is not None and (settings.holdout, settings.seed) != carved:
+            raise EvaluationError(
+                f"eval.holdout: run {run.id} trained on {_held_out_words(stored.eval)}; rows carved now were trained "
+                "on. Name a held-out split instead"
+            )
+        if not settings.enabled:
+            raise EvaluationError(
+                f"eval.split: run {run.id} has no held-out prompts; name a split of its dataset it did not train on "
+                "(e.g. --split test)"
+            )
+        return spec
+
+    def _evaluate_here(
+        self, run: Run, spec: RunSpec, held: HeldOut, sampling: Sampling, key: str, versions: list[int], store: Any
+    ) -> dict[int, VersionEval]:
+        from datasets import Dataset
+        from transformers import AutoTokenizer
+
+        from jobs.models import resolve_model
+
+        model_path = resolve_model(spec.model)
+        ensure_generates_here(spec, model_path, "held-out evaluation of larger models on HF Jobs is not built yet")
+        tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
+        records = [dict(row) for row in build_prompts(spec.dataset, Dataset.from_list(held.rows))]
+        prompt_ids = [prompt_token_ids(tokenizer, record["prompt"]) for record in records]
+        texts = [str(record["prompt"][-1]["content"]) for record in records]
+        results: dict[int, VersionEval] = {}
+        with local_engine(spec, model_path) as url, tempfile.TemporaryDirectory(prefix="eval-") as folder:
+            for version in versions:
+                started = time.monotonic()
+                if version == 0:
+                    completions = sample(url, spec.model.id, prompt_ids, sampling)
+                else:
+                    path = self.adapters.local_copy(run.id, version, Path(folder))
+                    with adapter_loaded(url, f"eval-v{version}", path) as name:
+                        completions = sample(url, name, prompt_ids, sampling)
+                scores = _score(spec, records, completions)
+                result = VersionEval(
+                    run.id, version, key, sampling.k, texts, completions, scores, time.monotonic() - started
+                )
+                store.put_bytes(layout.eval_key(run.id, version, key), result.to_json().encode())
+                results[version] = result
+        return results
+
+
+def _score(spec: RunSpec, records: list[dict[str, Any]], completions: list[list[str]]) -> dict[str, list[list[float]]]:
+    """Per score (the weighted total, then each reward as `rewards/<name>`), per prompt, per sample. A reward that
+    returns None for a completion (TRL: it does not apply) counts 0 there."""
+    k = len(completions[0])
+    rows = [record for record in records for _ in range(k)]
+    flat = [text for texts in completions for text in texts]
+    limits = SandboxLimits(seconds=max(SandboxLimits.seconds, SANDBOX_SECONDS_PER_COMPLETION * len(flat)))
+    trials = run_rewards(spec.rewards, rows, flat, limits)
+    per_reward: dict[str, list[float]] = {}
+    for index, (reward, trial) in enumerate(zip(spec.rewards, trials, strict=True)):
+        if trial.error:
+            raise EvaluationError(f"rewards.{index}: {trial.name} failed on a held-out completion: {trial.error}")
+        per_reward[f"rewards/{reward.name}"] = [0.0 if s is None or math.isnan(s) else float(s) for s in trial.scores]
+    weights = {f"rewards/{reward.name}": reward.weight for reward in spec.rewards}
+    total = [sum(weights[name] * scores[i] for name, scores in per_reward.items()) for i in range(len(flat))]
+    return {TOTAL: _per_prompt(total, k)} | {name: _per_prompt(values, k) for name, values in per_reward.items()}
+
+
+def _per_prompt(values: list[float], k: int) -> list[list[float]]:
+    return [values[i : i + k] for i in range(0, len(values), k)]
+
+
+def _cached(store: ObjectStore, run_id: str, version: int, key: str) -> VersionEval | None:
+    try:
+        return VersionEval.from_json(store.get_bytes(layout.eval_key(run_id, version, key)))
+    except ObjectNotFound:
+        return None
+
+
+def _held_out_words(settings: EvalSpec) -> str:
+    if settings.holdout is None:
+        return "every row of its training split"
+    return f"all but {settings.holdout} rows carved with seed {settings.seed}"

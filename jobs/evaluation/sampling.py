@@ -1,0 +1,76 @@
+"""Completions of the held-out prompts under one version, from any engine that speaks vLLM's completions API (the
+CPU engine on this machine, vLLM in a replica), addressed by the version's LoRA name.
+
+Each (prompt, sample) has its own seed, derived from the eval seed alone, so two versions are compared on the same
+draws and asking again gives the same completions.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import requests
+
+from jobs.contract import RunSpec
+
+CONCURRENT_PROMPTS = 8  # requests in flight: enough for an engine to batch, few enough to leave it to others
+
+
+class SamplingError(RuntimeError):
+    """The engine refused or failed a request; the message says which prompt and why."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    k: int
+    temperature: float  # 0: greedy
+    top_p: float
+    max_tokens: int
+    seed: int
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> Sampling:
+        """The run's own sampling (its temperature, top-p and completion length), or greedy when asked."""
+        settings = spec.eval
+        temperature = 0.0 if settings.greedy else spec.grpo.temperature
+        return cls(settings.k, temperature, spec.grpo.top_p, spec.grpo.max_completion_length, settings.seed)
+
+    def describe(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def request(self, model: str, prompt: list[int], index: int) -> dict[str, Any]:
+        """The completions request for prompt number `index`: its k samples seeded seed + index * k + j (vLLM seeds
+        the request; the CPU engine seeds each of its n choices from it)."""
+        return {
+            "model": model,
+            "prompt": prompt,
+            "n": self.k,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed + index * self.k,
+        }
+
+
+def sample(
+    endpoint: str, model: str, prompts: list[list[int]], sampling: Sampling, headers: dict[str, str] | None = None
+) -> list[list[str]]:
+    """Per prompt (token ids), its k completions' texts from `model` at `endpoint`."""
+
+    def one(index: int) -> list[str]:
+        body = sampling.request(model, prompts[index], index)
+        try:
+            response = requests.post(f"{endpoint.rstrip('/')}/v1/completions", json=body, headers=headers, timeout=600)
+        except requests.RequestException as error:
+            raise SamplingError(f"the engine at {endpoint} did not answer ({type(error).__name__})") from None
+        if response.status_code != 200:
+            raise SamplingError(
+                f"{model} refused held-out prompt {index}: {response.status_code} {response.text[:300]}"
+            )
+        choices = sorted(response.json()["choices"], key=lambda choice: int(choice["index"]))
+        return [str(choice["text"]) for choice in choices]
+
+    with ThreadPoolExecutor(CONCURRENT_PROMPTS) as pool:
+        return list(pool.map(one, range(len(prompts))))
