@@ -15,9 +15,11 @@ from typing import Any
 from app.formatting import ago, clock, duration, money, number
 from backend.models import Event, Job, Run
 from backend.services.adapters import Comparison
+from backend.services.evaluation import Evaluation
 from backend.services.queries import SampleUse
 from backend.services.smoke import SmokeReport
 from jobs.contract import RunSpec
+from jobs.evaluation.statistics import Paired
 
 STATUS_TONE = {
     "draft": "muted",
@@ -96,6 +98,26 @@ def comparison_stats(comparison: Comparison) -> str:
     ]
     cells = "".join(f"<div><span>{escape(label)}</span><b>{escape(value)}</b></div>" for label, value in figures)
     return f'<div class="gp-stats">{cells}</div>'
+
+
+def held_out_comparison(evaluation: Evaluation, paired: Paired) -> str:
+    """Two versions on the held-out prompts: each one's mean reward with its 95 % interval, their difference prompt
+    by prompt, and how many prompts each won."""
+    a, b = evaluation.results
+    held, sampling = evaluation.held_out, evaluation.sampling
+    avg_a, avg_b = (result.summary("reward").avg for result in (a, b))
+    d = paired.difference
+    figures = [
+        (f"v{a.version} held-out reward", f"{avg_a.mean:.3f} ± {avg_a.half_width:.3f}"),
+        (f"v{b.version} held-out reward", f"{avg_b.mean:.3f} ± {avg_b.half_width:.3f}"),
+        (f"v{b.version} − v{a.version}", f"{d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}]"),
+        (f"prompts v{b.version} higher / equal / lower", f"{paired.wins} / {paired.ties} / {paired.losses}"),
+    ]
+    cells = "".join(f"<div><span>{escape(label)}</span><b>{escape(value)}</b></div>" for label, value in figures)
+    dropped = f"; {held.shared} shared with training left out" if held.shared else ""
+    cached = " (read back from the bucket)" if all(evaluation.cached) else ""
+    how = f"{len(held.rows)} held-out prompts ({held.source}{dropped}), {sampling.k} samples each{cached}; ± is the "
+    return f'<div class="gp-stats">{cells}</div>' + note(how + "95 % interval over prompts.")
 
 
 def json_block(data: Any) -> str:

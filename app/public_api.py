@@ -11,6 +11,7 @@ purpose and documented in the README (`gradio_client` example there):
     /run_samples        rollout samples, newest step first, a page at a time
     /list_versions      the run's adapter versions with step, reward and audit verdict
     /download_version   a zip of one version (PeftModel.from_pretrained loads it unzipped)
+    /evaluate_versions  score versions on the run's held-out prompts (kept in its bucket; asked again, read back)
     /stop_run           ask the run to stop (the trainer checkpoints, publishes and stops its replicas)
 
 Who calls: on this machine the single local owner; in a Space the signed-in user of the browser session, or, for a
@@ -45,6 +46,7 @@ PUBLIC_ENDPOINTS = (
     "run_samples",
     "list_versions",
     "download_version",
+    "evaluate_versions",
     "stop_run",
 )
 MAX_PAGE = 1000  # points or samples one call returns at most
@@ -189,6 +191,17 @@ class PublicApi:
         """A zip of one adapter version, verified against its manifest; unzip and `PeftModel.from_pretrained` it."""
         adapters = self._services(request, profile).adapters
         return FileData(path=str(_found(lambda: adapters.download_zip(run_id, version))))
+
+    def evaluate_versions(
+        self, run_id: str, versions: str = "0 last", request: gr.Request = None, profile: gr.OAuthProfile | None = None
+    ) -> dict:
+        """Score versions on the run's held-out prompts (never trained on), as `python -m backend eval` does:
+        `versions` holds numbers (0: the base model), `last` or `all`, separated by spaces. Per version, each score's
+        mean with its 95 % interval; for two versions, their difference prompt by prompt. Results are kept in the
+        run's bucket: asked again, they are read back."""
+        evaluation = self._services(request, profile).evaluation
+        numbers = _found(lambda: evaluation.versions_named(run_id, versions.split()))
+        return evaluation.report(_found(lambda: evaluation.evaluate(run_id, numbers)))
 
     def stop_run(self, run_id: str, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> dict:
         """Ask the run to stop: the trainer checkpoints, publishes its last version and stops its replicas."""

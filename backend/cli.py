@@ -261,22 +261,13 @@ def versions(args: argparse.Namespace) -> int:
 
 def evaluate(args: argparse.Namespace) -> int:
     """Score versions on the run's held-out prompts and print each with its 95 % interval."""
-    from jobs.evaluation.engine import EngineError
-    from jobs.evaluation.sampling import SamplingError
-
     services = _services(args)
-    stored = [version.version for version in services.adapters.versions(args.run)]
-    numbers = _version_numbers(args.versions, stored)
+    numbers = services.evaluation.versions_named(args.run, args.versions)
     changes: dict[str, object] = {"split": args.split, "prompts": args.prompts, "k": args.k}
     if args.greedy:
         changes |= {"greedy": True, "k": args.k or 1}
-    try:
-        evaluation = services.evaluation.evaluate(
-            args.run, numbers, {k: v for k, v in changes.items() if v is not None}
-        )
-    except (EngineError, SamplingError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    chosen = {name: value for name, value in changes.items() if value is not None}
+    evaluation = services.evaluation.evaluate(args.run, numbers, chosen)
     held, sampling = evaluation.held_out, evaluation.sampling
     dropped = f"; {held.shared} shared with training dropped" if held.shared else ""
     how = "greedy" if sampling.temperature == 0 else f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}"
@@ -302,23 +293,6 @@ def evaluate(args: argparse.Namespace) -> int:
             f"{comparison.wins}, equal {comparison.ties}, lower {comparison.losses}"
         )
     return 0
-
-
-def _version_numbers(words: list[str], stored: list[int]) -> list[int]:
-    """Version numbers from the command line: numbers (0: the base model), `last`, or `all`."""
-    numbers: list[int] = []
-    for word in words:
-        if word == "all":
-            numbers += [0, *stored]
-        elif word == "last":
-            if not stored:
-                raise ValueError("versions: the run has no version yet; `last` names none")
-            numbers.append(stored[-1])
-        elif word.isdigit():
-            numbers.append(int(word))
-        else:
-            raise ValueError(f"versions: {word!r} is not a version; give numbers (0: the base model), last or all")
-    return list(dict.fromkeys(numbers))
 
 
 def download(args: argparse.Namespace) -> int:

@@ -364,14 +364,20 @@ def test_a_dataset_file_that_is_not_in_the_store(gate, refused):
     refused(data, "dataset.id", "upload it first")
 
 
-@row("split missing")
-def test_a_split_the_dataset_does_not_have(gate, refused, tmp_path, monkeypatch):
-    # A dataset repository laid out as on the Hub, found by `datasets` in the working folder: the real split logic.
+def hub_layout_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, train: str) -> str:
+    """A dataset repository laid out as on the Hub with one `train` split, found by `datasets` in the working folder
+    (the real split logic); its id."""
     folder = tmp_path / "work" / "acme" / "mathset"
     folder.mkdir(parents=True)
-    (folder / "train.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    (folder / "train.jsonl").write_text(train)
     monkeypatch.chdir(tmp_path / "work")
-    data = gate.spec(dataset={"source": "hub", "id": "acme/mathset", "split": "validation"})
+    return "acme/mathset"
+
+
+@row("split missing")
+def test_a_split_the_dataset_does_not_have(gate, refused, tmp_path, monkeypatch):
+    dataset_id = hub_layout_dataset(tmp_path, monkeypatch, '{"prompt": "1+1?", "answer": "2"}\n')
+    data = gate.spec(dataset={"source": "hub", "id": dataset_id, "split": "validation"})
     refused(data, "dataset.split", "one of ['train']")
 
 
@@ -392,11 +398,8 @@ def test_an_empty_dataset(gate, refused, name, text):
 
 @row("held-out split missing")
 def test_a_held_out_split_the_dataset_does_not_have(gate, refused, tmp_path, monkeypatch):
-    folder = tmp_path / "work" / "acme" / "mathset"
-    folder.mkdir(parents=True)
-    (folder / "train.jsonl").write_text('{"prompt": "1+1?", "answer": "2"}\n{"prompt": "2+2?", "answer": "4"}\n')
-    monkeypatch.chdir(tmp_path / "work")
-    data = gate.spec(dataset={"source": "hub", "id": "acme/mathset", "split": "train"}, eval={"split": "test"})
+    dataset_id = hub_layout_dataset(tmp_path, monkeypatch, '{"prompt": "1+1?", "answer": "2"}\n')
+    data = gate.spec(dataset={"source": "hub", "id": dataset_id, "split": "train"}, eval={"split": "test"})
     refused(data, "eval.split", "one of ['train']")
 
 

@@ -1075,6 +1075,15 @@ def test_through_the_api_alice_reads_her_run_and_downloads_a_version(space_api, 
     archive = alice.predict(RUN_ID, versions[-1]["version"], api_name="/download_version")
     with zipfile.ZipFile(archive) as zipped:
         assert {"adapter_config.json", "adapter_model.safetensors"} <= set(zipped.namelist())
+    # Issue 29: her versions scored on the run's held-out prompts (the demo's test split), then read back.
+    evaluated = alice.predict(RUN_ID, "0 last", api_name="/evaluate_versions")
+    assert (evaluated["prompts"], evaluated["source"], evaluated["shared_with_training"]) == (32, "split 'test'", 0)
+    assert [v["version"] for v in evaluated["versions"]] == [0, versions[-1]["version"]]
+    assert all(0 <= v["scores"]["reward"]["mean"] <= 1 and not v["cached"] for v in evaluated["versions"])
+    comparison = evaluated["comparison"]
+    assert comparison["wins"] + comparison["ties"] + comparison["losses"] == 32
+    again = alice.predict(RUN_ID, "last", api_name="/evaluate_versions")
+    assert again["versions"][0]["cached"] and again["versions"][0]["scores"] == evaluated["versions"][1]["scores"]
 
 
 def test_through_the_api_bob_gets_nothing_of_alices_and_a_visitor_without_a_token_nothing_at_all(
@@ -1091,6 +1100,7 @@ def test_through_the_api_bob_gets_nothing_of_alices_and_a_visitor_without_a_toke
         "/run_samples": (RUN_ID, 0, 10),
         "/list_versions": (RUN_ID,),
         "/download_version": (RUN_ID, 1),
+        "/evaluate_versions": (RUN_ID, "0 last"),
         "/stop_run": (owners.alice_draft,),
     }
     for endpoint, arguments in calls.items():

@@ -24,6 +24,7 @@ from backend.api import PanelServices
 from backend.ingest import VERSION_REWARD_STEPS
 from backend.models import AdapterVersion, Run
 from backend.services.adapters import Comparison
+from backend.services.evaluation import PromptDifference
 from backend.services.runs import RunStateError, propose_run_id
 
 REFRESH_SECONDS = 5.0
@@ -70,6 +71,18 @@ def metrics_table(comparison: Comparison) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(rows)
+
+
+def differences_table(rows: list[PromptDifference], a: int, b: int) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "prompt": [row.prompt for row in rows],
+            f"v{a} score": [round(row.score_a, 3) for row in rows],
+            f"v{b} score": [round(row.score_b, 3) for row in rows],
+            f"v{a} says": [row.completion_a for row in rows],
+            f"v{b} says": [row.completion_b for row in rows],
+        }
+    )
 
 
 def _picked_version(event: gr.SelectData) -> int:
@@ -136,6 +149,23 @@ class AdaptersPage:
                 placeholder="Write some numbers. apple",
             )
             self.generate_button = gr.Button("Generate side by side", elem_id="generate", scale=1)
+        with gr.Row(elem_classes="gp-align-end"):
+            gr.HTML(
+                '<span class="gp-meta">Score A and B on the run\'s held-out prompts (never trained on), on the '
+                "same seeded draws, with the run's rewards; kept in the bucket, so asking again is instant.</span>",
+                padding=False,
+            )
+            self.held_out_button = gr.Button(
+                "Compare on held-out prompts", elem_id="compare-held-out", scale=0, min_width=240
+            )
+        self.held_out_summary = gr.HTML("", elem_id="held-out-summary", padding=False)
+        self.held_out_table = gr.Dataframe(
+            visible=False,
+            interactive=False,
+            wrap=True,
+            label="Where they differ most (first sample of each)",
+            elem_id="held-out-differences",
+        )
         self.generations = gr.Dataframe(
             visible=False,
             interactive=False,
@@ -163,6 +193,13 @@ class AdaptersPage:
         self.publish_button.click(self.publish, [self.run, self.version, self.repo, self.private], [self.action])
         self.compare_button.click(
             self.compare, [self.run, self.version_a, self.version_b], [self.summary, self.heatmap, self.metrics]
+        )
+        self.held_out_button.click(
+            self.compare_held_out,
+            [self.run, self.version_a, self.version_b],
+            [self.held_out_summary, self.held_out_table],
+            concurrency_limit=1,
+            concurrency_id="generate",
         )
         self.generate_button.click(
             self.generate,
@@ -297,6 +334,27 @@ class AdaptersPage:
             self.summary: cards.comparison_stats(comparison),
             self.heatmap: norms_heatmap(comparison),
             self.metrics: gr.Dataframe(metrics_table(comparison), visible=True),
+        }
+
+    def compare_held_out(
+        self, run_id: str | None, version_a: int | None, version_b: int | None, profile: gr.OAuthProfile | None = None
+    ) -> dict:
+        """Versions A and B scored on the run's held-out prompts: the paired difference, and where they differ most."""
+        services = self.panel.services(profile)
+        hidden = gr.Dataframe(visible=False)
+        if not run_id or version_a is None or version_b is None or int(version_a) == int(version_b):
+            return {self.held_out_summary: cards.note("Pick two different versions (A and B above).", "warn"),
+                    self.held_out_table: hidden}  # fmt: skip
+        a, b = int(version_a), int(version_b)
+        try:
+            evaluation = services.evaluation.evaluate(run_id, [a, b])
+        except ValueError as error:  # no held-out prompts, a version gone, an engine that failed: said in words
+            return {self.held_out_summary: cards.note(f"Not evaluated: {error}", "bad"), self.held_out_table: hidden}
+        return {
+            self.held_out_summary: cards.held_out_comparison(evaluation, services.evaluation.compare(evaluation, a, b)),
+            self.held_out_table: gr.Dataframe(
+                differences_table(services.evaluation.differences(evaluation, a, b), a, b), visible=True
+            ),
         }
 
     def generate(

@@ -17,15 +17,15 @@ from typing import Any
 
 from backend.context import PanelContext
 from backend.models import Run
-from backend.sandbox import SandboxLimits, run_rewards
+from backend.sandbox import SandboxError, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService, ensure_generates_here
 from backend.services.runs import RunService
 from jobs.contract import EvalSpec, RunSpec, SpecError, layout, parse_spec
-from jobs.evaluation.engine import adapter_loaded, local_engine
+from jobs.evaluation.engine import EngineError, adapter_loaded, local_engine
 from jobs.evaluation.heldout import HeldOut, held_out
-from jobs.evaluation.results import VersionEval, result_key
-from jobs.evaluation.sampling import Sampling, sample
-from jobs.evaluation.statistics import Paired, paired
+from jobs.evaluation.results import ScoreSummary, VersionEval, result_key
+from jobs.evaluation.sampling import Sampling, SamplingError, sample
+from jobs.evaluation.statistics import Interval, Paired, paired
 from jobs.store import ObjectNotFound, ObjectStore
 from jobs.trainer.dataset import build_prompts, prompt_token_ids
 
@@ -46,6 +46,17 @@ class Evaluation:
     sampling: Sampling
     results: list[VersionEval]
     cached: list[bool]
+
+
+@dataclass(frozen=True)
+class PromptDifference:
+    """One held-out prompt: each version's mean score over its samples, and each version's first completion."""
+
+    prompt: str
+    score_a: float
+    score_b: float
+    completion_a: str
+    completion_b: str
 
 
 class EvaluationService:
@@ -75,9 +86,75 @@ class EvaluationService:
         )
         found = {version: _cached(store, run_id, version, key) for version in versions}
         missing = [version for version, result in found.items() if result is None]
-        fresh = self._evaluate_here(run, spec, held, sampling, key, missing, store) if missing else {}
+        try:
+            fresh = self._evaluate_here(run, spec, held, sampling, key, missing, store) if missing else {}
+        except (EngineError, SamplingError, SandboxError) as error:  # said as what went wrong, not as a traceback
+            raise EvaluationError(f"the evaluation of run {run_id} failed: {error}") from None
         results = [found[version] or fresh[version] for version in versions]
         return Evaluation(held, sampling, results, [found[version] is not None for version in versions])
+
+    def versions_named(self, run_id: str, words: list[str]) -> list[int]:
+        """Version numbers from words: numbers (0: the base model), `last`, or `all`; each once, in order."""
+        stored = [version.version for version in self.adapters.versions(run_id)]
+        numbers: list[int] = []
+        for word in words:
+            if word == "all":
+                numbers += [0, *stored]
+            elif word == "last":
+                if not stored:
+                    raise EvaluationError(f"versions: run {run_id} has no version yet; `last` names none")
+                numbers.append(stored[-1])
+            elif word.isdigit():
+                numbers.append(int(word))
+            else:
+                raise EvaluationError(
+                    f"versions: {word!r} is not a version; give numbers (0: the base model), last or all"
+                )
+        if not numbers:
+            raise EvaluationError("versions: name at least one version (0: the base model), last or all")
+        return list(dict.fromkeys(numbers))
+
+    def report(self, evaluation: Evaluation) -> dict[str, Any]:
+        """The evaluation as plain data (the API's answer): per version each score's mean and 95 % interval, and for
+        two versions their paired comparison on the total reward."""
+        held, sampling = evaluation.held_out, evaluation.sampling
+        versions = []
+        for result, cached in zip(evaluation.results, evaluation.cached, strict=True):
+            scores = {name: _summary(result.summary(name)) for name in result.scores}
+            versions.append({"version": result.version, "scores": scores, "cached": cached, "seconds": result.seconds})
+        comparison = None
+        if len(evaluation.results) == 2:
+            a, b = (result.version for result in evaluation.results)
+            paired_scores = self.compare(evaluation, a, b)
+            comparison = {
+                "a": a,
+                "b": b,
+                "difference": _interval(paired_scores.difference),
+                "wins": paired_scores.wins,
+                "ties": paired_scores.ties,
+                "losses": paired_scores.losses,
+            }
+        return {
+            "prompts": len(held.rows),
+            "source": held.source,
+            "shared_with_training": held.shared,
+            "sampling": sampling.describe(),
+            "versions": versions,
+            "comparison": comparison,
+        }
+
+    def differences(
+        self, evaluation: Evaluation, a: int, b: int, most: int = 5, score: str = TOTAL
+    ) -> list[PromptDifference]:
+        """The held-out prompts on which versions a and b scored most apart, each with both first completions."""
+        by_version = {result.version: result for result in evaluation.results}
+        first, second = by_version[a], by_version[b]
+        means_a, means_b = first.summary(score).per_prompt, second.summary(score).per_prompt
+        rows = [
+            PromptDifference(prompt, means_a[i], means_b[i], first.completions[i][0], second.completions[i][0])
+            for i, prompt in enumerate(first.prompts)
+        ]
+        return sorted(rows, key=lambda row: abs(row.score_b - row.score_a), reverse=True)[:most]
 
     def compare(self, evaluation: Evaluation, a: int, b: int, score: str = TOTAL) -> Paired:
         """Version b against version a, prompt by prompt, on one evaluation's held-out prompts."""
@@ -160,6 +237,19 @@ def _score(spec: RunSpec, records: list[dict[str, Any]], completions: list[list[
 
 def _per_prompt(values: list[float], k: int) -> list[list[float]]:
     return [values[i : i + k] for i in range(0, len(values), k)]
+
+
+def _interval(interval: Interval) -> dict[str, float | None]:
+    """An interval as JSON can carry it (one prompt's is unbounded: None)."""
+    return {"mean": interval.mean, "low": _finite(interval.low), "high": _finite(interval.high)}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def _summary(summary: ScoreSummary) -> dict[str, Any]:
+    return {**_interval(summary.avg), "pass_at_k": summary.pass_at_k}
 
 
 def _cached(store: ObjectStore, run_id: str, version: int, key: str) -> VersionEval | None:

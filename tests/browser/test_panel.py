@@ -421,6 +421,14 @@ def test_adapters_download_compare_and_branch(page: Page, demo_run: str, tmp_pat
     generations = page.locator("#generations")
     expect(generations).to_contain_text("Write some numbers. apple", timeout=120_000)
     expect(rows(page, "generations").first).to_contain_text(re.compile(r"v\d+\W+v\d+"))
+    # Issue 29: A and B on the demo's 32 held-out prompts, with the prompts where they differ most.
+    page.locator("#compare-held-out").click()
+    summary = page.locator("#held-out-summary")
+    expect(summary).to_contain_text("32 held-out prompts (split 'test'), 4 samples each", timeout=120_000)
+    expect(summary).to_contain_text(re.compile(r"prompts v\d+ higher / equal / lower\s*\d+ / \d+ / \d+"))
+    expect(rows(page, "held-out-differences").nth(1)).to_contain_text(re.compile("forest|window|garden|candle"))
+    page.locator("#compare-held-out").click()  # asked again: read back from the bucket
+    expect(summary).to_contain_text("read back from the bucket", timeout=60_000)
     screenshot(page, "adapters-compare")
 
     older = rows(page, "versions-table").nth(2).locator("[role=gridcell]").first  # an older version: roll back
