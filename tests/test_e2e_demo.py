@@ -474,13 +474,17 @@ def test_held_out_evaluation_scores_the_last_version_above_the_base_model_and_ke
 
 
 def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path, monkeypatch, capsys):
-    """`python -m backend publish` uploads the version with the panel's model card, using the run's HF token."""
+    """`python -m backend publish` uploads the version with the panel's model card, using the run's HF token; the card
+    carries the version's held-out evaluation (issue 29), as text and as the `model-index` the Hub reads."""
+    from huggingface_hub import ModelCard
     from safetensors.torch import load
 
     from backend.models import Run
+    from backend.services.evaluation import EvaluationService
     from tests.support.hub_emulator import HubEmulator
 
     ctx, store, _, _ = finished_demo
+    evaluated = EvaluationService(ctx, OWNER).evaluate("demo-e2e", [STEPS]).results[0].summary("reward").avg
     token = "hf_publish0123456789abcdefghij"
     hub = HubEmulator(tmp_path / "hub", tokens=(token,), namespace="tester").start()
     try:
@@ -501,6 +505,11 @@ def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, 
         card = files["README.md"].decode()
         assert f"adapter version {STEPS}" in card and "digit_frac" in card and "TRL 1.16.0" in card
         assert "base_model:" not in card  # the demo model has no Hub id: the card says so instead
+        assert "## Held-out evaluation" in card and "On 32 prompts it never trained on (split 'test')" in card
+        results = {result.metric_type: result for result in ModelCard(card).data.eval_results}
+        assert set(results) == {"reward", "rewards/digit_frac"}, results
+        assert results["reward"].metric_value == pytest.approx(evaluated.mean, abs=1e-4)
+        assert results["reward"].dataset_split == "test" and results["reward"].task_type == "text-generation"
         assert json.loads(files["adapter_config.json"])["base_model_name_or_path"] == DEMO_MODEL_ID
         published = load(files["adapter_model.safetensors"])
         original = load(store.get_bytes(layout.adapter_prefix("demo-e2e", STEPS) + "adapter_model.safetensors"))

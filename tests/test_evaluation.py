@@ -57,14 +57,16 @@ def test_the_paired_comparison_counts_wins_ties_and_losses_per_prompt():
 
 def test_a_result_summarises_per_prompt_and_reports_pass_at_k_only_for_0_1_scores():
     result = VersionEval(
-        "r",
-        3,
-        "0123456789abcdef",
-        4,
-        ["p1", "p2"],
-        [["a"] * 4, ["b"] * 4],
-        {"exact": [[1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], "shaped": [[0.5, 0.25, 0.0, 0.25], [1.0] * 4]},
-        1.5,
+        run_id="r",
+        version=3,
+        key="0123456789abcdef",
+        source="split 'test'",
+        sampling={"k": 4},
+        k=4,
+        prompts=["p1", "p2"],
+        completions=[["a"] * 4, ["b"] * 4],
+        scores={"exact": [[1.0, 0.0, 0.0, 0.0], [0.0] * 4], "shaped": [[0.5, 0.25, 0.0, 0.25], [1.0] * 4]},
+        seconds=1.5,
     )
     exact, shaped = result.summary("exact"), result.summary("shaped")
     assert exact.per_prompt == [0.25, 0.0] and exact.pass_at_k == 0.5  # the first prompt passed once in 4
@@ -172,3 +174,31 @@ def test_at_most_the_asked_number_of_prompts_is_evaluated(tmp_path):
     assert len(held.rows) == 5 and held.candidates == 32
     again = held_out(spec(tmp_path, eval={"split": "test", "prompts": 5}))
     assert again.rows == held.rows  # the same 5, drawn with the eval seed
+
+
+def test_the_model_card_carries_the_held_out_scores_as_the_hub_reads_them(tmp_path):
+    from huggingface_hub import ModelCard
+
+    from backend.services.adapters import model_card
+
+    held_out = VersionEval(
+        run_id="eval-test",
+        version=7,
+        key="0123456789abcdef",
+        source="split 'test'",
+        sampling={"k": 2},
+        k=2,
+        prompts=["p1", "p2", "p3"],
+        completions=[["a", "b"]] * 3,
+        scores={
+            "reward": [[0.5, 0.7], [0.2, 0.4], [0.9, 0.9]],
+            "rewards/digit_frac": [[0.5, 0.7], [0.2, 0.4], [0.9, 0.9]],
+        },
+        seconds=1.0,
+    )
+    card = model_card(spec(tmp_path), 7, 6, {"reward": 0.5}, held_out)
+    assert "On 3 prompts it never trained on (split 'test'), 2 samples each" in card
+    results = {result.metric_type: result for result in ModelCard(card).data.eval_results}
+    assert results["reward"].metric_value == pytest.approx(0.6, abs=1e-4)
+    assert (results["reward"].dataset_name, results["reward"].dataset_split) == ("digits", "test")
+    assert "model-index" not in model_card(spec(tmp_path), 7, 6, {"reward": 0.5})

@@ -23,6 +23,7 @@ from backend.context import PanelContext
 from backend.models import AdapterVersion, Job, MetricPoint, Run
 from backend.services.runs import RunService, RunStateError
 from jobs.contract import DEMO_MODEL_ID, RunSpec, derived, layout, parse_spec
+from jobs.evaluation.results import VersionEval
 from jobs.pins import pins
 from jobs.store import download_published
 
@@ -326,8 +327,18 @@ class AdapterService:
         config["revision"] = spec.model.revision
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         metrics = {name: self._metric_at(run_id, name, row.step) for name in COMPARED_METRICS}
-        (adapter / "README.md").write_text(model_card(spec, version, row.step, metrics))
+        held_out = self.newest_evaluation(run_id, version)
+        (adapter / "README.md").write_text(model_card(spec, version, row.step, metrics, held_out))
         return adapter
+
+    def newest_evaluation(self, run_id: str, version: int) -> VersionEval | None:
+        """The version's most recent held-out evaluation kept in the run's bucket (`python -m backend eval`), if any."""
+        store = self.ctx.store_for(self.runs.get(run_id))
+        name = "/" + layout.eval_file(version)
+        kept = [info for info in store.list(layout.eval_prefix(run_id)) if info.key.endswith(name)]
+        if not kept:
+            return None
+        return VersionEval.from_json(store.get_bytes(max(kept, key=lambda info: info.modified).key))
 
     def publish(self, run_id: str, version: int, repo_id: str, private: bool = True) -> str:
         """Upload the version to a Hub model repo (created if needed) with the owner's token; returns its URL."""
@@ -349,14 +360,23 @@ class AdapterService:
         return f"{api.endpoint}/{repo_id}"
 
 
-def model_card(spec: RunSpec, version: int, step: int | None, metrics: dict[str, float | None]) -> str:
-    """A Hub model card for one adapter version: its base model, data, rewards, run and metrics, the versions of TRL
-    and PEFT that trained it, and how to load it."""
+def model_card(
+    spec: RunSpec,
+    version: int,
+    step: int | None,
+    metrics: dict[str, float | None],
+    held_out: VersionEval | None = None,
+) -> str:
+    """A Hub model card for one adapter version: its base model, data, rewards, run and metrics, its held-out
+    evaluation (also as `model-index` metadata, which the Hub shows), the versions of TRL and PEFT that trained it,
+    and how to load it."""
     model = spec.model.id
     on_hub = model != DEMO_MODEL_ID and not model.startswith("/")
     front = [f"base_model: {model}"] if on_hub else []
     tags = ([f"base_model:adapter:{model}"] if on_hub else []) + ["grpo", "lora", "peft", "trl", "async-grpo"]
     front += ["library_name: peft", f"tags: [{', '.join(tags)}]"]
+    if held_out is not None:
+        front += _model_index(spec, version, held_out)
     rewards = ", ".join(f"`{r.name}` (weight {r.weight:g})" for r in spec.rewards)
     shown = "\n".join(f"| {name} | {value:.4f} |" for name, value in metrics.items() if value is not None)
     revision = f" at revision `{spec.model.revision}`" if spec.model.revision else ""
@@ -382,11 +402,53 @@ asynchronous GRPO (TRL's AsyncGRPOTrainer) on `{model}`{revision}.
 | metric at this step | value |
 |---|---|
 {shown}
-
+{_evaluation_section(held_out)}
 ## How to load it
 
 {_loading(model, on_hub)}
 """
+
+
+def _evaluation_section(held_out: VersionEval | None) -> str:
+    if held_out is None:
+        return ""
+    rows = "\n".join(
+        f"| {name} | {summary.avg.mean:.4f} | [{summary.avg.low:.4f}, {summary.avg.high:.4f}] |"
+        for name, summary in ((name, held_out.summary(name)) for name in held_out.scores)
+    )
+    return f"""
+## Held-out evaluation
+
+On {len(held_out.prompts)} prompts it never trained on ({held_out.source}), {held_out.k} samples each:
+
+| score | mean | 95 % interval over prompts |
+|---|---|---|
+{rows}
+"""
+
+
+def _model_index(spec: RunSpec, version: int, held_out: VersionEval) -> list[str]:
+    """The held-out scores as the Hub's `model-index` metadata (YAML lines of the card's front matter)."""
+    split = spec.eval.split or spec.dataset.split
+    lines = [
+        "model-index:",
+        f"- name: {spec.run_id}-v{version}",
+        "  results:",
+        "  - task:",
+        "      type: text-generation",
+        "    dataset:",
+        f"      name: {json.dumps(spec.dataset.id)}",
+        f"      type: {json.dumps(spec.dataset.id)}",
+        f"      split: {json.dumps(split)}",
+        "    metrics:",
+    ]
+    for name in held_out.scores:
+        lines += [
+            f"    - type: {json.dumps(name)}",
+            f"      value: {held_out.summary(name).avg.mean:.4f}",
+            f"      name: {json.dumps(f'held-out {name} (avg@{held_out.k}, {held_out.source})')}",
+        ]
+    return lines
 
 
 def _loading(model: str, on_hub: bool) -> str:

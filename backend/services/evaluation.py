@@ -210,7 +210,16 @@ class EvaluationService:
                         completions = sample(url, name, prompt_ids, sampling)
                 scores = _score(spec, records, completions)
                 result = VersionEval(
-                    run.id, version, key, sampling.k, texts, completions, scores, time.monotonic() - started
+                    run_id=run.id,
+                    version=version,
+                    key=key,
+                    source=held.source,
+                    sampling=sampling.describe(),
+                    k=sampling.k,
+                    prompts=texts,
+                    completions=completions,
+                    scores=scores,
+                    seconds=time.monotonic() - started,
                 )
                 store.put_bytes(layout.eval_key(run.id, version, key), result.to_json().encode())
                 results[version] = result

@@ -155,7 +155,16 @@ def eval_key(run_id: str, version: int, key: str) -> str:
     """One version's held-out evaluation, under the hash of what it depends on (jobs/evaluation/results.py)."""
     if not re.fullmatch(r"[0-9a-f]{16}", key):
         raise ValueError(f"invalid evaluation key {key!r}")
-    return run_prefix(run_id) + f"eval/{key}/v{version:06d}.json"
+    return eval_prefix(run_id) + f"{key}/{eval_file(version)}"
+
+
+def eval_prefix(run_id: str) -> str:
+    return run_prefix(run_id) + "eval/"
+
+
+def eval_file(version: int) -> str:
+    """The name of a version's result below each evaluation's key (version 0: the base model)."""
+    return f"v{version:06d}.json"
 
 
 # How the proxy names a published adapter version to a replica's sidecar: the `lora_path` of a load request is

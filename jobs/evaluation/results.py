@@ -29,6 +29,8 @@ class VersionEval:
     run_id: str
     version: int  # 0: the base model
     key: str  # what the result depends on (`result_key`)
+    source: str  # where the held-out prompts came from, in words: "split 'test'"
+    sampling: dict[str, Any]  # jobs.evaluation.sampling.Sampling, as plain data
     k: int
     prompts: list[str]
     completions: list[list[str]]  # per prompt, its k samples
