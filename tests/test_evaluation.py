@@ -55,19 +55,26 @@ def test_the_paired_comparison_counts_wins_ties_and_losses_per_prompt():
         paired([0.1], [0.1, 0.2])
 
 
-def test_a_result_summarises_per_prompt_and_reports_pass_at_k_only_for_0_1_scores():
-    result = VersionEval(
-        run_id="r",
-        version=3,
+def version_eval(scores: dict[str, list[list[float]]]) -> VersionEval:
+    """A version's evaluation with these scores (per function, per prompt, per sample) on made-up prompts."""
+    prompts, k = len(next(iter(scores.values()))), len(next(iter(scores.values()))[0])
+    return VersionEval(
+        run_id="eval-test",
+        version=7,
         key="0123456789abcdef",
         source="split 'test'",
-        sampling={"k": 4},
-        k=4,
-        prompts=["p1", "p2"],
-        completions=[["a"] * 4, ["b"] * 4],
-        scores={"exact": [[1.0, 0.0, 0.0, 0.0], [0.0] * 4], "shaped": [[0.5, 0.25, 0.0, 0.25], [1.0] * 4]},
+        sampling={"k": k},
+        k=k,
+        prompts=[f"p{i}" for i in range(prompts)],
+        completions=[["text"] * k] * prompts,
+        scores=scores,
         seconds=1.5,
     )
+
+
+def test_a_result_summarises_per_prompt_and_reports_pass_at_k_only_for_0_1_scores():
+    scores = {"exact": [[1.0, 0.0, 0.0, 0.0], [0.0] * 4], "shaped": [[0.5, 0.25, 0.0, 0.25], [1.0] * 4]}
+    result = version_eval(scores)
     exact, shaped = result.summary("exact"), result.summary("shaped")
     assert exact.per_prompt == [0.25, 0.0] and exact.pass_at_k == 0.5  # the first prompt passed once in 4
     assert shaped.per_prompt == [0.25, 1.0] and shaped.pass_at_k is None
@@ -181,21 +188,8 @@ def test_the_model_card_carries_the_held_out_scores_as_the_hub_reads_them(tmp_pa
 
     from backend.services.adapters import model_card
 
-    held_out = VersionEval(
-        run_id="eval-test",
-        version=7,
-        key="0123456789abcdef",
-        source="split 'test'",
-        sampling={"k": 2},
-        k=2,
-        prompts=["p1", "p2", "p3"],
-        completions=[["a", "b"]] * 3,
-        scores={
-            "reward": [[0.5, 0.7], [0.2, 0.4], [0.9, 0.9]],
-            "rewards/digit_frac": [[0.5, 0.7], [0.2, 0.4], [0.9, 0.9]],
-        },
-        seconds=1.0,
-    )
+    per_prompt = [[0.5, 0.7], [0.2, 0.4], [0.9, 0.9]]
+    held_out = version_eval({"reward": per_prompt, "rewards/digit_frac": per_prompt})
     card = model_card(spec(tmp_path), 7, 6, {"reward": 0.5}, held_out)
     assert "On 3 prompts it never trained on (split 'test'), 2 samples each" in card
     results = {result.metric_type: result for result in ModelCard(card).data.eval_results}
