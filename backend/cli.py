@@ -267,32 +267,43 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.greedy:
         changes |= {"greedy": True, "k": args.k or 1}
     chosen = {name: value for name, value in changes.items() if value is not None}
-    evaluation = services.evaluation.evaluate(args.run, numbers, chosen)
-    held, sampling = evaluation.held_out, evaluation.sampling
-    dropped = f"; {held.shared} shared with training dropped" if held.shared else ""
-    how = "greedy" if sampling.temperature == 0 else f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}"
-    print(f"{len(held.rows)} held-out prompts ({held.source}{dropped}), k={sampling.k}, {how}, seed {sampling.seed}")
-    names = list(evaluation.results[0].scores)
+    report = services.evaluation.report(services.evaluation.evaluate(args.run, numbers, chosen))
+    sampling = report["sampling"]
+    dropped = (
+        f"; {report['shared_with_training']} shared with training dropped" if report["shared_with_training"] else ""
+    )
+    how = (
+        "greedy"
+        if sampling["temperature"] == 0
+        else f"temperature {sampling['temperature']:g}, top-p {sampling['top_p']:g}"
+    )
+    print(
+        f"{report['prompts']} held-out prompts ({report['source']}{dropped}), k={sampling['k']}, {how}, "
+        f"seed {sampling['seed']}"
+    )
+    names = list(report["versions"][0]["scores"])
     names = names if len(names) > 2 else names[:1]  # one reward: its score is the total
     print(f"{'version':<8} " + "  ".join(f"{name + ' [95% interval]':<30}" for name in names) + "  pass@k  time")
-    for result, cached in zip(evaluation.results, evaluation.cached, strict=True):
-        cells = []
-        for name in names:
-            summary = result.summary(name)
-            cells.append(f"{summary.avg.mean:.3f} [{summary.avg.low:.3f}, {summary.avg.high:.3f}]".ljust(30))
-        passed = result.summary(names[0]).pass_at_k
-        when = "cached" if cached else f"{result.seconds:.1f}s"
-        label = f"v{result.version}" + (" base" if result.version == 0 else "")
+    for version in report["versions"]:
+        cells = [_with_interval(version["scores"][name], "{:.3f}").ljust(30) for name in names]
+        passed = version["scores"][names[0]]["pass_at_k"]
+        when = "cached" if version["cached"] else f"{version['seconds']:.1f}s"
+        label = f"v{version['version']}" + (" base" if version["version"] == 0 else "")
         print(f"{label:<8} " + "  ".join(cells) + f"  {'-' if passed is None else f'{passed:.3f}':>6}  {when}")
-    if len(numbers) == 2:
-        a, b = numbers
-        comparison = services.evaluation.compare(evaluation, a, b)
-        d = comparison.difference
+    comparison = report["comparison"]
+    if comparison is not None:
+        a, b = comparison["a"], comparison["b"]
         print(
-            f"v{b} - v{a}: {d.mean:+.3f} [{d.low:+.3f}, {d.high:+.3f}] on the same prompts; per prompt v{b} higher "
-            f"{comparison.wins}, equal {comparison.ties}, lower {comparison.losses}"
+            f"v{b} - v{a}: {_with_interval(comparison['difference'], '{:+.3f}')} on the same prompts; per prompt v{b} "
+            f"higher {comparison['wins']}, equal {comparison['ties']}, lower {comparison['losses']}"
         )
     return 0
+
+
+def _with_interval(figure: dict[str, float | None], shape: str) -> str:
+    """'0.250 [0.180, 0.320]'; an unbounded end (one prompt) as '?'."""
+    low, high = (shape.format(figure[end]) if figure[end] is not None else "?" for end in ("low", "high"))
+    return f"{shape.format(figure['mean'])} [{low}, {high}]"
 
 
 def download(args: argparse.Namespace) -> int:

@@ -93,6 +93,7 @@ class DemoRun:
     restored: RestoredPanel
 
 
+SNAPSHOT_TOKEN = "hf_SnapshotTestToken000000000000000"  # made up: token-shaped, valid nowhere
 SNAPSHOT_AFTER_STEPS = 6  # the database is lost once 6 steps are ingested: the rest of the run is polled after
 
 
@@ -103,7 +104,7 @@ def lose_the_database_mid_run(ctx: PanelContext, poller: Poller, folder: Path, r
     job's state across a panel restart."""
     from backend.snapshots import restore_snapshot, write_snapshot
 
-    token = ctx.vault.save(OWNER, "my token", "hf_token", "hf_SnapshotTestToken000000000000000")
+    token = ctx.vault.save(OWNER, "my token", "hf_token", SNAPSHOT_TOKEN)
     steps = lambda c: len(QueryService(c, OWNER).metric_series(run_id, "reward", max_points=None))  # noqa: E731
     wait_until(
         lambda: poller.poll_run(run_id) is not None and steps(ctx) >= SNAPSHOT_AFTER_STEPS,
@@ -120,7 +121,7 @@ def lose_the_database_mid_run(ctx: PanelContext, poller: Poller, folder: Path, r
     database = folder / "restarted" / "panel.sqlite3"
     assert restore_snapshot(database, folder / "volume")
     again = PanelContext(Database(database), folder)
-    assert again.vault.hf_token(OWNER, token.id) == "hf_SnapshotTestToken000000000000000"
+    assert again.vault.hf_token(OWNER, token.id) == SNAPSHOT_TOKEN
     return RestoredPanel(
         again, token.id, steps(again), versions, len(QueryService(again, OWNER).versions(run_id)), events
     )
@@ -578,7 +579,7 @@ def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(dem
     assert restored.steps_at_restore >= SNAPSHOT_AFTER_STEPS
     assert restored.versions_at_restore == restored.versions_at_snapshot
     queries = QueryService(again, OWNER)
-    assert again.vault.hf_token(OWNER, restored.token_id) == "hf_SnapshotTestToken000000000000000"
+    assert again.vault.hf_token(OWNER, restored.token_id) == SNAPSHOT_TOKEN
     assert RunService(again, OWNER).get(run_id).status == "finished"
     points = queries.metric_series(run_id, "reward", max_points=None)
     assert [step for step, _ in points] == list(range(1, STEPS + 1))  # each once, before the snapshot too
