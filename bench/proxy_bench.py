@@ -1,9 +1,10 @@
 """Proxy benchmark: routing quality measured at the replicas, added latency, throughput, adapter sync.
 
-    .venv/bin/python bench/proxy_bench.py            # everything, ~10 minutes on 2 cores
+    .venv/bin/python bench/proxy_bench.py            # everything, ~15 minutes on 2 cores
     .venv/bin/python bench/proxy_bench.py --only routing,sync --json figures.json
     .venv/bin/python bench/proxy_bench.py --only throughput --baseline <git revision>
-    .venv/bin/python bench/proxy_bench.py --only routing --repeat 3      # the median and worst of each configuration
+    .venv/bin/python bench/proxy_bench.py --only routing,turns --repeat 3 --baseline <git revision>
+        # the median and worst of each configuration, beside an earlier proxy
 
 Every part runs real processes on loopback: simulated replicas (tests/support/fake_replica.py: a vLLM-shaped prefix
 cache, prefill charged per uncached prompt token, decode per generated token), `python -m jobs.proxy`, and a client
@@ -16,7 +17,15 @@ in this process that speaks to them with aiohttp, as TRL's rollout worker does.
    prefix cache would compute for the same request sequence, a lower bound for any routing. Two workloads: "grpo"
    (completions of 20-200 tokens, ~1,000 a second) and "short" (16-token completions that last a few milliseconds,
    as fast as client and proxy can drive them). Run with the proxy's default rule and with the public recipe's
-   strict imbalance rule (--group-allowance 0 --lead-over least), for 2 and 3 replicas at 128 and 384 in flight.
+   strict imbalance rule (--group-allowance 0 --lead-over least), for 2 and 3 replicas at 128 and 384 in flight;
+   with --baseline, also with the proxy of that git revision.
+1b. Turns (agents with tools). 360 prompts x 8 rollouts, each an episode of 4 turns ("4 turns") or of 1-8 ("1-8
+   turns"), run as TRL 1.16's rollout worker runs them: each turn re-sends the whole conversation (the previous
+   prompt, the model's answer as token ids, a 10-80-token tool result in its template), the adapter name is read
+   afresh each turn, and a weight sync every 128 finished episodes falls inside episodes. The replicas cache
+   answers as vLLM does and report the cached prompt tokens of each request, so the excess over the minimum is
+   printed per turn. The same rules (and --baseline) side by side; the replicas' caches hold 65,536 blocks each,
+   so that what is measured is the routing, not a cache too small for the conversations.
 2. Added latency of one hop, against sending straight to a replica: at 1 in flight (zero-cost replica) and at 384 in
    flight with service times of 0.2-1.6 s (each request's time derived from its seed, so both paths get the same).
 3. Throughput with a zero-cost replica at 128 in flight, proxied vs direct, and the proxy's CPU time per request;
@@ -174,8 +183,16 @@ def start_proxy(
 
 
 @contextmanager
-def cluster(workdir: Path, replicas: int, replica_args: list[str], proxy_args: list[str], env=None, spec_uri=None):
-    """Replica processes and a proxy in front of them."""
+def cluster(
+    workdir: Path,
+    replicas: int,
+    replica_args: list[str],
+    proxy_args: list[str],
+    env=None,
+    spec_uri=None,
+    proxy_cwd: Path = ROOT,
+):
+    """Replica processes and a proxy in front of them (run from `proxy_cwd`: a baseline revision's checkout)."""
     processes = Processes(env)
     try:
         urls, children = [], []
@@ -199,7 +216,7 @@ def cluster(workdir: Path, replicas: int, replica_args: list[str], proxy_args: l
             run_id = "bench-" + os.urandom(3).hex()
             store.put_bytes(layout.spec_key(run_id), RunSpec(run_id=run_id).to_json().encode())
             spec_uri = f"file://{store.root}/{layout.spec_key(run_id)}"
-        proxy_url, proxy = start_proxy(processes, workdir, spec_uri, urls, proxy_args)
+        proxy_url, proxy = start_proxy(processes, workdir, spec_uri, urls, proxy_args, cwd=proxy_cwd)
         yield Cluster(proxy_url, urls, proxy, children, processes, spec_uri, workdir)
     finally:
         processes.stop()
@@ -325,7 +342,15 @@ async def grpo_epoch(
     return issued
 
 
-def bench_routing(workdir: Path, quick: bool, repeat: int = 1) -> list[dict]:
+def routing_rules(baseline: str | None) -> list[tuple[str, list[str], Path]]:
+    """The routing variants compared side by side: name, proxy flags, and the folder the proxy runs from."""
+    rules = [("proxy", [], ROOT), ("recipe rule", ["--group-allowance", "0", "--lead-over", "least"], ROOT)]
+    if baseline:
+        rules.append((f"proxy at {baseline}", [], checkout(baseline)))
+    return rules
+
+
+def bench_routing(workdir: Path, quick: bool, repeat: int = 1, baseline: str | None = None) -> list[dict]:
     """The grid of workloads x replicas x in flight x rule, `repeat` times over (the short workload's figures move
     from run to run with how the machine schedules its processes; a summary gives the median and worst of each)."""
     prompts = make_prompts()
@@ -333,16 +358,16 @@ def bench_routing(workdir: Path, quick: bool, repeat: int = 1) -> list[dict]:
         prompts = prompts[:300]
     adapter = write_adapter(workdir / "adapter")
     results = []
+    rules = routing_rules(baseline)
     grid = [
         (run, workload, replicas, inflight, rule)
         for run in range(repeat)
         for workload in WORKLOADS
         for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384))
-        for rule in ("proxy", "recipe rule")
+        for rule in rules
     ]
-    for run, workload, replicas, inflight, rule in grid:
-        args = ["--group-allowance", "0", "--lead-over", "least"] if rule == "recipe rule" else []
-        with cluster(workdir, replicas, workload.replica_args(inflight), args) as running:
+    for run, workload, replicas, inflight, (rule, args, cwd) in grid:
+        with cluster(workdir, replicas, workload.replica_args(inflight), args, proxy_cwd=cwd) as running:
             started, cpu = time.monotonic(), cpu_seconds(running.proxy_process.pid)
             issued = asyncio.run(grpo_epoch(running.proxy, inflight, prompts, adapter, workload))
             elapsed, cpu = time.monotonic() - started, cpu_seconds(running.proxy_process.pid) - cpu
@@ -391,7 +416,7 @@ def _print_routing_spread(results: list[dict]) -> None:
         above = [row["above_minimum_pct"] for row in rows]
         spilled = [row["spilled_pct"] for row in rows]
         print(
-            f"  {workload:<5} {replicas} replicas, {inflight:>3} in flight, {rule:<11}: computed "
+            f"  {workload:<9} {replicas} replicas, {inflight:>3} in flight, {rule:<18}: computed "
             f"{statistics.median(above):.2f} / {max(above):.2f}% above minimum, spilled "
             f"{statistics.median(spilled):.3f} / {max(spilled):.3f}%",
             flush=True,
@@ -400,11 +425,188 @@ def _print_routing_spread(results: list[dict]) -> None:
 
 def _routing_line(row: dict) -> str:
     return (
-        f"  {row['workload']:<5} {row['replicas']} replicas, {row['inflight']:>3} in flight, {row['rule']:<11}: "
+        f"  {row['workload']:<5} {row['replicas']} replicas, {row['inflight']:>3} in flight, {row['rule']:<18}: "
         "computed "
         f"{row['above_minimum_pct']:5.2f}% above minimum, prompt cached for {row['cached_share_pct']:.1f}% "
         f"(ideal {row['ideal_cached_share_pct']:.1f}%), spilled {row['spilled_pct']:.2f}%, "
         f"balance {row['balance']:.3f}, {row['seconds']:.0f}s"
+    )
+
+
+# -- 1b. routing the turns of agents' conversations -----------------------------------------------------------------
+
+TURN_PROMPTS = 360  # x 8 rollouts = 2,880 episodes
+TOOL_OPEN = list(range(151663, 151668))  # the template around a tool result: end of turn, tool role, ...
+TOOL_CLOSE = list(range(151668, 151673))  # ... end of the tool message and the next generation prompt
+TOOL_RESULT = (10, 80)  # tokens, drawn per turn
+ANSWER = (20, 200)
+EPISODES_PER_STEP = 128  # a weight sync every so many finished episodes: syncs fall inside episodes
+TURN_CACHE_BLOCKS = "65536"  # per replica: the routing, not a full cache, is measured
+
+
+@dataclass(frozen=True)
+class Turns:
+    """Episodes of a multi-turn workload: how many turns each has."""
+
+    name: str
+    turns: tuple[int, int]  # drawn uniformly per episode
+
+
+TURN_WORKLOADS = (Turns("4 turns", (4, 4)), Turns("1-8 turns", (1, 8)))
+
+
+@dataclass
+class Issued:
+    """One turn as sent: its version and prompt, the answer it got, the replica's cached prompt tokens."""
+
+    turn: int
+    version: int
+    prompt: list[int]
+    answer: list[int]
+    cached: int
+
+
+async def agent_epoch(proxy: str, inflight: int, prompts: list[list[int]], adapter: Path, turns: Turns) -> list[Issued]:
+    """Replay agents' episodes the way TRL 1.16's rollout worker runs them: each rollout re-sends the whole
+    conversation every turn (the previous prompt, the model's answer, a tool result, the generation prompt) and
+    reads the adapter name afresh for each turn; a weight sync every EPISODES_PER_STEP finished episodes."""
+    rng = random.Random(2)
+    rollouts = iter([index for index in range(len(prompts)) for _ in range(GENERATIONS)])
+    issued: list[Issued] = []
+    state = {"version": 1, "finished": 0}
+    connector = aiohttp.TCPConnector(limit=inflight)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+
+        async def call(path: str, body: dict | None = None) -> None:
+            async with session.post(proxy + path, json=body) as response:
+                await response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"{path} answered {response.status}")
+
+        async def sync(version: int) -> None:
+            await call("/pause?mode=keep")
+            await call("/v1/load_lora_adapter", {"lora_name": f"trl-policy-v{version}", "lora_path": str(adapter)})
+            await call("/resume")
+            state["version"] = version
+            if version - MAX_STALENESS - 1 > 0:
+                await call("/v1/unload_lora_adapter", {"lora_name": f"trl-policy-v{version - MAX_STALENESS - 1}"})
+
+        async def episode(index: int, count: int) -> None:
+            prompt = prompts[index]
+            for turn in range(1, count + 1):
+                version = state["version"]
+                body = {
+                    "model": f"trl-policy-v{version}",
+                    "prompt": prompt,
+                    "max_tokens": rng.randint(*ANSWER),
+                    "temperature": 1.0,
+                    "n": 1,
+                    "return_token_ids": True,
+                    "logprobs": 0,
+                    "seed": rng.getrandbits(63),
+                }
+                async with session.post(proxy + "/v1/completions", json=body) as response:
+                    answer = await response.json()
+                    if response.status != 200:
+                        raise RuntimeError(f"a completion answered {response.status}")
+                (choice,) = answer["choices"]
+                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                issued.append(Issued(turn, version, prompt, choice["token_ids"], cached))
+                result = [rng.randrange(20, 150000) for _ in range(rng.randint(*TOOL_RESULT))]
+                prompt = prompt + choice["token_ids"] + TOOL_OPEN + result + TOOL_CLOSE
+
+        await sync(1)
+        tasks: set[asyncio.Task] = set()
+        syncing: asyncio.Task | None = None
+        exhausted = False
+        while True:
+            while not exhausted and len(tasks) < inflight:
+                index = next(rollouts, None)
+                if index is None:
+                    exhausted = True
+                    break
+                tasks.add(asyncio.create_task(episode(index, rng.randint(*turns.turns))))
+            if not tasks:
+                break
+            done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+                state["finished"] += 1
+                if state["finished"] % EPISODES_PER_STEP == 0 and (syncing is None or syncing.done()):
+                    syncing = asyncio.create_task(sync(state["version"] + 1))
+        if syncing is not None:
+            await syncing
+    return issued
+
+
+def minimum_per_turn(issued: list[Issued]) -> dict[int, int]:
+    """Prompt tokens per turn that one replica with an unbounded prefix cache (answers cached too) would compute."""
+    cache = PrefixCache(16, 10**9)
+    computed: dict[int, int] = {}
+    for turn in issued:
+        model = f"v{turn.version}"
+        hit = cache.admit(model, turn.prompt)
+        cache.insert(cache.chain(model, turn.prompt + turn.answer))
+        computed[turn.turn] = computed.get(turn.turn, 0) + len(turn.prompt) - hit
+    return computed
+
+
+def bench_turns(workdir: Path, quick: bool, repeat: int = 1, baseline: str | None = None) -> list[dict]:
+    """Excess prefill of multi-turn episodes against the minimum, per turn, for the proxy's rule, the recipe's rule
+    and (with --baseline) the proxy of an earlier revision, side by side: 2 and 3 replicas, 128 and 384 in flight."""
+    prompts = make_prompts()[: 60 if quick else TURN_PROMPTS]
+    adapter = write_adapter(workdir / "adapter")
+    results = []
+    rules = routing_rules(baseline)
+    grid = [
+        (run, turns, replicas, inflight, rule)
+        for run in range(repeat)
+        for turns in TURN_WORKLOADS
+        for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384))
+        for rule in rules
+    ]
+    for run, turns, replicas, inflight, (rule, args, cwd) in grid:
+        replica_args = [*WORKLOADS[0].replica_args(inflight)[:-1], TURN_CACHE_BLOCKS]
+        with cluster(workdir, replicas, replica_args, args, proxy_cwd=cwd) as running:
+            started = time.monotonic()
+            issued = asyncio.run(agent_epoch(running.proxy, inflight, prompts, adapter, turns))
+            elapsed = time.monotonic() - started
+            routing = http_json("GET", running.proxy + "/proxy/stats")["routing"]
+        least = minimum_per_turn(issued)
+        computed: dict[int, int] = {}
+        for turn in issued:
+            computed[turn.turn] = computed.get(turn.turn, 0) + len(turn.prompt) - turn.cached
+        per_turn = {turn: 100 * (computed[turn] - least[turn]) / least[turn] for turn in sorted(least)}
+        total, minimum = sum(computed.values()), sum(least.values())
+        results.append(
+            {
+                "run": run,
+                "workload": turns.name,
+                "replicas": replicas,
+                "inflight": inflight,
+                "rule": rule,
+                "requests": len(issued),
+                "computed_tokens": total,
+                "minimum_tokens": minimum,
+                "above_minimum_pct": 100 * (total - minimum) / minimum,
+                "above_minimum_pct_per_turn": per_turn,
+                "spilled_pct": 100 * routing["spilled"] / routing["routed"],
+                "followed_pct": 100 * routing.get("followed", 0) / routing["routed"],
+                "seconds": elapsed,
+            }
+        )
+        print(_turns_line(results[-1]), flush=True)
+    if repeat > 1:
+        _print_routing_spread(results)
+    return results
+
+
+def _turns_line(row: dict) -> str:
+    turns = " ".join(f"t{turn} {pct:.1f}" for turn, pct in row["above_minimum_pct_per_turn"].items())
+    return (
+        f"  {row['workload']:<9} {row['replicas']} replicas, {row['inflight']:>3} in flight, {row['rule']:<18}: "
+        f"computed {row['above_minimum_pct']:5.2f}% above minimum ({turns}), spilled {row['spilled_pct']:.2f}%, "
+        f"followed {row['followed_pct']:.2f}%, {row['requests']} requests, {row['seconds']:.0f}s"
     )
 
 
@@ -822,7 +1024,7 @@ def bench_sync(workdir: Path, quick: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", default="routing,latency,throughput,sync", help="comma-separated parts to run")
+    parser.add_argument("--only", default="routing,turns,latency,throughput,sync", help="comma-separated parts to run")
     parser.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure to this file")
     parser.add_argument(
@@ -837,7 +1039,8 @@ def main() -> None:
         serve_bare_relay(*args.bare_relay)
         return
     parts = {
-        "routing": functools.partial(bench_routing, repeat=args.repeat),
+        "routing": functools.partial(bench_routing, repeat=args.repeat, baseline=args.baseline),
+        "turns": functools.partial(bench_turns, repeat=args.repeat, baseline=args.baseline),
         "latency": bench_latency,
         "throughput": functools.partial(bench_throughput, baseline=args.baseline),
         "sync": bench_sync,

@@ -111,3 +111,60 @@ def test_a_groups_own_rollouts_do_not_count_toward_the_imbalance(make_harness):
     assert counters["spilled"] == 0
     assert counters["affinity"] == 5
     _release(harness, threads)
+
+
+def test_every_turn_of_an_agents_episode_reaches_the_replica_that_holds_its_conversation(make_harness):
+    """Two GRPO groups of 4 episodes, 3 turns each, turn by turn as TRL sends them (the whole conversation: the prompt,
+    each answer, a tool result). Every later turn goes where its conversation is, and that replica finds in its prefix
+    cache every whole block of it up to the tool result (the previous prompt and the answer it generated there)."""
+    harness = make_harness()
+    earlier = prompt(3)  # a run's first turns show the proxy that its rollouts are conversations
+    first_turn = harness.completion(earlier, max_tokens=40).json()["choices"][0]["token_ids"]
+    harness.completion(earlier + first_turn + [40000] * 20, max_tokens=40)
+    assert routing(harness)["routed"] == 2
+    conversations = {(group, rollout): prompt(group) for group in (1, 2) for rollout in range(4)}
+    upstreams: dict[tuple[int, int], set[str]] = {key: set() for key in conversations}
+    held = dict.fromkeys(conversations, 0)  # tokens of each conversation its replica has seen: prompt and answer
+    for turn in range(3):
+        for (group, rollout), conversation in conversations.items():
+            response = harness.completion(conversation, max_tokens=40, seed=100 * group + 10 * rollout + turn)
+            assert response.status_code == 200
+            upstreams[(group, rollout)].add(response.headers["X-Proxy-Upstream"])
+            answer = response.json()
+            if turn:
+                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached == held[(group, rollout)] // 16 * 16, (group, rollout, turn)
+            tool_result = [(group * 37 + rollout * 11 + turn * 5 + i) % 3000 + 40000 for i in range(20)]
+            generated = answer["choices"][0]["token_ids"]
+            held[(group, rollout)] = len(conversation) + len(generated)
+            conversations[(group, rollout)] = conversation + generated + tool_result
+    assert all(len(replicas) == 1 for replicas in upstreams.values()), upstreams
+    assert {next(iter(upstreams[(group, 0)])) for group in (1, 2)} == {"upstream-0", "upstream-1"}  # groups spread
+
+
+def test_a_turn_sent_under_a_new_version_stays_with_its_conversation_and_hits_there_next(make_harness, tmp_path):
+    """A weight sync in the middle of an episode: the next turn names v2, whose cache is empty everywhere; it goes to
+    the replica holding the conversation (under v1) all the same, and the turn after it finds it cached there."""
+    harness = make_harness()
+    conversations = {rollout: prompt(4) for rollout in range(2)}
+    homes = {}
+    for rollout, conversation in conversations.items():  # both rollouts on one replica; then a turn each
+        generated = harness.completion(conversation, max_tokens=40, seed=rollout).json()["choices"][0]["token_ids"]
+        conversations[rollout] = conversation + generated + [41000 + rollout] * 20
+    for rollout, conversation in conversations.items():
+        response = harness.completion(conversation, max_tokens=40, seed=10 + rollout)
+        homes[rollout] = response.headers["X-Proxy-Upstream"]
+        conversations[rollout] = conversation + response.json()["choices"][0]["token_ids"] + [42000] * 20
+    assert harness.load(2, write_adapter(tmp_path / "v2", seed=2)).status_code == 200
+    before = routing(harness)
+    for rollout, conversation in conversations.items():
+        response = harness.completion(conversation, model="trl-policy-v2", max_tokens=40, seed=20 + rollout)
+        assert response.headers["X-Proxy-Upstream"] == homes[rollout]
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # v2 is cached nowhere
+        held = len(conversation) + len(response.json()["choices"][0]["token_ids"])
+        later = conversation + response.json()["choices"][0]["token_ids"] + [43000] * 20
+        response = harness.completion(later, model="trl-policy-v2", max_tokens=40, seed=30 + rollout)
+        assert response.headers["X-Proxy-Upstream"] == homes[rollout]
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == held // 16 * 16
+    after = routing(harness)
+    assert after["followed"] == before["followed"] + 2 and after["affinity"] == before["affinity"] + 2

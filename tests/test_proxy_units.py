@@ -17,6 +17,7 @@ from jobs.proxy.names import (
     AdapterNames,
     BadJson,
     BadName,
+    answer_token_ids,
     generation_fields,
     replace_model,
     restore_model,
@@ -196,11 +197,11 @@ def test_skipping_a_prompt_already_recorded_leaves_the_table_as_recording_it_aga
     and to one that records everything, leaves both tables equal at every step."""
     rng = random.Random(7)
     skipping, recording = Router(block_size=2, max_blocks=100), Router(block_size=2, max_blocks=100)
-    recording._recorded_before = lambda chains, bit: False  # type: ignore[method-assign]
+    recording._recorded_before = lambda chains, bit, salt: False  # type: ignore[method-assign]
     skips: list[bool] = []
 
-    def counted(chains, bit, recorded_before=skipping._recorded_before):
-        skips.append(recorded_before(chains, bit))
+    def counted(chains, bit, salt, recorded_before=skipping._recorded_before):
+        skips.append(recorded_before(chains, bit, salt))
         return skips[-1]
 
     skipping._recorded_before = counted  # type: ignore[method-assign]
@@ -253,6 +254,160 @@ def test_siblings_are_released_when_requests_finish():
         router.release(decision)
         decision.replica.inflight -= 1
     assert route(router, pool, body).kind == "affinity"
+
+
+# -- conversations: later turns of agents' episodes (rule 5) ---------------------------------------------------
+
+
+def answer_body(ids: list[int], compact: bool = False) -> bytes:
+    """A replica's answer to one completion, as vLLM writes it (compact) or as json.dumps does (spaced)."""
+    choice = {"index": 0, "text": "...", "logprobs": {"token_logprobs": [-0.5] * len(ids)}, "token_ids": ids}
+    answer = {"model": "m", "choices": [choice], "usage": {"prompt_tokens": 3}}
+    return json.dumps(answer, separators=(",", ":") if compact else None).encode()
+
+
+def answer(router: Router, decision, prompt: list[int], ids: list[int]) -> None:
+    router.record_answer(decision, token_text(prompt), answer_body(ids))
+    router.release(decision)
+    decision.replica.inflight -= 1
+
+
+def conversing(router: Router, pool) -> Router:
+    """`router` once it has seen a conversation go on (a prompt sent again with more after it): from then on it
+    records answers. Its loads are back to none."""
+    route(router, pool, tokens(*range(900, 904)))
+    route(router, pool, tokens(*range(900, 908)))
+    assert router.conversations
+    router._siblings.clear()
+    for replica in pool:
+        replica.inflight = 0
+    return router
+
+
+def test_answers_are_recorded_only_once_the_traffic_shows_a_conversation():
+    """Single-turn GRPO traffic (groups of a prompt, answers that nothing continues) pays nothing for rule 5; the
+    first request that goes on past a whole prompt sent before turns it on."""
+    rng = random.Random(5)
+    router, pool = Router(block_size=4), replicas(2)
+    for _ in range(50):
+        prompt = [rng.randrange(1000) for _ in range(rng.randrange(4, 24))]
+        for _ in range(8):
+            answer(router, route(router, pool, tokens(*prompt)), prompt, [rng.randrange(1000) for _ in range(20)])
+    blocks = router.counters()["table_blocks"]
+    assert not router.conversations and blocks == len(router._young) and not router._roots
+    decision = route(router, pool, tokens(*prompt, 1, 2, 3, 4, 5, 6, 7, 8))  # the last prompt, continued
+    assert router.conversations
+    answer(router, decision, [*prompt, 1, 2, 3, 4, 5, 6, 7, 8], [9] * 20)
+    assert router.counters()["table_blocks"] > blocks + 2 and len(router._roots) == 1
+
+
+def test_an_answers_token_ids_are_read_as_a_prompts_are():
+    assert answer_token_ids(answer_body([5, 6, 7]), 2) == [b"5", b"6"]
+    assert answer_token_ids(answer_body([5, 6, 7], compact=True), 9) == [b"5", b"6", b"7"]
+    assert answer_token_ids(answer_body(list(range(10**9, 10**9 + 40))), 16) == [b"%d" % (10**9 + i) for i in range(16)]
+    both = json.dumps({"choices": [{"prompt_token_ids": [1, 2], "token_ids": [3]}]}).encode()
+    assert answer_token_ids(both, 4) == [b"3"]  # the prompt's ids are not the answer's
+    two_choices = json.dumps({"choices": [{"token_ids": [1, 2]}, {"token_ids": [3]}]}).encode()
+    assert answer_token_ids(two_choices, 4) == [b"1", b"2"]  # the replica holds each; the first is enough
+    unreadable = (b'{"choices":[{"token_ids":null}]}', b'{"token_ids":["a"]}', b'{"token_ids":[]}', b"{}", b'"token_ids"')
+    for body in unreadable:
+        assert answer_token_ids(body, 4) is None, body
+
+
+def test_each_conversation_continues_on_the_replica_that_answered_its_last_turn():
+    """Two rollouts of one prompt on two replicas: each one's later turns (the whole conversation, re-sent) go where
+    its own answer is cached, although every turn starts with the group's shared prompt."""
+    pool = replicas(2)
+    router = conversing(Router(block_size=2, imbalance=0, group_allowance=0), pool)
+    prompt = [1, 2, 3, 4, 5]  # two whole blocks and a token
+    first = route(router, pool, tokens(*prompt))
+    second = route(router, pool, tokens(*prompt))  # imbalance 0: the group's second rollout spills
+    assert first.replica is not second.replica
+    conversations = {}
+    for decision, ids in ((first, [60, 61, 62]), (second, [70, 71, 72])):
+        answer(router, decision, prompt, ids)
+        conversations[decision.replica.slot] = prompt + ids + [9, 9]  # + a tool result
+    for turn in range(3):
+        for slot, conversation in conversations.items():
+            decision = route(router, pool, tokens(*conversation))
+            assert decision.replica is pool[slot] and decision.kind == "affinity", (turn, slot, decision.kind)
+            assert decision.matched_blocks >= 3
+            ids = [100 * turn + slot + 1] * 3
+            answer(router, decision, conversation, ids)
+            conversations[slot] = conversation + ids + [9, 9]
+
+
+def test_an_answer_too_short_to_fill_a_block_past_the_prompt_records_nothing():
+    pool = replicas(2)
+    router = conversing(Router(block_size=4), pool)
+    prompt = [1, 2, 3, 4, 5]  # one whole block; an answer needs 3 tokens to fill the next
+    decision = route(router, pool, tokens(*prompt))
+    blocks = router.counters()["table_blocks"]
+    answer(router, decision, prompt, [6, 7])
+    assert router.counters()["table_blocks"] == blocks
+    decision = route(router, pool, tokens(*prompt))
+    answer(router, decision, prompt, [6, 7, 8])
+    assert router.counters()["table_blocks"] == blocks + 1
+
+
+def test_a_groups_later_turns_count_as_its_siblings_within_the_allowance():
+    """A replica holding a group's episodes leads by their own number; a later turn of one of them stays with it while
+    that burst is within the allowance (as the group's first turns do), and spills beyond."""
+    for allowance, kind in ((2, "affinity"), (0, "spilled")):
+        pool = replicas(2)
+        router = conversing(Router(block_size=2, imbalance=0, group_allowance=allowance), pool)
+        prompt = [1, 2, 3, 4]
+        first = route(router, pool, tokens(*prompt))
+        holder = first.replica
+        answer(router, first, prompt, [50, 51])
+        route(router, pool, tokens(*prompt))  # two more rollouts of the group, in flight
+        route(router, pool, tokens(*prompt))
+        for replica in pool:
+            replica.inflight = 2 if replica is holder else 0  # the holder leads the mean by 1
+        continuation = route(router, pool, tokens(*prompt, 50, 51, 9, 9))
+        assert continuation.tip == first.tip  # counted with its group
+        assert continuation.kind == kind and (continuation.replica is holder) == (kind == "affinity")
+
+
+def test_a_turn_after_a_weight_sync_follows_its_conversation_and_then_hits_there():
+    pool = replicas(2)
+    router = conversing(Router(block_size=2, imbalance=0, group_allowance=0), pool)
+    prompt = [1, 2, 3, 4]
+    first, second = route(router, pool, tokens(*prompt), "v1"), route(router, pool, tokens(*prompt), "v1")
+    answer(router, first, prompt, [60, 61])
+    answer(router, second, prompt, [70, 71])
+    turn = [*prompt, 70, 71, 9, 9]
+    followed = route(router, pool, tokens(*turn), "v2")  # the new version's name: cached nowhere yet
+    assert followed.kind == "followed" and followed.replica is second.replica and followed.matched_blocks == 0
+    answer(router, followed, turn, [80, 81])
+    later = route(router, pool, tokens(*turn, 80, 81, 9, 9), "v2")
+    assert later.kind == "affinity" and later.replica is second.replica
+    assert router.counters()["followed"] == 1
+    router.forget_model("v1")
+    new = route(router, pool, tokens(*prompt, 60, 61, 9, 9), "v3")  # its conversation's version is gone
+    assert new.kind == "unmatched"
+
+
+def test_long_conversations_keep_the_tables_within_their_bounds():
+    """Thousands of episodes of many turns: the block table, the conversation roots and the memoised chains stay
+    within their bounds, and a conversation still in use keeps its affinity."""
+    rng = random.Random(3)
+    router, pool = Router(block_size=4, max_blocks=2000), replicas(3)
+    live: list[list[int]] = []
+    for episode in range(3000):
+        conversation = [rng.randrange(1000) for _ in range(rng.randrange(8, 40))]
+        for _ in range(rng.randrange(1, 6)):
+            decision = route(router, pool, tokens(*conversation))
+            ids = [rng.randrange(1000) for _ in range(rng.randrange(4, 30))]
+            answer(router, decision, conversation, ids)
+            conversation = conversation + ids + [rng.randrange(1000) for _ in range(rng.randrange(2, 20))]
+        live = [conversation, *live[:9]]
+        counters = router.counters()
+        # The generations turn over once a prompt's blocks are in: the table may pass its size by one prompt (72).
+        assert counters["table_blocks"] <= 2000 + 72 and len(router._roots) <= 500, (episode, counters)
+    assert router._chain_cache_bytes <= 16 << 20
+    kinds = [route(router, pool, tokens(*conversation)).kind for conversation in live]
+    assert kinds.count("affinity") >= 9, kinds
 
 
 # -- HTTP edge cases on a raw socket ---------------------------------------------------------------------------

@@ -23,7 +23,7 @@ def routing_figure(snapshots: list[Snapshot]) -> go.Figure:
     if len(points) < 2:
         return empty_figure(title, NO_PROXY if not points else "Routing shares appear with the second snapshot")
     start = points[0].get("started") or points[0]["time"]
-    elapsed, shares = [], {"affinity": [], "unmatched": [], "spilled": []}
+    elapsed, shares = [], {"affinity": [], "followed": [], "unmatched": [], "spilled": []}
     for before, after in pairwise(points):
         if after.get("started") != before.get("started"):
             continue  # the proxy restarted: its counters restarted too
@@ -40,6 +40,7 @@ def routing_figure(snapshots: list[Snapshot]) -> go.Figure:
     figure = base_figure(title, x_title=x_title, y_title="% of routed requests")
     labels = {
         "affinity": "prefix affinity (KV cache reuse)",
+        "followed": "followed its conversation (after a weight sync)",
         "unmatched": "no cached prefix",
         "spilled": "spilled (preferred replica busy)",
     }

@@ -26,6 +26,7 @@ COLORS = {
     "tokens": "#16a34a",
     "limit": "#64748b",
     "affinity": "#16a34a",
+    "followed": "#65a30d",
     "unmatched": "#f59e0b",
     "spilled": "#dc2626",
     "upload": "#0ea5e9",

@@ -202,7 +202,10 @@ class Proxy:
                 upstream = await self.client.open(
                     replica.origin, "POST", request.path, headers, body, self.config.read_timeout
                 )
-                return await self._relay(exchange, upstream, replica, model, served, fields.stream)
+                response = await self._relay(exchange, upstream, replica, model, served, fields.stream)
+                if response is not None and response.status == 200 and fields.tokens is not None:
+                    self.router.record_answer(decision, fields.tokens, response.body)
+                return response
             except UpstreamError as error:
                 if upstream is not None:
                     raise  # a streamed answer broke off: nothing left to do but cut the client's stream too

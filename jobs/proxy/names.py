@@ -29,6 +29,9 @@ _FAST_PROMPT = re.compile(rb'"prompt"\s*:\s*\[')
 _FAST_KEYS = re.compile(rb'"(model|prompt|stream|messages)"')  # anywhere else, a key or a value: read exactly
 _TOKEN_TEXT = b"0123456789, \t\r\n"
 _JSON_SPACE = b" \t\r\n"
+_ANSWER_KEY = b'"token_ids"'
+_AFTER_ANSWER_KEY = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*\[")
+_ID_BYTES = 12  # a token id (at most 10 digits), a comma and a space
 _EXACT_FIELDS = frozenset({"model", "prompt", "messages", "stream"})
 _SCANSTRING = json.decoder.scanstring
 _WS = re.compile(r"[ \t\n\r]*")
@@ -103,6 +106,22 @@ def _flat_token_request(body: bytes) -> GenerationFields | None:
         raise BadJson("the body is not UTF-8") from None
     span = (model.start(1) - 1, model.end(1) + 1)
     return GenerationFields(name, span, inner.translate(None, _JSON_SPACE), None, None, False)
+
+
+def answer_token_ids(body: bytes, first: int) -> list[bytes] | None:
+    """The first `first` token ids of a completion answer (vLLM's `token_ids`, which TRL asks for; the first choice's
+    if there are several) as pieces of canonical text (b"17"), read with a few searches as a request's prompt is and
+    no further than they reach; None when the answer has no token ids or anything but ids there."""
+    key = body.find(_ANSWER_KEY)
+    opening = _AFTER_ANSWER_KEY.match(body, key + len(_ANSWER_KEY)) if key >= 0 else None
+    if opening is None:
+        return None
+    head = body[opening.end() : opening.end() + _ID_BYTES * first]  # enough for `first` ids and their separators
+    end = head.find(b"]")
+    if end >= 0:
+        head = head[:end]
+    ids = head.replace(b" ", b"").split(b",", first)[:first]  # json.dumps writes a space after each comma
+    return ids if b"".join(ids).isdigit() else None
 
 
 def token_text(tokens: list[int]) -> bytes:

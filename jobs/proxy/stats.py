@@ -9,7 +9,7 @@ Snapshot shape (all counters are totals since the proxy started; durations in se
       "replicas": [{"role": "replica-0", "url": "...", "state": "healthy|new|admitting|ejected", "healthy": true,
                     "routed": 5120, "inflight": 61, "failed": 0, "loaded_versions": [3, 4, 5, 6, 7],
                     "admissions": 1, "ejections": 0, "last_error": null, "since": 1767225001.0}, ...],
-      "routing": {"routed": 10240, "affinity": 8950, "spilled": 12, "unmatched": 1278, "retried": 3,
+      "routing": {"routed": 10240, "affinity": 8950, "followed": 0, "spilled": 12, "unmatched": 1278, "retried": 3,
                   "prefix_tokens_saved": 1904000, "tracked_blocks": 61000, "table_blocks": 80000,
                   "block_size": 16, "imbalance": 8, "group_allowance": 7},
       "adapters": {"current": 7, "live": [3, 4, 5, 6, 7], "step": 28,

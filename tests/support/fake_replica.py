@@ -444,7 +444,11 @@ class FakeReplica:
             "created": created,
             "model": model,
             "choices": [choice],
-            "usage": {"prompt_tokens": len(tokens), "completion_tokens": count},
+            "usage": {
+                "prompt_tokens": len(tokens),
+                "completion_tokens": count,
+                "prompt_tokens_details": {"cached_tokens": cached},  # as vLLM with --enable-prompt-tokens-details
+            },
         }
         return web.Response(body=json.dumps(answer).encode(), content_type="application/json")
 
