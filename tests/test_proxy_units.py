@@ -309,8 +309,8 @@ def test_an_answers_token_ids_are_read_as_a_prompts_are():
     assert answer_token_ids(both, 4) == [b"3"]  # the prompt's ids are not the answer's
     two_choices = json.dumps({"choices": [{"token_ids": [1, 2]}, {"token_ids": [3]}]}).encode()
     assert answer_token_ids(two_choices, 4) == [b"1", b"2"]  # the replica holds each; the first is enough
-    unreadable = (b'{"choices":[{"token_ids":null}]}', b'{"token_ids":["a"]}', b'{"token_ids":[]}', b"{}", b'"token_ids"')
-    for body in unreadable:
+    unreadable = (b'{"choices":[{"token_ids":null}]}', b'{"token_ids":["a"]}', b'{"token_ids":[]}', b'"token_ids"')
+    for body in (*unreadable, b"{}"):
         assert answer_token_ids(body, 4) is None, body
 
 
