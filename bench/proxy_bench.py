@@ -129,6 +129,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
+def peak_rss_kb(pid: int) -> int:
+    """The most memory the process has held (VmHWM)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")))
+
+
 def http_json(method: str, url: str, body: dict | None = None, timeout: float = 60.0):
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -572,6 +578,7 @@ def bench_turns(workdir: Path, quick: bool, repeat: int = 1, baseline: str | Non
             issued = asyncio.run(agent_epoch(running.proxy, inflight, prompts, adapter, turns))
             elapsed = time.monotonic() - started
             routing = http_json("GET", running.proxy + "/proxy/stats")["routing"]
+            peak_rss_mb = peak_rss_kb(running.proxy_process.pid) / 1024
         least = minimum_per_turn(issued)
         computed: dict[int, int] = {}
         for turn in issued:
@@ -592,6 +599,8 @@ def bench_turns(workdir: Path, quick: bool, repeat: int = 1, baseline: str | Non
                 "above_minimum_pct_per_turn": per_turn,
                 "spilled_pct": 100 * routing["spilled"] / routing["routed"],
                 "followed_pct": 100 * routing.get("followed", 0) / routing["routed"],
+                "table_blocks": routing["table_blocks"],
+                "proxy_peak_rss_mb": peak_rss_mb,
                 "seconds": elapsed,
             }
         )
@@ -606,7 +615,8 @@ def _turns_line(row: dict) -> str:
     return (
         f"  {row['workload']:<9} {row['replicas']} replicas, {row['inflight']:>3} in flight, {row['rule']:<18}: "
         f"computed {row['above_minimum_pct']:5.2f}% above minimum ({turns}), spilled {row['spilled_pct']:.2f}%, "
-        f"followed {row['followed_pct']:.2f}%, {row['requests']} requests, {row['seconds']:.0f}s"
+        f"followed {row['followed_pct']:.2f}%, {row['requests']} requests, {row['table_blocks']} blocks tracked, "
+        f"proxy peak RSS {row['proxy_peak_rss_mb']:.0f} MB, {row['seconds']:.0f}s"
     )
 
 
