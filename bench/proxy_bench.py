@@ -56,9 +56,11 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -278,14 +280,15 @@ class Workload:
 WORKLOADS = (Workload("grpo", (20, 200)), Workload("short", (16, 16)))
 
 
-async def grpo_epoch(
-    proxy: str, inflight: int, prompts: list[list[int]], adapter: Path, workload: Workload = WORKLOADS[0]
-) -> list[tuple[int, int]]:
-    """Replay one epoch the way TRL's rollout worker admits rollouts; returns (version, prompt) in issue order."""
-    rng = random.Random(1)
-    rollouts = iter([(index, k) for index in range(len(prompts)) for k in range(GENERATIONS)])
-    issued: list[tuple[int, int]] = []
-    state = {"version": 1, "completed": 0}
+Start = Callable[[aiohttp.ClientSession, dict], Coroutine[Any, Any, None]]
+
+
+async def replay(proxy: str, inflight: int, adapter: Path, rollouts: Iterator[Start], sync_every: int) -> None:
+    """Run rollouts as TRL 1.16's rollout worker admits them (each takes the next free slot of `inflight` on its own),
+    with a weight sync as TRL does one (pause, load, resume, then unload the oldest) after every `sync_every` finished
+    rollouts. Each rollout is started at its admission with the session and the shared state ({"version": the
+    adapter version served now}) and returns its coroutine."""
+    state = {"version": 1}
     connector = aiohttp.TCPConnector(limit=inflight)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
 
@@ -295,7 +298,7 @@ async def grpo_epoch(
                 if response.status != 200:
                     raise RuntimeError(f"{path} answered {response.status}")
 
-        async def sync(version: int) -> None:  # TRL: pause, save, load, resume, then unload the oldest
+        async def sync(version: int) -> None:
             await call("/pause?mode=keep")
             await call("/v1/load_lora_adapter", {"lora_name": f"trl-policy-v{version}", "lora_path": str(adapter)})
             await call("/resume")
@@ -303,57 +306,68 @@ async def grpo_epoch(
             if version - MAX_STALENESS - 1 > 0:
                 await call("/v1/unload_lora_adapter", {"lora_name": f"trl-policy-v{version - MAX_STALENESS - 1}"})
 
-        async def generate(index: int, version: int) -> None:
-            body = {
-                "model": f"trl-policy-v{version}",
-                "prompt": prompts[index],
-                "max_tokens": rng.randint(*workload.completion_tokens),
-                "temperature": 1.0,
-                "top_p": 1.0,
-                "top_k": 0,
-                "repetition_penalty": 1.0,
-                "n": 1,
-                "return_token_ids": True,
-                "logprobs": 0,
-                "seed": rng.getrandbits(63),
-            }
-            async with session.post(proxy + "/v1/completions", json=body) as response:
-                await response.json()
-                if response.status != 200:
-                    raise RuntimeError(f"a completion answered {response.status}")
-
         await sync(1)
         tasks: set[asyncio.Task] = set()
         syncing: asyncio.Task | None = None
-        exhausted = False
+        exhausted, finished = False, 0
         while True:
             while not exhausted and len(tasks) < inflight:
-                try:
-                    index, _ = next(rollouts)
-                except StopIteration:
+                start = next(rollouts, None)
+                if start is None:
                     exhausted = True
                     break
-                issued.append((state["version"], index))
-                tasks.add(asyncio.create_task(generate(index, state["version"])))
+                tasks.add(asyncio.create_task(start(session, state)))
             if not tasks:
                 break
             done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
-                state["completed"] += 1
-                if state["completed"] % SYNC_EVERY == 0 and (syncing is None or syncing.done()):
+                finished += 1
+                if finished % sync_every == 0 and (syncing is None or syncing.done()):
                     syncing = asyncio.create_task(sync(state["version"] + 1))
         if syncing is not None:
             await syncing
+
+
+async def grpo_epoch(
+    proxy: str, inflight: int, prompts: list[list[int]], adapter: Path, workload: Workload = WORKLOADS[0]
+) -> list[tuple[int, int]]:
+    """Replay one epoch of single-turn GRPO rollouts; returns (version, prompt) in issue order."""
+    rng = random.Random(1)
+    issued: list[tuple[int, int]] = []
+
+    async def generate(session: aiohttp.ClientSession, index: int, version: int) -> None:
+        body = _body(rng, f"trl-policy-v{version}", prompts[index], rng.randint(*workload.completion_tokens))
+        async with session.post(proxy + "/v1/completions", data=body, headers=_JSON) as response:
+            await response.json()
+            if response.status != 200:
+                raise RuntimeError(f"a completion answered {response.status}")
+
+    def rollout(index: int) -> Start:
+        def start(session: aiohttp.ClientSession, state: dict) -> Coroutine[Any, Any, None]:
+            issued.append((state["version"], index))
+            return generate(session, index, state["version"])
+
+        return start
+
+    rollouts = (rollout(index) for index in range(len(prompts)) for _ in range(GENERATIONS))
+    await replay(proxy, inflight, adapter, rollouts, SYNC_EVERY)
     return issued
 
 
-def routing_rules(baseline: str | None) -> list[tuple[str, list[str], Path]]:
-    """The routing variants compared side by side: name, proxy flags, and the folder the proxy runs from."""
+def grid(repeat: int, workloads: tuple, baseline: str | None) -> list[tuple]:
+    """Every run of each workload on 2 and 3 replicas at 128 and 384 in flight, under each routing variant compared
+    side by side: (run, workload, replicas, in flight, (variant, proxy flags, the folder the proxy runs from))."""
     rules = [("proxy", [], ROOT), ("recipe rule", ["--group-allowance", "0", "--lead-over", "least"], ROOT)]
     if baseline:
         rules.append((f"proxy at {baseline}", [], checkout(baseline)))
-    return rules
+    return [
+        (run, workload, replicas, inflight, rule)
+        for run in range(repeat)
+        for workload in workloads
+        for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384))
+        for rule in rules
+    ]
 
 
 def bench_routing(workdir: Path, quick: bool, repeat: int = 1, baseline: str | None = None) -> list[dict]:
@@ -364,15 +378,7 @@ def bench_routing(workdir: Path, quick: bool, repeat: int = 1, baseline: str | N
         prompts = prompts[:300]
     adapter = write_adapter(workdir / "adapter")
     results = []
-    rules = routing_rules(baseline)
-    grid = [
-        (run, workload, replicas, inflight, rule)
-        for run in range(repeat)
-        for workload in WORKLOADS
-        for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384))
-        for rule in rules
-    ]
-    for run, workload, replicas, inflight, (rule, args, cwd) in grid:
+    for run, workload, replicas, inflight, (rule, args, cwd) in grid(repeat, WORKLOADS, baseline):
         with cluster(workdir, replicas, workload.replica_args(inflight), args, proxy_cwd=cwd) as running:
             started, cpu = time.monotonic(), cpu_seconds(running.proxy_process.pid)
             issued = asyncio.run(grpo_epoch(running.proxy, inflight, prompts, adapter, workload))
@@ -477,71 +483,40 @@ async def agent_epoch(proxy: str, inflight: int, prompts: list[list[int]], adapt
     conversation every turn (the previous prompt, the model's answer, a tool result, the generation prompt) and
     reads the adapter name afresh for each turn; a weight sync every EPISODES_PER_STEP finished episodes."""
     rng = random.Random(2)
-    rollouts = iter([index for index in range(len(prompts)) for _ in range(GENERATIONS)])
     issued: list[Issued] = []
-    state = {"version": 1, "finished": 0}
-    connector = aiohttp.TCPConnector(limit=inflight)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
 
-        async def call(path: str, body: dict | None = None) -> None:
-            async with session.post(proxy + path, json=body) as response:
-                await response.read()
+    async def episode(session: aiohttp.ClientSession, state: dict, index: int, count: int) -> None:
+        prompt = prompts[index]
+        for turn in range(1, count + 1):
+            version = state["version"]
+            body = {
+                "model": f"trl-policy-v{version}",
+                "prompt": prompt,
+                "max_tokens": rng.randint(*ANSWER),
+                "temperature": 1.0,
+                "n": 1,
+                "return_token_ids": True,
+                "logprobs": 0,
+                "seed": rng.getrandbits(63),
+            }
+            async with session.post(proxy + "/v1/completions", json=body) as response:
+                answer = await response.json()
                 if response.status != 200:
-                    raise RuntimeError(f"{path} answered {response.status}")
+                    raise RuntimeError(f"a completion answered {response.status}")
+            (choice,) = answer["choices"]
+            cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+            issued.append(Issued(turn, version, prompt, choice["token_ids"], cached))
+            result = [rng.randrange(20, 150000) for _ in range(rng.randint(*TOOL_RESULT))]
+            prompt = prompt + choice["token_ids"] + TOOL_OPEN + result + TOOL_CLOSE
 
-        async def sync(version: int) -> None:
-            await call("/pause?mode=keep")
-            await call("/v1/load_lora_adapter", {"lora_name": f"trl-policy-v{version}", "lora_path": str(adapter)})
-            await call("/resume")
-            state["version"] = version
-            if version - MAX_STALENESS - 1 > 0:
-                await call("/v1/unload_lora_adapter", {"lora_name": f"trl-policy-v{version - MAX_STALENESS - 1}"})
+    def rollout(index: int) -> Start:
+        def start(session: aiohttp.ClientSession, state: dict) -> Coroutine[Any, Any, None]:
+            return episode(session, state, index, rng.randint(*turns.turns))
 
-        async def episode(index: int, count: int) -> None:
-            prompt = prompts[index]
-            for turn in range(1, count + 1):
-                version = state["version"]
-                body = {
-                    "model": f"trl-policy-v{version}",
-                    "prompt": prompt,
-                    "max_tokens": rng.randint(*ANSWER),
-                    "temperature": 1.0,
-                    "n": 1,
-                    "return_token_ids": True,
-                    "logprobs": 0,
-                    "seed": rng.getrandbits(63),
-                }
-                async with session.post(proxy + "/v1/completions", json=body) as response:
-                    answer = await response.json()
-                    if response.status != 200:
-                        raise RuntimeError(f"a completion answered {response.status}")
-                (choice,) = answer["choices"]
-                cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-                issued.append(Issued(turn, version, prompt, choice["token_ids"], cached))
-                result = [rng.randrange(20, 150000) for _ in range(rng.randint(*TOOL_RESULT))]
-                prompt = prompt + choice["token_ids"] + TOOL_OPEN + result + TOOL_CLOSE
+        return start
 
-        await sync(1)
-        tasks: set[asyncio.Task] = set()
-        syncing: asyncio.Task | None = None
-        exhausted = False
-        while True:
-            while not exhausted and len(tasks) < inflight:
-                index = next(rollouts, None)
-                if index is None:
-                    exhausted = True
-                    break
-                tasks.add(asyncio.create_task(episode(index, rng.randint(*turns.turns))))
-            if not tasks:
-                break
-            done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()
-                state["finished"] += 1
-                if state["finished"] % EPISODES_PER_STEP == 0 and (syncing is None or syncing.done()):
-                    syncing = asyncio.create_task(sync(state["version"] + 1))
-        if syncing is not None:
-            await syncing
+    rollouts = (rollout(index) for index in range(len(prompts)) for _ in range(GENERATIONS))
+    await replay(proxy, inflight, adapter, rollouts, EPISODES_PER_STEP)
     return issued
 
 
@@ -563,15 +538,7 @@ def bench_turns(workdir: Path, quick: bool, repeat: int = 1, baseline: str | Non
     prompts = make_prompts()[: 60 if quick else TURN_PROMPTS]
     adapter = write_adapter(workdir / "adapter")
     results = []
-    rules = routing_rules(baseline)
-    grid = [
-        (run, turns, replicas, inflight, rule)
-        for run in range(repeat)
-        for turns in TURN_WORKLOADS
-        for replicas, inflight in ((2, 128), (2, 384), (3, 128), (3, 384))
-        for rule in rules
-    ]
-    for run, turns, replicas, inflight, (rule, args, cwd) in grid:
+    for run, turns, replicas, inflight, (rule, args, cwd) in grid(repeat, TURN_WORKLOADS, baseline):
         replica_args = [*WORKLOADS[0].replica_args(inflight)[:-1], TURN_CACHE_BLOCKS]
         with cluster(workdir, replicas, replica_args, args, proxy_cwd=cwd) as running:
             started = time.monotonic()
@@ -623,12 +590,16 @@ def _turns_line(row: dict) -> str:
 # -- 2 and 3. latency and throughput ---------------------------------------------------------------------------------
 
 
-def _body(rng: random.Random, model: str, prompt: list[int]) -> bytes:
+_JSON = {"Content-Type": "application/json"}
+
+
+def _body(rng: random.Random, model: str, prompt: list[int], max_tokens: int = 16) -> bytes:
+    """A completion request with exactly the fields TRL 1.16's rollout worker sends."""
     return json.dumps(
         {
             "model": model,
             "prompt": prompt,
-            "max_tokens": 16,
+            "max_tokens": max_tokens,
             "temperature": 1.0,
             "top_p": 1.0,
             "top_k": 0,
