@@ -862,12 +862,16 @@ def test_an_interrupted_adapter_upload_is_never_loaded_and_the_next_attempt_publ
 # behind (a new machine whose clock is late), so its snapshots and records carry earlier times than the lost ones.
 SKEWS = {"replica-0": "+5h", "replica-1": "-5h", "trainer": "+3h"}
 RELAUNCH_SKEW = "-3h"
-SKEW_STEPS = 12  # the trainer is killed at the checkpoint of step 4; libfaketime slows these jobs about twofold
+SKEW_STEPS = 12  # the trainer is killed at the checkpoint of step 4
 # Local jobs start with `python -m jobs.<role>` and find this on their PYTHONPATH: the interpreter re-executes itself
 # under libfaketime with its role's offset, and every child it starts inherits the skew. Only the wall clock is
 # skewed (a monotonic clock is per machine anyway; a faked one hangs Python's timed waits, which libfaketime does not
 # intercept). libfaketime 0.9.10 then fails clock_nanosleep on the real monotonic clock with EINVAL, so time.sleep is
-# replaced by a select() wait there. The local launcher has no hook to prefix a job's command, hence this.
+# replaced by a select() wait there. Its "monotonic fix" of pthread_cond_timedwait, for programs whose monotonic
+# clock it fakes, is turned off: with that clock left alone it made the timed waits of Python's GIL end at once, and
+# every process with two busy threads (a replica engine: its server and its batching worker) spent half its CPU
+# handing the GIL back and forth (64 x 10 completions: 2.5 against 1.2 CPU-s; with the fix off, 1.0). The local
+# launcher has no hook to prefix a job's command, hence this.
 SKEW_HOOK = """
 import json, os, select, sys, time
 
@@ -890,7 +894,12 @@ def _skew():
     with open(CONFIG) as handle:
         offset = json.load(handle).get(role)
     if offset:
-        skew = {"LD_PRELOAD": LIBRARY, "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+        skew = {
+            "LD_PRELOAD": LIBRARY,
+            "FAKETIME": offset,
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            "FAKETIME_FORCE_MONOTONIC_FIX": "0",
+        }
         os.execve(sys.executable, argv, {**os.environ, **skew})
 
 _skew()
