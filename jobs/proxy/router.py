@@ -106,8 +106,7 @@ class Router:
         self.imbalance = imbalance
         self.group_allowance = group_allowance
         self.max_blocks = max_blocks
-        # salted block hash -> (owners bitmask, successor hash | None | _FANOUT, namespace id), young and old
-        # generation.
+        # salted block hash -> (owners bitmask, successor hash | None | _FANOUT, namespace id), in two generations
         self._young: dict[int, tuple[int, int | None, int]] = {}
         self._old: dict[int, tuple[int, int | None, int]] = {}
         self._young_counts: dict[int, int] = {}  # namespace id -> blocks in that generation
