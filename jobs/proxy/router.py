@@ -112,8 +112,7 @@ class Router:
         self._young_counts: dict[int, int] = {}  # namespace id -> blocks in that generation
         self._old_counts: dict[int, int] = {}
         self._generation: dict[str, int] = {}
-        self._namespace_ids: dict[Namespace, int] = {}
-        self._salts: dict[Namespace, int] = {}
+        self._filing: dict[Namespace, tuple[int, int]] = {}  # namespace -> (its number, its salt)
         self._recent: list[Namespace] = []  # the last namespaces recorded, the latest last
         self._siblings: dict[tuple[int, int], int] = {}
         self._recorded: dict[int, int] = {}  # prompt tip -> slots it was recorded for in this young generation
@@ -135,17 +134,13 @@ class Router:
     def _namespace(self, model: str) -> Namespace:
         return model, self._generation.get(model, 0)
 
-    def _namespace_id(self, namespace: Namespace) -> int:
-        number = self._namespace_ids.get(namespace)
-        if number is None:
-            number = self._namespace_ids[namespace] = len(self._namespace_ids)
-        return number
-
-    def _salt(self, namespace: Namespace) -> int:
-        salt = self._salts.get(namespace)
-        if salt is None:
-            salt = self._salts[namespace] = hash(("router-namespace", namespace))
-        return salt
+    def _filed(self, namespace: Namespace) -> tuple[int, int]:
+        """The namespace's number (which the table's counts are kept by) and its salt (which its blocks are filed
+        under), given on first sight."""
+        filing = self._filing.get(namespace)
+        if filing is None:
+            filing = self._filing[namespace] = (len(self._filing), hash(("router-namespace", namespace)))
+        return filing
 
     def chains(
         self, model: str, tokens: bytes | None, prompt: Any = None, messages: Any = None
@@ -212,12 +207,13 @@ class Router:
     # -- deciding --------------------------------------------------------------------------------------------------
 
     def decide(self, namespace: Namespace, chains: list[tuple[int, ...]], replicas: Sequence[Routable]) -> Decision:
-        """Pick one of `replicas` (at least one) for a request whose prompts hash to `chains`. Records nothing."""
+        """Pick one of `replicas` (at least one) for a request whose prompts hash to `chains`. Records nothing but
+        the first sign of conversations (rule 5)."""
         chain = chains[0] if chains else ()
         routable = 0
         for replica in replicas:
             routable |= 1 << replica.slot
-        salt = self._salt(namespace)
+        salt = self._filed(namespace)[1]
         masks, common = self._walk(chain, salt, routable)
         tip = chain[-1] ^ salt if chain else None
         least = min(replica.inflight for replica in replicas)
@@ -233,7 +229,9 @@ class Router:
                 return Decision(holder, "affinity", len(masks), chains, namespace, salt, tip)
             chosen = self._least_loaded(replicas, least)
             return Decision(chosen, "spilled", _depth_of(masks, chosen.slot), chains, namespace, salt, tip)
-        followed = self._follow(chain, namespace, routable, replicas, least, tip) if self.conversations else None
+        followed = (
+            self._follow(chain, namespace, routable, replicas, least, tip) if self.conversations and chain else None
+        )
         if followed is not None:
             holder, tip = followed
             kind = "followed" if holder is not None else "spilled"
@@ -275,8 +273,8 @@ class Router:
         """Rule 5 for a request unmatched under its own adapter version: the holder of its conversation under the
         latest earlier version that has it (None if that one leads by too much), and its tip; None if none has it."""
         for other in reversed(self._recent):
-            if other != namespace and chain:
-                salt = self._salt(other)
+            if other != namespace:
+                salt = self._filed(other)[1]
                 masks, common = self._walk(chain, salt, routable)
                 if len(masks) > common:
                     tip = self._root(chain, len(masks), salt) or tip
@@ -332,7 +330,7 @@ class Router:
             del recent[:-_RECENT_NAMESPACES]
         bit = 1 << decision.replica.slot
         if not self._recorded_before(decision.chains, bit, decision.salt):
-            number = self._namespace_id(namespace)
+            number = self._filed(namespace)[0]
             for chain in decision.chains:
                 self._own(chain, bit, decision.salt, number)
         if decision.tip is not None:
@@ -352,7 +350,7 @@ class Router:
         if answered is None or len(answered) < needed:
             return  # no whole block past the prompt's: the replicas that hold the prompt hold all of it
         block = hash((chain[-1] if chain else _SEED, *tail, *answered))
-        self._own((block,), 1 << decision.replica.slot, decision.salt, self._namespace_id(decision.namespace))
+        self._own((block,), 1 << decision.replica.slot, decision.salt, self._filed(decision.namespace)[0])
         if decision.tip is not None:
             roots = self._roots
             roots[block ^ decision.salt] = decision.tip
@@ -429,7 +427,7 @@ class Router:
     def tracked_blocks(self) -> int:
         """Blocks that can still match (stale blocks of forgotten versions excluded; they age out)."""
         current = {
-            number for namespace, number in self._namespace_ids.items() if namespace == self._namespace(namespace[0])
+            number for namespace, (number, _) in self._filing.items() if namespace == self._namespace(namespace[0])
         }
         generations = (self._young_counts, self._old_counts)
         return sum(count for counts in generations for number, count in counts.items() if number in current)
