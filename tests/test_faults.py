@@ -14,7 +14,6 @@ The clock-skew run below kills its trainer and relaunches it: it serves the resu
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -24,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -49,6 +47,7 @@ from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive
 from jobs.store import LocalStore, ObjectStore, S3Store, download_published, list_published, read_manifest
 from jobs.telemetry import decode_jsonl
+from tests.support.faketime import find_libfaketime, skewed_env
 from tests.support.faulty_proxy import FaultyProxy
 from tests.support.processes import RunProcesses
 from tests.support.runs import job_log_tails
@@ -864,14 +863,10 @@ SKEWS = {"replica-0": "+5h", "replica-1": "-5h", "trainer": "+3h"}
 RELAUNCH_SKEW = "-3h"
 SKEW_STEPS = 12  # the trainer is killed at the checkpoint of step 4
 # Local jobs start with `python -m jobs.<role>` and find this on their PYTHONPATH: the interpreter re-executes itself
-# under libfaketime with its role's offset, and every child it starts inherits the skew. Only the wall clock is
-# skewed (a monotonic clock is per machine anyway; a faked one hangs Python's timed waits, which libfaketime does not
-# intercept). libfaketime 0.9.10 then fails clock_nanosleep on the real monotonic clock with EINVAL, so time.sleep is
-# replaced by a select() wait there. Its "monotonic fix" of pthread_cond_timedwait, for programs whose monotonic
-# clock it fakes, is turned off: with that clock left alone it made the timed waits of Python's GIL end at once, and
-# every process with two busy threads (a replica engine: its server and its batching worker) spent half its CPU
-# handing the GIL back and forth (64 x 10 completions: 2.5 against 1.2 CPU-s; with the fix off, 1.0). The local
-# launcher has no hook to prefix a job's command, hence this.
+# under libfaketime with its role's offset (tests/support/faketime.py: the library and its settings), and every child
+# it starts inherits the skew. libfaketime 0.9.10 fails clock_nanosleep on the real monotonic clock with EINVAL, so
+# time.sleep is replaced by a select() wait there. The local launcher has no hook to prefix a job's command, hence
+# this.
 SKEW_HOOK = """
 import json, os, select, sys, time
 
@@ -894,49 +889,10 @@ def _skew():
     with open(CONFIG) as handle:
         offset = json.load(handle).get(role)
     if offset:
-        skew = {
-            "LD_PRELOAD": LIBRARY,
-            "FAKETIME": offset,
-            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-            "FAKETIME_FORCE_MONOTONIC_FIX": "0",
-        }
-        os.execve(sys.executable, argv, {**os.environ, **skew})
+        os.execve(sys.executable, argv, {**os.environ, **SKEWED, "FAKETIME": offset})
 
 _skew()
 """
-
-
-def find_libfaketime() -> tuple[str | None, list[str]]:
-    """The libfaketime that `faketime` preloads (not the MT one, about twice as slow here), found rather than assumed
-    for one architecture; and every place looked in, for the skip reason when there is none.
-
-    Where it is: the package's own file list (Debian's `libfaketime`), else the faketime folder under the multiarch
-    library folder of this platform (`x86_64-linux-gnu`, `aarch64-linux-gnu`, ...), else any such folder, else the
-    folders other distributions and source installs use.
-    """
-    searched: list[str] = []
-    if shutil.which("dpkg-query"):
-        for package in ("libfaketime", "faketime"):
-            searched.append(f"dpkg-query -L {package}")
-            listed = subprocess.run(["dpkg-query", "-L", package], capture_output=True, text=True, timeout=60)
-            for line in listed.stdout.splitlines():
-                if line.endswith("/faketime/libfaketime.so.1") and os.path.isfile(line):
-                    return line, searched
-    triplets = [sysconfig.get_config_var("MULTIARCH"), f"{os.uname().machine}-linux-gnu"]
-    patterns = [f"/usr/lib/{triplet}/faketime/libfaketime.so.1" for triplet in dict.fromkeys(filter(None, triplets))]
-    patterns += [
-        "/usr/lib/*/faketime/libfaketime.so.1",
-        "/usr/lib64/faketime/libfaketime.so.1",
-        "/usr/lib/faketime/libfaketime.so.1",
-        "/usr/local/lib/faketime/libfaketime.so.1",
-        "/usr/local/lib/*/faketime/libfaketime.so.1",
-    ]
-    for pattern in patterns:
-        searched.append(pattern)
-        found = sorted(glob.glob(pattern))
-        if found:
-            return found[0], searched
-    return None, searched
 
 
 def skew_offsets(store: LocalStore, run_id: str, stream: str) -> dict[int, float]:
@@ -958,7 +914,7 @@ def clock_skew(tmp_path_factory):
     hook.mkdir()
     config = hook / "skews.json"
     config.write_text(json.dumps(SKEWS))
-    code = SKEW_HOOK.replace("CONFIG", repr(str(config))).replace("LIBRARY", repr(library))
+    code = SKEW_HOOK.replace("CONFIG", repr(str(config))).replace("SKEWED", repr(skewed_env(library)))
     (hook / "sitecustomize.py").write_text(code)
     skewed_path = os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))
     spec = demo_spec(
