@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,25 @@ def screenshot(page: Page, name: str) -> Path:
     # interaction is given; still frames (no CSS animations) and a longer limit keep the artifact from failing a test.
     page.screenshot(path=str(path), full_page=True, animations="disabled", timeout=3 * TIMEOUT_MS)
     return path
+
+
+def browser_errors(page: Page) -> list[str]:
+    """The console errors and uncaught exceptions of `page` from now on (a list that fills as they come): what a
+    failed wait prints, so that a page that stopped updating says whether its scripts failed."""
+    errors: list[str] = []
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: errors.append(f"uncaught: {error}"))
+    return errors
+
+
+def run_row(panel: RunningPanel, run_id: str) -> str:
+    """The run's status, step and last telemetry as the panel's database holds them (read-only, beside the panel):
+    tells a page that stopped refreshing from a poller that stopped ingesting."""
+    with sqlite3.connect(f"file:{panel.data / 'panel.sqlite3'}?mode=ro", uri=True, timeout=30) as db:
+        row = db.execute(
+            "SELECT status, step, started_at, last_telemetry_at FROM run WHERE id = ?", (run_id,)
+        ).fetchone()
+    return f"(status, step, started at, last telemetry at) {row}, now {time.time():.0f}"
 
 
 def fill(page: Page, elem_id: str, value: str) -> None:
