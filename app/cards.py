@@ -16,7 +16,7 @@ from app.formatting import ago, clock, duration, money, number
 from backend.models import Event, Job, Run
 from backend.services.adapters import Comparison
 from backend.services.evaluation import Evaluation
-from backend.services.queries import SampleUse
+from backend.services.queries import HeldOutScore, SampleUse
 from backend.services.smoke import SmokeReport
 from jobs.contract import RunSpec
 from jobs.evaluation.statistics import Paired
@@ -169,10 +169,11 @@ def run_header(
     now: float | None = None,
     current_step: int | None = None,
     sample_use: SampleUse | None = None,
+    best_by_eval: HeldOutScore | None = None,
 ) -> str:
     """Status, progress from step to max steps, time elapsed and left, the share of generated samples trained on,
-    cost so far, and the current adapter version with the step it holds (`current_step`): v1 is the weights before
-    the first step, so vN+1 follows step N."""
+    cost so far, the current adapter version with the step it holds (`current_step`): v1 is the weights before
+    the first step, so vN+1 follows step N; and, once versions are evaluated, the best on held-out prompts."""
     now = now or time.time()
     fraction = min(run.step / run.max_steps, 1.0) if run.max_steps else 0.0
     end = run.finished_at or now
@@ -204,6 +205,7 @@ def run_header(
     {_trained_on(sample_use)}
     <div><span>cost so far</span><b>{money(run.cost_usd)}</b></div>
     <div><span>adapter</span><b>{_version_text(run, current_step)}</b></div>
+    {_best_by_eval(best_by_eval)}
   </div>
   {reported_to(run.spec_json)}
   {message}
@@ -248,6 +250,15 @@ def _trained_on(use: SampleUse | None) -> str:
         return "<div><span>trained on</span><b>—</b></div>"
     why = f"{use.trained:,} of the {use.pulled:,} samples the trainer took; the rest were too stale"
     return f'<div title="{why}"><span>trained on</span><b>{use.trained_share:.0%} of samples</b></div>'
+
+
+def _best_by_eval(best: HeldOutScore | None) -> str:
+    """The version with the highest held-out reward: unlike the "best" alias (the training reward), scored on
+    prompts the run never trained on."""
+    if best is None:
+        return ""
+    why = f"the highest mean reward on the held-out prompts, at step {best.step}"
+    return f'<div title="{why}"><span>best by eval</span><b>v{best.version} ({best.mean:.3f})</b></div>'
 
 
 def _version_text(run: Run, current_step: int | None) -> str:

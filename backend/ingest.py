@@ -16,7 +16,7 @@ from sqlalchemy import delete, func, insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col, select
 
-from backend.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample
+from backend.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample, VersionScore
 
 # Columns every metric record carries that are not metrics.
 _RECORD_FIELDS = {"step", "time", "attempt"}
@@ -71,6 +71,53 @@ def sample_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[
     ]
 
 
+def _whole(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def eval_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (record, score name). A record without a version, step or settings key, and a score without a
+    finite mean, are left out (nothing could place them); a bound that is not finite is None, an unbounded interval."""
+    rows = []
+    for record in records:
+        shared = _version_columns(run_id, owner, record)
+        scores = record.get("scores")
+        if shared is None or not isinstance(scores, dict):
+            continue
+        for name, score in scores.items():
+            values = score if isinstance(score, dict) else {}
+            mean = _number(values.get("mean"))
+            if mean is not None:
+                rows.append(
+                    shared
+                    | {
+                        "name": str(name),
+                        "mean": mean,
+                        "low": _number(values.get("low")),
+                        "high": _number(values.get("high")),
+                        "pass_at_k": _number(values.get("pass_at_k")),
+                    }
+                )
+    return rows
+
+
+def _version_columns(run_id: str, owner: str, record: dict[str, Any]) -> dict[str, Any] | None:
+    """The columns an eval record's scores share, or None when it does not say which version under which settings."""
+    version, step, key = _whole(record.get("version")), _whole(record.get("step")), record.get("key")
+    if version is None or step is None or not isinstance(key, str) or not key:
+        return None
+    return {
+        "run_id": run_id,
+        "owner": owner,
+        "version": version,
+        "step": step,
+        "key": key,
+        "prompts": _whole(record.get("prompts")) or 0,
+        "k": _whole(record.get("k")) or 0,
+        "time": _number(record.get("time")) or time.time(),
+    }
+
+
 def _bulk_insert(session: Session, table, rows: list[dict[str, Any]]) -> int:
     """One executemany straight on the driver: the ORM's per-row bookkeeping costs more than SQLite's insert."""
     if rows:
@@ -86,6 +133,15 @@ def ingest_metrics(session: Session, run_id: str, owner: str, records: list[dict
 
 def ingest_samples(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
     return _bulk_insert(session, RolloutSample, _not_superseded(session, run_id, sample_rows(run_id, owner, records)))
+
+
+def ingest_eval(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
+    """A version's scores under one settings key are written once: a resumed trainer or a second evaluator that scores
+    it again adds nothing. Nothing is superseded on resume: a resumed trainer never reuses a version number."""
+    rows = eval_rows(run_id, owner, records)
+    if rows:
+        session.execute(sqlite_insert(VersionScore).on_conflict_do_nothing(), rows)
+    return len(rows)
 
 
 def ingest_events(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:

@@ -110,6 +110,28 @@ class RolloutSample(SQLModel, table=True):
     attempt: int = 1
 
 
+class VersionScore(SQLModel, table=True):
+    """One held-out score of one adapter version (telemetry stream `eval`): the mean over the evaluation's prompts
+    with its 95 % interval. `key` names the evaluation settings, so a version scored again under other settings (an
+    after-run evaluation with more prompts) gets rows beside the run's own, never over them."""
+
+    __table_args__ = (UniqueConstraint("run_id", "version", "key", "name"),)
+    id: int | None = Field(default=None, primary_key=True)
+    run_id: str = Field(foreign_key="run.id", index=True)
+    owner: str
+    version: int  # 0: the base model
+    step: int  # the optimizer step the version holds (0 for the base model)
+    key: str  # hash of the evaluation settings
+    name: str  # reward (the weighted total, as TRL's training metric) or rewards/<reward name>
+    mean: float
+    low: float | None = None  # the interval's bounds; None: unbounded (e.g. a single prompt)
+    high: float | None = None
+    pass_at_k: float | None = None  # only where every score is 0 or 1
+    prompts: int = 0
+    k: int = 0  # samples per prompt
+    time: float
+
+
 class ProxySnapshot(SQLModel, table=True):
     __table_args__ = (Index("ix_proxy_run_order", "run_id", "id"),)
     id: int | None = Field(default=None, primary_key=True)
@@ -152,7 +174,7 @@ class PollCursor(SQLModel, table=True):
     """Where the poller stopped reading a stream, so a restarted panel continues exactly there."""
 
     run_id: str = Field(primary_key=True, foreign_key="run.id")
-    stream: str = Field(primary_key=True)  # metrics, samples, proxy, adapters, audit
+    stream: str = Field(primary_key=True)  # metrics, samples, events, proxy, eval, adapters, audit
     cursor: str = ""  # the last store key ingested
     updated_at: float = 0.0
 

@@ -107,7 +107,7 @@ def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = N
             "dtype": spec.model.dtype,
             "max_model_len": spec.model.max_model_len,
             "max_lora_rank": derived.vllm_max_lora_rank(spec.lora.rank),
-            "max_loras": derived.vllm_max_loras(grpo.max_staleness),
+            "max_loras": derived.replica_max_loras(spec),
             "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
         },
         "rollouts": {
@@ -118,6 +118,21 @@ def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = N
             "staleness_window": window,
             "expected_trained_share": _expected_trained_share(limits, grpo.num_generations, window),
         },
+        "evaluation": _evaluation(spec),
+    }
+
+
+def _evaluation(spec: RunSpec) -> dict[str, Any] | None:
+    """Held-out evaluation during the run: its interval and its cost in tokens beside the rollouts (at most
+    `eval.prompts` prompts: the held-out set may hold fewer)."""
+    if not (spec.eval.enabled and spec.eval.during_run):
+        return None
+    cost = derived.eval_cost(spec)
+    return {
+        "every_n_versions": cost.every,
+        "evaluations": cost.evaluations,
+        # With fewer held-out prompts than eval.prompts it costs less: Check settings counts them.
+        "tokens_vs_rollouts_at_most": f"{cost.token_share:.1%} with {spec.eval.prompts} held-out prompts",
     }
 
 

@@ -37,6 +37,7 @@ STREAM_INGESTERS = {
     "metrics": ingest.ingest_metrics,
     "samples": ingest.ingest_samples,
     "events": ingest.ingest_events,
+    "eval": ingest.ingest_eval,
 }
 
 
@@ -286,6 +287,8 @@ class Poller:
                 pass  # the trainer is wrapping up and stops its replicas itself
             elif phase == "saving":  # between the last step and the end: say so rather than "running" at 100 %
                 status, message = "finalizing", "training done: publishing the final adapter, stopping the replicas"
+            elif phase == "evaluating":
+                status, message = "finalizing", "training done: scoring the last version on the held-out prompts"
             elif any(j.stage in ("error", "canceled", "completed") for j in replica_jobs):
                 status = "degraded"
                 message = "a replica job ended; training continues on the others"

@@ -82,8 +82,10 @@ def run_rewards(
     completions: list[str],
     limits: SandboxLimits = SandboxLimits(),
     eos_token_ids: list[int] | None = None,
+    completion_ids: list[list[int]] | None = None,
 ) -> list[RewardTrial]:
-    """Score `completions` (one per row) with each reward, in the sandbox."""
+    """Score `completions` (one per row) with each reward, in the sandbox. Without their token ids (a check on sample
+    rows has none) each completion counts a token per word, ending in EOS."""
     if len(rows) != len(completions):
         raise ValueError("give one completion per row")
     columns: dict[str, list[Any]] = {}
@@ -95,7 +97,8 @@ def run_rewards(
         "rewards": [reward.model_dump() for reward in rewards],
         "completions": completions,
         "prompts": [row.get("prompt") for row in rows],
-        "completion_ids": [list(range(max(1, len(text.split())))) + (eos_token_ids or [])[:1] for text in completions],
+        "completion_ids": completion_ids
+        or [list(range(max(1, len(text.split())))) + (eos_token_ids or [])[:1] for text in completions],
         "columns": {key: values for key, values in columns.items() if len(values) == len(rows)},
         "eos_token_ids": eos_token_ids or [],
     }

@@ -5,10 +5,15 @@
     .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --trainer-processes 1 2   # DDP vs one process
     .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --trainer-processes 1 2 --sharding ddp fsdp
     .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 40 --limits auto 64/256   # in flight / queued
+    .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 40 --eval off demo auto   # held-out evaluation's cost
 
 With several `--limits` each seed runs once per pair of rollout limits (`auto`: derived from the staleness window,
 jobs/contract/derived.py's `rollout_limits`), side by side. "trained on" is the share of the samples the trainer
 pulled that it trained on rather than dropped as too stale; "CPU" the CPU-seconds of every job process of the run.
+
+With several `--eval` each seed runs once per setting, one after the other (paired rounds): `off`, `demo` (the
+preset's, every tenth version) or `auto` (the interval derived to keep it within a tenth of the rollout tokens).
+"eval tokens" are the tokens generated for held-out evaluation over those generated for rollouts.
 
 With several `--trainer-processes` each seed runs once per count, one after the other, so the rows compare the same
 seed under the same load: the 2-process rows are the trainer under `accelerate launch` (2 ranks over gloo), each
@@ -39,7 +44,9 @@ from backend.db import Database
 from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService
+from jobs.contract import layout
 from jobs.demo.preset import demo_spec
+from jobs.telemetry import decode_jsonl
 
 
 def _children_cpu_s() -> float:
@@ -65,7 +72,13 @@ def _parent(stat: Path) -> str | None:
         return None
 
 
-def run_demo(steps: int, seed: int, processes: int = 1, sharding: str = "auto", limits: str = "auto") -> dict:
+# Held-out evaluation during the run (issue 29): off, the demo preset's (every tenth version), or the derived interval.
+EVALUATION = {"off": {"split": "test", "during_run": False}, "demo": None, "auto": {"split": "test"}}
+
+
+def run_demo(
+    steps: int, seed: int, processes: int = 1, sharding: str = "auto", limits: str = "auto", evaluation: str = "demo"
+) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         ctx = PanelContext(Database(root / "panel.sqlite3"), root)
@@ -76,7 +89,9 @@ def run_demo(steps: int, seed: int, processes: int = 1, sharding: str = "auto", 
             inflight, queue = limits.split("/")
             grpo.update(max_inflight=int(inflight), queue_size=int(queue))
         compute = {"trainer_processes": processes, "trainer_sharding": sharding}
-        service.create(demo_spec(run_id, f"file://{root / 'store'}", grpo=grpo, compute=compute))
+        sections = {"eval": EVALUATION[evaluation]} if EVALUATION[evaluation] else {}
+        spec = demo_spec(run_id, f"file://{root / 'store'}", grpo=grpo, compute=compute, **sections)
+        service.create(spec)
         started, cpu_before = time.monotonic(), _children_cpu_s()
         service.launch(run_id, wait=True)
         poller, first_reward = Poller(ctx), None
@@ -96,12 +111,18 @@ def run_demo(steps: int, seed: int, processes: int = 1, sharding: str = "auto", 
         use = queries.sample_use(run_id)
         step_times = [v for _, v in queries.metric_series(run_id, "perf/step_s", max_points=None)]
         ratios = [v for _, v in queries.metric_series(run_id, "ratio", max_points=None)]
+        lengths = [v for _, v in queries.metric_series(run_id, "completions/mean_length", max_points=None)]
+        rollout_tokens = sum(lengths) * spec.grpo.completions_per_step
+        evaluations = stored_records(root / "store", run_id, "eval")
         ctx.db.close()
         return {
             "steps": steps,
             "seed": seed,
             "processes": processes if processes == 1 else f"{processes} ({sharding})",
             "limits": limits,
+            "evaluation": evaluation,
+            "evaluations": len(evaluations),
+            "eval_share": sum(r["tokens"] for r in evaluations) / rollout_tokens if rollout_tokens else 0.0,
             "trained_share": use.trained_share,
             "cpu_s": cpu,
             "status": summary.run.status,
@@ -118,6 +139,15 @@ def run_demo(steps: int, seed: int, processes: int = 1, sharding: str = "auto", 
         }
 
 
+def stored_records(store: Path, run_id: str, stream: str) -> list[dict]:
+    """Every record of a telemetry stream in a local store."""
+    return [
+        r
+        for chunk in sorted((store / layout.telemetry_prefix(run_id, stream)).glob("*"))
+        for r in decode_jsonl(chunk.read_bytes())
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -125,21 +155,26 @@ def main() -> None:
     parser.add_argument("--trainer-processes", type=int, nargs="+", default=[1])
     parser.add_argument("--sharding", nargs="+", choices=["ddp", "fsdp"], default=["ddp"])
     parser.add_argument("--limits", nargs="+", default=["auto"], help="in flight/queued pairs, e.g. 64/256, or auto")
+    parser.add_argument(
+        "--eval", nargs="+", choices=list(EVALUATION), default=["demo"], help="held-out evaluation during the run"
+    )
     args = parser.parse_args()
     print(
-        "| steps | seed | trainer processes | in flight/queued | status | first reward | wall | steps/min "
-        "| reward first 5 → last 5 | trained on | CPU | sync p50 | step p50 | ratio range | load avg |"
+        "| steps | seed | trainer processes | in flight/queued | eval | evaluations | eval tokens | status "
+        "| first reward | wall | steps/min | reward first 5 → last 5 | trained on | CPU | sync p50 | step p50 "
+        "| ratio range | load avg |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for seed in args.seeds:
             layouts = [(n, sharding) for n in args.trainer_processes for sharding in ([] if n == 1 else args.sharding)]
-            for (processes, sharding), limits in itertools.product(
-                [(1, "auto")] * (1 in args.trainer_processes) + layouts, args.limits
+            for (processes, sharding), limits, evaluation in itertools.product(
+                [(1, "auto")] * (1 in args.trainer_processes) + layouts, args.limits, args.eval
             ):
-                r = run_demo(steps, seed, processes, sharding, limits)
+                r = run_demo(steps, seed, processes, sharding, limits, evaluation)
                 print(
-                    f"| {r['steps']} | {r['seed']} | {r['processes']} | {r['limits']} | {r['status']} "
+                    f"| {r['steps']} | {r['seed']} | {r['processes']} | {r['limits']} | {r['evaluation']} "
+                    f"| {r['evaluations']} | {r['eval_share']:.1%} | {r['status']} "
                     f"| {r['first_reward_s']:.0f} s | {r['wall_s']:.0f} s | {r['steps_per_min']:.1f} "
                     f"| {r['first5']:.3f} → {r['last5']:.3f} "
                     f"| {r['trained_share']:.0%} | {r['cpu_s']:.0f} s | {r['sync_p50']:.2f} s | {r['step_p50']:.2f} s "

@@ -266,6 +266,10 @@ def test_the_replicas_lora_slots_and_rank_pass_trls_own_server_check(rank, max_s
 
     ours = server(derived.vllm_max_lora_rank(rank), derived.vllm_max_loras(max_staleness))
     assert select_adapter_sync(ours, model, args) is True
+    # With held-out evaluation during the run, its own slot comes on top of what TRL asks for.
+    evaluating = server(derived.vllm_max_lora_rank(rank), derived.vllm_max_loras(max_staleness, evaluating=True))
+    assert select_adapter_sync(evaluating, model, args) is True
+    assert evaluating["lora_config"]["max_loras"] == ours["lora_config"]["max_loras"] + 1
     with pytest.raises(ValueError, match="--max-loras"):
         select_adapter_sync(
             server(ours["lora_config"]["max_lora_rank"], ours["lora_config"]["max_loras"] - 1), model, args

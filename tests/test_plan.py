@@ -71,6 +71,7 @@ def test_the_math_recipe_on_two_gpu_flavors_uses_every_gpu(tmp_path):
     rollouts = derived["rollouts"]  # the recipe's measured limits, derived from its 3 replicas and staleness window
     assert (rollouts["max_inflight"], rollouts["queue_size"], rollouts["staleness_window"]) == (384, 768, 2048)
     assert rollouts["expected_trained_share"].startswith("over 90 %") and rollouts["scored_groups"] == 16
+    assert derived["evaluation"] is None  # the recipe has no held-out prompts
 
 
 def test_the_plan_expects_stale_samples_when_the_replicas_may_outrun_the_trainer(tmp_path):
@@ -114,6 +115,13 @@ def test_the_demo_plans_local_processes_with_the_cpu_batch_shape(tmp_path):
     assert (cpu["weights_dtype"], cpu["bf16_autocast"]) == ("float32", False)
     one = json.loads(plan_command(tmp_path, "--preset", "demo").stdout)["jobs"][-1]["command"]
     assert one[:3] == [sys.executable, "-m", "jobs.trainer"]
+    # Issue 29: held-out evaluation during the run, its interval and what it may cost (at most eval.prompts = 128).
+    assert plan["derived"]["evaluation"] == {
+        "every_n_versions": 10,
+        "evaluations": 5,
+        "tokens_vs_rollouts_at_most": "100.0% with 128 held-out prompts",  # the demo has 32: 25 %
+    }
+    assert plan["derived"]["replicas"]["max_loras"] == 4  # max_staleness 1 + 2, and the evaluation's own slot
 
 
 def test_the_trainer_gpus_a_plan_shows_follow_the_hardware_on_both_branches():

@@ -313,3 +313,32 @@ def test_a_replica_ejected_on_request_is_re_admitted_only_after_a_clean_re_load(
     harness.proxy_loop.run(health_check_fails())
     assert harness.post("/proxy/replicas/upstream-1/admit").json()["state"] == "healthy"
     assert (suspect.loads, suspect.unloads) == (before[0] + 1, before[1] + 1)
+
+
+def test_an_evaluation_load_serves_a_version_by_its_evaluation_name_until_unloaded(harness, tmp_path):
+    """Issue 29: held-out evaluation loads a published version under its own name on every replica, so TRL unloading
+    the policy name meanwhile takes nothing away; nothing is published, and the live versions stay as they were."""
+    assert harness.load(1, write_adapter(tmp_path / "v1")).status_code == 200
+    assert harness.post("/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"}).status_code == 200
+    response = harness.post("/proxy/evaluation/load", {"version": 1})
+    assert response.status_code == 200, response.text
+    name = response.text
+    assert name == f"{RUN_ID}-eval-v1" and held(harness) == [{name}] * 2
+    completion = harness.completion(list(range(40)), model=name)
+    assert completion.status_code == 200, completion.text
+    stats = adapters_stats(harness)
+    assert (stats["evaluation_loads"], stats["loads_ok"], stats["live"], stats["current"]) == (1, 1, [], 1)
+    assert harness.post("/proxy/evaluation/unload", {"version": 1}).status_code == 200
+    assert held(harness) == [set(), set()]
+    assert harness.completion(list(range(40)), model=name).status_code == 404
+
+
+def test_an_evaluation_load_is_all_or_nothing_and_names_what_to_send(harness, tmp_path):
+    assert harness.load(1, write_adapter(tmp_path / "v1")).status_code == 200
+    harness.replicas[1].fail_loads = 500
+    response = harness.post("/proxy/evaluation/load", {"version": 1})
+    assert response.status_code == 502 and "upstream-1" in response.text
+    assert held(harness) == [{f"{RUN_ID}-v1"}] * 2  # undone on the replica that took it; the policy untouched
+    for bad in ({"version": 0}, {"version": "1"}, {"lora_name": "trl-policy-v1"}):
+        refused = harness.post("/proxy/evaluation/load", bad)
+        assert refused.status_code == 400 and '{"version": N}' in refused.text

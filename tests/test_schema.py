@@ -15,10 +15,11 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 from sqlmodel import SQLModel
 
-from backend import schema
+from backend import ingest, schema
 from backend.context import PanelContext
 from backend.db import Database
 from backend.services.adapters import AdapterService
+from backend.services.queries import QueryService
 from backend.services.runs import RunService
 
 FIXTURE = Path(__file__).parent / "fixtures" / "panel-db-875c2e2.sql"
@@ -82,6 +83,34 @@ def test_a_database_made_by_the_oldest_schema_is_upgraded_at_start_up_without_lo
     assert _row_counts(path) == after  # opened again: nothing more to do
     Database(path).close()
     assert _row_counts(path) == after
+
+
+def test_a_database_of_the_previous_release_gains_the_held_out_scores_at_start_up(tmp_path):
+    """A panel at revision 0004 (before the `eval` stream) with a run: opening it adds the table the poller ingests
+    held-out scores into, keeps the run, and scores can be written and read."""
+    path = tmp_path / "panel.sqlite3"
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as connection:
+        command.upgrade(schema._config(connection), "0004")
+        connection.exec_driver_sql(
+            "INSERT INTO run (id, owner, name, status, status_message, spec_json, storage_uri, backend, "
+            "created_at, step, max_steps, cost_usd) "
+            "VALUES ('kept', 'alice', '', 'finished', '', '{}', 'file:///x', 'local', 0, 40, 40, 0)"
+        )
+    engine.dispose()
+    assert "versionscore" not in _row_counts(path)
+    db = Database(path)
+    try:
+        assert _differences(db.engine) == []
+        assert (_row_counts(path)["run"], _row_counts(path)["versionscore"]) == (1, 0)
+        record = {"version": 2, "step": 1, "key": "0123456789abcdef", "scores": {"reward": {"mean": 0.5}}}
+        with db.session() as session:
+            ingest.ingest_eval(session, "kept", "alice", [record])
+            session.commit()
+        best = QueryService(PanelContext(db, tmp_path), "alice").best_by_eval("kept")
+        assert best is not None and (best.version, best.mean, best.low) == (2, 0.5, None)
+    finally:
+        db.close()
 
 
 def test_a_database_made_between_the_oldest_schema_and_migrations_is_stamped_and_kept(tmp_path):

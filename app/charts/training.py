@@ -1,8 +1,10 @@
-"""The monitor's training figures: reward, reward per function, ratio and KL, and where each step's time goes."""
+"""The monitor's training figures: reward, held-out reward per version, reward per function, ratio and KL, and where
+each step's time goes."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import plotly.graph_objects as go
 
@@ -15,6 +17,7 @@ from app.charts.style import (
     rolling_mean,
     series_color,
 )
+from backend.services.queries import HeldOutScore
 
 Series = list[tuple[int, float]]
 AFTER_FIRST_STEP = "after the first optimizer step<br>(the trainer logs every step)"
@@ -47,6 +50,81 @@ def reward_figure(reward: Series, options: ChartOptions = ChartOptions()) -> go.
             line={"color": COLORS["reward"], "width": 3},
         )
     return options.apply(integer_steps(figure, steps))
+
+
+def held_out_figure(
+    reward: list[HeldOutScore],
+    training: Series,
+    per_function: dict[str, list[HeldOutScore]] | None = None,
+    options: ChartOptions = ChartOptions(),
+) -> go.Figure:
+    """Held-out reward per evaluated version at the version's step, with its 95 % interval, over the training reward
+    (lighter): a training reward that climbs while the held-out one stays flat is overfitting or reward hacking. Each
+    reward function's held-out mean gets its own trace when there are several. A version's score belongs to its step,
+    so the x axis stays on steps whatever the controls count; smoothing applies to the training reward only."""
+    title = "Held-out reward per version (95 % interval)"
+    if not reward:
+        return empty_figure(
+            title,
+            "No held-out evaluation yet: the run evaluates every Nth version<br>when its spec has an eval section",
+        )
+    figure = base_figure(title, y_title="reward")
+    figure.update_layout(showlegend=True)
+    if training:
+        _add_training_reward(figure, training, options.window(len(training)))
+    _add_held_out(figure, "held-out reward", reward, COLORS["reward"], intervals=True)
+    functions = {name: scores for name, scores in (per_function or {}).items() if scores}
+    if len(functions) > 1:
+        for index, (name, scores) in enumerate(sorted(functions.items())):
+            _add_held_out(figure, f"held-out {name}", scores, series_color(index), intervals=False)
+    steps = [score.step for score in reward] + [step for step, _ in training]
+    figure = replace(options, x_values=None).apply(integer_steps(figure, steps))
+    if options.x_values is not None:
+        figure.update_xaxes(title_text="optimizer step (held-out scores stay on the version's step)")
+    return figure
+
+
+def _add_training_reward(figure: go.Figure, training: Series, window: int) -> None:
+    steps, values = _xy(training)
+    smoothed = window > 1
+    figure.add_scatter(
+        x=steps,
+        y=rolling_mean(values, window) if smoothed else values,
+        name=f"training reward, rolling mean ({window} steps)" if smoothed else "training reward per step",
+        line={"color": COLORS["reward_raw"], "width": 2},
+    )
+
+
+def _add_held_out(figure: go.Figure, name: str, scores: list[HeldOutScore], color: str, intervals: bool) -> None:
+    """One version per point; with `intervals`, its 95 % interval as an error bar (none where it is unbounded)."""
+    bounds = [
+        f"[{score.low:.3f}, {score.high:.3f}]" if score.half_width is not None else "(interval unbounded)"
+        for score in scores
+    ]
+    figure.add_scatter(
+        x=[score.step for score in scores],
+        y=[score.mean for score in scores],
+        name=name,
+        mode="lines+markers",
+        line={"color": color, "width": 2 if intervals else 1.5, "dash": "solid" if intervals else "dot"},
+        marker={"size": 7 if intervals else 5, "color": color},
+        error_y=_interval_bars(scores, color) if intervals else None,
+        customdata=[[score.version, bound] for score, bound in zip(scores, bounds, strict=True)],
+        hovertemplate=f"v%{{customdata[0]}}: %{{y:.3f}} %{{customdata[1]}}<extra>{name}</extra>",
+    )
+
+
+def _interval_bars(scores: list[HeldOutScore], color: str) -> dict[str, Any]:
+    """Error bars from each mean to its interval's bounds (an unbounded side draws none)."""
+    return {
+        "type": "data",
+        "symmetric": False,
+        "array": [None if s.high is None else s.high - s.mean for s in scores],
+        "arrayminus": [None if s.low is None else s.mean - s.low for s in scores],
+        "color": color,
+        "thickness": 1.5,
+        "width": 4,
+    }
 
 
 def reward_functions_figure(per_function: dict[str, Series], options: ChartOptions = ChartOptions()) -> go.Figure:

@@ -25,6 +25,7 @@ from backend.ingest import VERSION_REWARD_STEPS
 from backend.models import AdapterVersion, Run
 from backend.services.adapters import Comparison
 from backend.services.evaluation import PromptDifference
+from backend.services.queries import HeldOutScore
 from backend.services.runs import RunStateError, propose_run_id
 
 REFRESH_SECONDS = 5.0
@@ -32,10 +33,18 @@ PICK_FIRST = "Pick a run and a version first (click a row of the table)."
 # A version's reward is a mean over the steps up to its own (backend.ingest.version_reward): said in its heading,
 # so that it is not read as the header's latest (one-step) reward.
 REWARD_COLUMN = f"reward ({VERSION_REWARD_STEPS}-step mean)"
-COLUMNS = ["version", "step", REWARD_COLUMN, "size", "saved", "alias", "policy audit"]
+HELD_OUT_COLUMN = "held-out"
+COLUMNS = ["version", "step", REWARD_COLUMN, HELD_OUT_COLUMN, "size", "saved", "alias", "policy audit"]
 
 
-def versions_table(run: Run | None, versions: list[AdapterVersion]) -> pd.DataFrame:
+def versions_table(
+    run: Run | None,
+    versions: list[AdapterVersion],
+    held_out: list[HeldOutScore] | None = None,
+    best_by_eval: int | None = None,
+) -> pd.DataFrame:
+    """Newest first; `held_out` are the versions' held-out rewards, the best of them (`best_by_eval`) starred."""
+    scores = {score.version: score for score in held_out or []}
     rows = []
     for v in reversed(versions):
         alias = []
@@ -49,6 +58,7 @@ def versions_table(run: Run | None, versions: list[AdapterVersion]) -> pd.DataFr
                 "version": f"v{v.version}",
                 "step": v.step,
                 REWARD_COLUMN: round(v.reward, 3) if v.reward is not None else None,
+                HELD_OUT_COLUMN: held_out_text(scores.get(v.version), best=v.version == best_by_eval),
                 "size": size(v.size_bytes),
                 "saved": clock(v.created_at),
                 "alias": " ".join(alias),
@@ -56,6 +66,14 @@ def versions_table(run: Run | None, versions: list[AdapterVersion]) -> pd.DataFr
             }
         )
     return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def held_out_text(score: HeldOutScore | None, best: bool = False) -> str:
+    """A held-out reward as mean ± half its 95 % interval (∞: unbounded, one prompt); "—": not evaluated."""
+    if score is None:
+        return "—"
+    half = f"{score.half_width:.3f}" if score.half_width is not None else "∞"
+    return f"{score.mean:.3f} ± {half}" + (" ★" if best else "")
 
 
 def metrics_table(comparison: Comparison) -> pd.DataFrame:
@@ -108,6 +126,7 @@ class AdaptersPage:
                     elem_id="versions-table",
                     label="Adapter versions, newest first (click one to select it)",
                     max_height=360,
+                    wrap=True,  # eight columns: headers and values wrap rather than push the audit out of sight
                 )
             with gr.Column(scale=2), gr.Group():
                 self.version = gr.Dropdown([], label="Selected version", elem_id="adapters-version")
@@ -274,9 +293,13 @@ class AdaptersPage:
                 "seconds."
             )
         choices = [(f"v{v.version} · step {v.step}", v.version) for v in reversed(versions)]
+        held_out = services.queries.held_out_series(run.id)
+        best = services.queries.best_by_eval(run.id)
+        best_version = best.version if best is not None else None
         key = [run.id, [v.version for v in versions], run.current_version, run.best_version,
-               [(c.id, c.status) for c in children]]  # fmt: skip
-        return {self.lineage: lineage, self.table: versions_table(run, versions), self.listed: key}, choices
+               [(c.id, c.status) for c in children], [(s.version, s.mean) for s in held_out]]  # fmt: skip
+        table = versions_table(run, versions, held_out, best_version)
+        return {self.lineage: lineage, self.table: table, self.listed: key}, choices
 
     def prepare_download(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> dict:
         services = self.panel.services(profile)

@@ -37,7 +37,7 @@ from backend.limits import LimitReached
 from backend.preflight import Preflight
 from backend.sandbox import SandboxError
 from backend.services.runs import propose_run_id, run_id_taken
-from jobs.contract import RewardSpec, RunSpec, parse_spec, timeout_seconds
+from jobs.contract import RewardSpec, RunSpec, derived, parse_spec, timeout_seconds
 from jobs.contract.spec import MAX_REPLICAS, SpecError
 
 PRESETS = {"demo": "Demo on this machine", "math": "Math sanity recipe on HF Jobs"}
@@ -813,6 +813,12 @@ def check_status(result: Preflight) -> str:
     if result.held_out is not None:
         held = result.held_out
         notes += f" Versions can be evaluated on {len(held.rows)} held-out prompts ({held.source})."
+        if result.spec is not None and result.spec.eval.during_run:
+            cost = derived.eval_cost(result.spec, len(held.rows))
+            notes += (
+                f" During the run: the base model, every {cost.every} versions and the last ({cost.evaluations} "
+                f"evaluations, {cost.token_share:.0%} of the rollout tokens at most)."
+            )
     if not result.unchecked:
         return cards.note(f"All checks passed: {', '.join(CHECKED)}. Launch is enabled.{notes}", "good")
     passed = [name for name in CHECKED if name not in result.unchecked]

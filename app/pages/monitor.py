@@ -93,6 +93,7 @@ class MonitorPage:
                         training_charts.reward_figure([]), elem_id="reward-plot", show_label=False
                     )
                     self.functions_plot = gr.Plot(training_charts.reward_functions_figure({}), show_label=False)
+                self.eval_plot = gr.Plot(training_charts.held_out_figure([], []), elem_id="eval-plot", show_label=False)
                 with gr.Row():
                     self.ratio_plot = gr.Plot(training_charts.ratio_kl_figure([], []), show_label=False)
                     self.time_plot = gr.Plot(training_charts.step_time_figure([], [], [], []), show_label=False)
@@ -207,7 +208,7 @@ class MonitorPage:
             self.alerts,
             self.drawn,
             self.stop_button,
-            *(self.reward_plot, self.functions_plot, self.ratio_plot, self.time_plot),
+            *(self.reward_plot, self.functions_plot, self.eval_plot, self.ratio_plot, self.time_plot),
             *(self.more_metrics, self.more_plot),
             *(self.queue_plot, self.staleness_plot, self.tokens_plot, self.versions_plot),
             *(self.held, self.routing_plot, self.load_plot, self.sync_plot),
@@ -322,10 +323,16 @@ class MonitorPage:
             run = services.runs.get(run_id)
         except RunNotFound:
             return self._frame(cards.empty_state(f"No run {run_id}."), "", {}, stoppable=False)
-        state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version]
+        # The held-out scores counted too: an evaluation may be ingested without any other telemetry changing.
+        held_out = services.queries.held_out_count(run.id)
+        state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version, held_out]
         step_seconds = services.queries.step_seconds(run.id) if run.status not in ("finished", "stopped") else None
         header = cards.run_header(
-            run, step_seconds, current_step=_current_step(services, run), sample_use=services.queries.sample_use(run.id)
+            run,
+            step_seconds,
+            current_step=_current_step(services, run),
+            sample_use=services.queries.sample_use(run.id),
+            best_by_eval=services.queries.best_by_eval(run.id) if held_out else None,
         )
         alerts = services.queries.alerts(run.id)  # the poller clears an ended run's warnings
         if run.status == "failed" and run.status_message:  # said once, in the banner: not again as an alert
@@ -416,9 +423,17 @@ class MonitorPage:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
         functions = {r.name: series(run.id, f"rewards/{r.name}", MAX_POINTS) for r in spec.rewards}
+        held_out_series = services.queries.held_out_series
+        reward = series(run.id, "reward", MAX_POINTS)
         return {
-            self.reward_plot: training_charts.reward_figure(series(run.id, "reward", MAX_POINTS), options),
+            self.reward_plot: training_charts.reward_figure(reward, options),
             self.functions_plot: training_charts.reward_functions_figure(functions, options),
+            self.eval_plot: training_charts.held_out_figure(
+                held_out_series(run.id),
+                reward,
+                {r.name: held_out_series(run.id, f"rewards/{r.name}") for r in spec.rewards},
+                options,
+            ),
             self.ratio_plot: training_charts.ratio_kl_figure(
                 series(run.id, "ratio", MAX_POINTS), series(run.id, "kl", MAX_POINTS), options=options
             ),

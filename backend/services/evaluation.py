@@ -22,14 +22,12 @@ from backend.services.adapters import AdapterService, ensure_generates_here
 from backend.services.runs import RunService
 from jobs.contract import EvalSpec, RunSpec, SpecError, layout, parse_spec
 from jobs.evaluation.engine import EngineError, adapter_loaded, local_engine
-from jobs.evaluation.heldout import HeldOut, held_out
-from jobs.evaluation.results import ScoreSummary, VersionEval, result_key
-from jobs.evaluation.sampling import Sampling, SamplingError, sample
+from jobs.evaluation.heldout import HeldOut, eval_prompts, held_out
+from jobs.evaluation.results import TOTAL, ScoreSummary, VersionEval, result_key, score_table
+from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
 from jobs.evaluation.statistics import Interval, Paired, paired
 from jobs.store import ObjectNotFound, ObjectStore
-from jobs.trainer.dataset import build_prompts, prompt_token_ids
 
-TOTAL = "reward"  # the weighted sum of the rewards, as TRL's `reward` metric
 # The reward sandbox's time for one scoring call grows with the completions it scores (start-up aside).
 SANDBOX_SECONDS_PER_COMPLETION = 0.05
 
@@ -76,14 +74,7 @@ class EvaluationService:
         store = self.ctx.store_for(run)
         held = held_out(spec, store)
         sampling = Sampling.of(spec)
-        key = result_key(
-            {
-                "prompts": held.fingerprint,
-                "sampling": sampling.describe(),
-                "rewards": [reward.model_dump() for reward in spec.rewards],
-                "dataset": spec.dataset.model_dump(include={"prompt_column", "answer_column", "system_prompt"}),
-            }
-        )
+        key = result_key(spec, held, sampling)
         found = {version: _cached(store, run_id, version, key) for version in versions}
         missing = [version for version, result in found.items() if result is None]
         try:
@@ -187,28 +178,28 @@ class EvaluationService:
     def _evaluate_here(
         self, run: Run, spec: RunSpec, held: HeldOut, sampling: Sampling, key: str, versions: list[int], store: Any
     ) -> dict[int, VersionEval]:
-        from datasets import Dataset
         from transformers import AutoTokenizer
 
-        from jobs.models import resolve_model
+        from jobs.models import eos_token_ids, resolve_model
 
         model_path = resolve_model(spec.model)
         ensure_generates_here(spec, model_path, "held-out evaluation of larger models on HF Jobs is not built yet")
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
-        records = [dict(row) for row in build_prompts(spec.dataset, Dataset.from_list(held.rows))]
-        prompt_ids = [prompt_token_ids(tokenizer, record["prompt"]) for record in records]
-        texts = [str(record["prompt"][-1]["content"]) for record in records]
+        prompts = eval_prompts(spec, held, tokenizer)
+        records, prompt_ids, texts = prompts.records, prompts.token_ids, prompts.texts
+        eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
         results: dict[int, VersionEval] = {}
         with local_engine(spec, model_path) as url, tempfile.TemporaryDirectory(prefix="eval-") as folder:
             for version in versions:
                 started = time.monotonic()
                 if version == 0:
-                    completions = sample(url, spec.model.id, prompt_ids, sampling)
+                    sampled = sample(url, spec.model.id, prompt_ids, sampling)
                 else:
                     path = self.adapters.local_copy(run.id, version, Path(folder))
                     with adapter_loaded(url, f"eval-v{version}", path) as name:
-                        completions = sample(url, name, prompt_ids, sampling)
-                scores = _score(spec, records, completions)
+                        sampled = sample(url, name, prompt_ids, sampling)
+                completions = [[completion.text for completion in prompt] for prompt in sampled]
+                scores = _score(spec, records, sampled, eos)
                 result = VersionEval(
                     run_id=run.id,
                     version=version,
@@ -226,26 +217,21 @@ class EvaluationService:
         return results
 
 
-def _score(spec: RunSpec, records: list[dict[str, Any]], completions: list[list[str]]) -> dict[str, list[list[float]]]:
-    """Per score (the weighted total, then each reward as `rewards/<name>`), per prompt, per sample. A reward that
-    returns None for a completion (TRL: it does not apply) counts 0 there."""
-    k = len(completions[0])
+def _score(
+    spec: RunSpec, records: list[dict[str, Any]], sampled: list[list[Completion]], eos: list[int]
+) -> dict[str, list[list[float]]]:
+    """Per score (jobs/evaluation/results.py's `score_table`), per prompt, per sample, scored in the sandbox on the
+    completions' own token ids, as in training (a length or EOS-aware reward reads them)."""
+    k = len(sampled[0])
     rows = [record for record in records for _ in range(k)]
-    flat = [text for texts in completions for text in texts]
+    flat = [completion for completions in sampled for completion in completions]
     limits = SandboxLimits(seconds=max(SandboxLimits.seconds, SANDBOX_SECONDS_PER_COMPLETION * len(flat)))
-    trials = run_rewards(spec.rewards, rows, flat, limits)
-    per_reward: dict[str, list[float]] = {}
-    for index, (reward, trial) in enumerate(zip(spec.rewards, trials, strict=True)):
+    texts, ids = [c.text for c in flat], [c.token_ids for c in flat]
+    trials = run_rewards(spec.rewards, rows, texts, limits, eos_token_ids=eos, completion_ids=ids)
+    for index, trial in enumerate(trials):
         if trial.error:
             raise EvaluationError(f"rewards.{index}: {trial.name} failed on a held-out completion: {trial.error}")
-        per_reward[f"rewards/{reward.name}"] = [0.0 if s is None or math.isnan(s) else float(s) for s in trial.scores]
-    weights = {f"rewards/{reward.name}": reward.weight for reward in spec.rewards}
-    total = [sum(weights[name] * scores[i] for name, scores in per_reward.items()) for i in range(len(flat))]
-    return {TOTAL: _per_prompt(total, k)} | {name: _per_prompt(values, k) for name, values in per_reward.items()}
-
-
-def _per_prompt(values: list[float], k: int) -> list[list[float]]:
-    return [values[i : i + k] for i in range(0, len(values), k)]
+    return score_table([reward.name for reward in spec.rewards], [trial.scores for trial in trials], k)
 
 
 def _interval(interval: Interval) -> dict[str, float | None]:

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy
-from sqlalchemy import func, or_
+from sqlalchemy import ScalarSelect, func, or_
 from sqlmodel import col, select
+from sqlmodel.sql.expression import SelectOfScalar
 
 from backend.context import PanelContext
 from backend.ingest import latest_proxy_snapshots
-from backend.models import AdapterVersion, Event, Job, MetricPoint, ReplicaStatus, RolloutSample, Run
+from backend.models import AdapterVersion, Event, Job, MetricPoint, ReplicaStatus, RolloutSample, Run, VersionScore
 
 # A count of dropped samples: summed as a Boolean column, SQLAlchemy reads any total back as True.
 _DROPPED = sqlalchemy.cast(col(RolloutSample.dropped), sqlalchemy.Integer)
@@ -80,6 +81,40 @@ class SampleUse:
     @property
     def trained_share(self) -> float | None:
         return self.trained / self.pulled if self.pulled else None
+
+
+@dataclass(frozen=True)
+class HeldOutScore:
+    """One version's held-out score: the mean over the evaluation's prompts and its 95 % interval (a bound of None:
+    unbounded, as with a single prompt)."""
+
+    version: int
+    step: int
+    mean: float
+    low: float | None
+    high: float | None
+
+    @property
+    def half_width(self) -> float | None:
+        return None if self.low is None or self.high is None else (self.high - self.low) / 2
+
+
+def _in_run_key(run_id: str) -> ScalarSelect[str]:
+    """The settings key of the run's own evaluation: that of the newest score ingested (after-run evaluations with
+    other settings have other keys, and their scores are not comparable with these)."""
+    newest = select(VersionScore.key).where(VersionScore.run_id == run_id).order_by(col(VersionScore.id).desc())
+    return newest.limit(1).scalar_subquery()
+
+
+def _held_out_scores(run_id: str, name: str) -> SelectOfScalar[VersionScore]:
+    """The run's scores named `name` under its own evaluation's settings, one per version."""
+    return select(VersionScore).where(
+        VersionScore.run_id == run_id, VersionScore.name == name, VersionScore.key == _in_run_key(run_id)
+    )
+
+
+def _held_out(row: VersionScore) -> HeldOutScore:
+    return HeldOutScore(row.version, row.step, row.mean, row.low, row.high)
 
 
 JOB_LOG_LINES = 20_000  # a job's log as the panel shows it: the newest lines, up to this many (the download has all)
@@ -309,6 +344,29 @@ class QueryService:
                     select(AdapterVersion).where(AdapterVersion.run_id == run_id).order_by(col(AdapterVersion.version))
                 ).all()
             )
+
+    def held_out_series(self, run_id: str, name: str = "reward") -> list[HeldOutScore]:
+        """The run's held-out score `name` (reward, or rewards/<reward name>) of each evaluated version, in version
+        order."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            rows = session.exec(_held_out_scores(run_id, name).order_by(col(VersionScore.version))).all()
+        return [_held_out(row) for row in rows]
+
+    def best_by_eval(self, run_id: str) -> HeldOutScore | None:
+        """The version with the highest held-out reward (the earlier one of a tie: it cost fewer steps)."""
+        self._check(run_id)
+        query = _held_out_scores(run_id, "reward").order_by(col(VersionScore.mean).desc(), col(VersionScore.version))
+        with self.ctx.db.session() as session:
+            row = session.exec(query.limit(1)).first()
+        return None if row is None else _held_out(row)
+
+    def held_out_count(self, run_id: str) -> int:
+        """How many held-out scores the run has: it grows with every evaluation ingested (what tells the Monitor to
+        redraw)."""
+        self._check(run_id)
+        with self.ctx.db.session() as session:
+            return int(session.exec(select(func.count()).where(VersionScore.run_id == run_id)).one())
 
     def alerts(self, run_id: str | None = None) -> list[Event]:
         query = select(Event).where(Event.owner == self.owner, Event.active)

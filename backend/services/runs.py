@@ -30,6 +30,7 @@ from backend.models import (
     ResumePoint,
     RolloutSample,
     Run,
+    VersionScore,
 )
 from backend.services.launches import Launches, job_row
 from jobs.contract import RunSpec, layout
@@ -239,6 +240,7 @@ class RunService:
                 ResumePoint,
                 Launch,
                 AdapterVersion,
+                VersionScore,
                 Job,
             ):
                 session.execute(delete(table).where(col(table.run_id) == run_id))

@@ -18,6 +18,8 @@ _TRL_NAME = re.compile(r"^trl-policy-v([1-9][0-9]{0,8})$")
 INFLIGHT_PER_REPLICA = 128
 # Scored groups TRL 1.16's rollout worker holds for the trainer's queue by default (`score_queue_maxsize`).
 TRL_SCORED_GROUPS = 16
+# What held-out evaluation during a run may cost, in generated tokens, next to the rollouts (the default interval).
+EVAL_TOKEN_SHARE = 0.10
 
 
 class RolloutLimits(NamedTuple):
@@ -36,13 +38,19 @@ def vllm_max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest ({VLLM_LORA_RANKS[-1]})")
 
 
-def vllm_max_loras(max_staleness: int) -> int:
+def vllm_max_loras(max_staleness: int, evaluating: bool = False) -> int:
     """Adapters a replica must hold at once.
 
     TRL keeps `max_staleness + 1` versions servable and loads the next one before unloading the oldest; with only
-    `+1` slots vLLM silently LRU-evicts a policy that requests still name.
+    `+1` slots vLLM silently LRU-evicts a policy that requests still name. Held-out evaluation during the run holds
+    one more: the version it scores, under its evaluation name (`eval_adapter_name`).
     """
-    return max_staleness + 2
+    return max_staleness + 2 + evaluating
+
+
+def replica_max_loras(spec: RunSpec) -> int:
+    """`vllm_max_loras` for the run's replicas."""
+    return vllm_max_loras(spec.grpo.max_staleness, spec.eval.enabled and spec.eval.during_run)
 
 
 def staleness_window(grpo: GrpoSpec) -> int:
@@ -159,6 +167,12 @@ def replica_adapter_name(run_id: str, version: int) -> str:
     return f"{run_id}-v{version}"
 
 
+def eval_adapter_name(run_id: str, version: int) -> str:
+    """The name a version has on a replica while held-out evaluation scores it: loaded for that and unloaded after,
+    so TRL unloading its own name meanwhile cannot take the version away mid-evaluation."""
+    return f"{run_id}-eval-v{version}"
+
+
 def trl_adapter_name(version: int) -> str:
     return f"{TRL_ADAPTER_PREFIX}{version}"
 
@@ -167,3 +181,36 @@ def parse_trl_adapter_name(name: str) -> int | None:
     """The version in a TRL adapter name (`trl-policy-v7` -> 7), or None if `name` is not one."""
     match = _TRL_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+class EvalCost(NamedTuple):
+    """Held-out evaluation during a run: which versions, and what it costs next to the rollouts (upper bounds: every
+    completion at its maximum length)."""
+
+    every: int  # versions between two evaluations
+    evaluations: int  # over the whole run: the base model, every Nth version, the last one
+    token_share: float  # evaluation tokens over rollout tokens
+
+
+def eval_cost(spec: RunSpec, prompts: int | None = None) -> EvalCost:
+    """The interval `eval.every`, or the smallest one that keeps evaluation (the base model and the last version
+    included) within `EVAL_TOKEN_SHARE` of the rollout tokens, for `prompts` held-out prompts (at most
+    `eval.prompts`: the plan knows only that bound). When even those two exceed it, none is evaluated in between."""
+    grpo, settings = spec.grpo, spec.eval
+    per_evaluation = min(prompts or settings.prompts, settings.prompts) * settings.k * grpo.max_completion_length
+    rollout_tokens = grpo.max_steps * grpo.completions_per_step * grpo.max_completion_length
+    last = grpo.max_steps // grpo.weight_sync_steps + 1  # v1 holds the weights before the first step
+    if settings.every:
+        every = settings.every
+    else:
+        affordable = int(EVAL_TOKEN_SHARE * rollout_tokens // per_evaluation) - 2  # beside the base and the last
+        # v2 .. v(last - 1) hold (last - 2) // every due versions: the smallest interval within what is affordable.
+        every = (last - 2) // (affordable + 1) + 1 if affordable > 0 else last
+    evaluations = 2 + sum(1 for version in range(2, last) if version_due(version, every))
+    return EvalCost(every, evaluations, evaluations * per_evaluation / rollout_tokens)
+
+
+def version_due(version: int, every: int) -> bool:
+    """Whether version `version` is one of the every-Nth evaluated during the run. v1 is left out: it holds the
+    weights before the first step, the base model's (evaluated once as v0)."""
+    return version > 1 and (version - 1) % every == 0

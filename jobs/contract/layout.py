@@ -25,10 +25,10 @@ from jobs.contract.spec import RUN_ID_PATTERN
 RUNS = "runs"
 MANIFEST = "manifest.json"
 # metrics: one record per logged step; samples: one per consumed rollout; events: reward errors, resumes, audits,
-# stops; proxy: one routing/sync snapshot per chunk.
-TelemetryStream = Literal["metrics", "samples", "events", "proxy"]
-TELEMETRY_STREAMS: tuple[TelemetryStream, ...] = ("metrics", "samples", "events", "proxy")
-_SUFFIX = {"metrics": "jsonl", "samples": "jsonl", "events": "jsonl", "proxy": "json"}
+# stops; proxy: one routing/sync snapshot per chunk; eval: one record per version evaluated during the run.
+TelemetryStream = Literal["metrics", "samples", "events", "proxy", "eval"]
+TELEMETRY_STREAMS: tuple[TelemetryStream, ...] = ("metrics", "samples", "events", "proxy", "eval")
+_SUFFIX = {"metrics": "jsonl", "samples": "jsonl", "events": "jsonl", "proxy": "json", "eval": "jsonl"}
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _ROLE = re.compile(r"^(trainer|proxy|replica-\d{1,2}|launcher|panel)$")
 _CONTROL = re.compile(r"^[a-z][a-z0-9_-]{0,40}$")

@@ -562,6 +562,22 @@ class EvalSpec(_Section):
         bool, shown("Greedy eval", "dataset", "one greedy completion per prompt (k = 1)", advanced=True)
     ] = False
     seed: Annotated[int, Field(ge=0, le=MAX_SEED), shown("Eval seed", "dataset", advanced=True)] = 0
+    during_run: Annotated[
+        bool,
+        shown(
+            "Evaluate during the run",
+            "dataset",
+            "the base model, every Nth version as it is published, and the last one",
+            advanced=True,
+        ),
+    ] = True
+    every: Annotated[
+        int | None,
+        Field(ge=1),
+        shown(
+            "Eval every N versions", "dataset", "during the run", unset="auto: ~10% of rollout tokens", advanced=True
+        ),
+    ] = None
 
     @field_validator("split", mode="before")
     @classmethod

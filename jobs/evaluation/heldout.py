@@ -15,7 +15,7 @@ from typing import Any
 
 from jobs.contract import EvalSpec, RunSpec
 from jobs.store import ObjectStore
-from jobs.trainer.dataset import DatasetError, check_columns, load_rows
+from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows, prompt_token_ids
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,27 @@ class HeldOut:
     def fingerprint(self) -> str:
         """What the scores depend on among the prompts: part of every cached result's key."""
         return hashlib.sha256(json.dumps(self.rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class EvalPrompts:
+    """The held-out prompts as they are sent and scored: the rows as the trainer builds them (prompt messages, answer,
+    every column), each prompt's token ids, and each prompt's last message for people to read."""
+
+    records: list[dict[str, Any]]
+    token_ids: list[list[int]]
+    texts: list[str]
+    source: str
+
+
+def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any) -> EvalPrompts:
+    """`held`'s rows as prompts for `spec`'s model, by its chat template as the trainer renders them."""
+    from datasets import Dataset
+
+    records = [dict(row) for row in build_prompts(spec.dataset, Dataset.from_list(held.rows))]
+    token_ids = [prompt_token_ids(tokenizer, record["prompt"]) for record in records]
+    texts = [str(record["prompt"][-1]["content"]) for record in records]
+    return EvalPrompts(records, token_ids, texts, held.source)
 
 
 def normalise(prompt: Any) -> str:

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from jobs.contract import RunSpec
+from jobs.evaluation.heldout import HeldOut
+from jobs.evaluation.sampling import Sampling
 from jobs.evaluation.statistics import Interval, interval, is_binary, pass_at_k
+
+TOTAL = "reward"  # the sum of the weighted rewards, as TRL's `reward` metric
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,34 @@ class VersionEval:
         return cls(**json.loads(text))
 
 
-def result_key(parts: dict[str, Any]) -> str:
-    """A short hash of what a result depends on."""
+def result_key(spec: RunSpec, held: HeldOut, sampling: Sampling) -> str:
+    """A short hash of what a result depends on: the held-out prompts, the sampling, the rewards and the columns
+    they read. The evaluator beside a run and the panel's after the run key alike, so each reads the other's."""
+    parts = {
+        # 2: scored on the completions' own token ids (before, the panel counted a token per word)
+        "scoring": 2,
+        "prompts": held.fingerprint,
+        "sampling": sampling.describe(),
+        "rewards": [reward.model_dump() for reward in spec.rewards],
+        "dataset": spec.dataset.model_dump(include={"prompt_column", "answer_column", "system_prompt"}),
+    }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def score_table(
+    names: Sequence[str], weighted: Sequence[Sequence[float | None]], k: int
+) -> dict[str, list[list[float]]]:
+    """Per score, per prompt, per sample: the total, then each reward as `rewards/<name>`, from each reward's weighted
+    scores of the completions (prompt after prompt, k each). A reward's None (TRL: it does not apply to that
+    completion) or a non-finite score counts 0."""
+    per_reward = {
+        f"rewards/{name}": [0.0 if s is None or not math.isfinite(s) else float(s) for s in scores]
+        for name, scores in zip(names, weighted, strict=True)
+    }
+    count = len(weighted[0]) if weighted else 0
+    total = [sum(scores[i] for scores in per_reward.values()) for i in range(count)]
+    return {TOTAL: _per_prompt(total, k)} | {name: _per_prompt(values, k) for name, values in per_reward.items()}
+
+
+def _per_prompt(values: list[float], k: int) -> list[list[float]]:
+    return [values[i : i + k] for i in range(0, len(values), k)]

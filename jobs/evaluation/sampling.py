@@ -51,15 +51,27 @@ class Sampling:
             "temperature": self.temperature,
             "top_p": self.top_p,
             "seed": self.seed + index * self.k,
+            "return_token_ids": True,  # what length- and EOS-aware rewards score, as in training
         }
 
 
-def sample(
-    endpoint: str, model: str, prompts: list[list[int]], sampling: Sampling, headers: dict[str, str] | None = None
-) -> list[list[str]]:
-    """Per prompt (token ids), its k completions' texts from `model` at `endpoint`."""
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
 
-    def one(index: int) -> list[str]:
+
+def sample(
+    endpoint: str,
+    model: str,
+    prompts: list[list[int]],
+    sampling: Sampling,
+    headers: dict[str, str] | None = None,
+    concurrency: int = CONCURRENT_PROMPTS,
+) -> list[list[Completion]]:
+    """Per prompt (token ids), its k completions from `model` at `endpoint`, `concurrency` prompts at a time."""
+
+    def one(index: int) -> list[Completion]:
         body = sampling.request(model, prompts[index], index)
         try:
             response = requests.post(f"{endpoint.rstrip('/')}/v1/completions", json=body, headers=headers, timeout=600)
@@ -70,7 +82,7 @@ def sample(
                 f"{model} refused held-out prompt {index}: {response.status_code} {response.text[:300]}"
             )
         choices = sorted(response.json()["choices"], key=lambda choice: int(choice["index"]))
-        return [str(choice["text"]) for choice in choices]
+        return [Completion(str(choice["text"]), [int(i) for i in choice.get("token_ids") or []]) for choice in choices]
 
-    with ThreadPoolExecutor(CONCURRENT_PROMPTS) as pool:
+    with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(one, range(len(prompts))))

@@ -242,9 +242,12 @@ class AdapterSync:
             "see GET /proxy/replicas for why the others are out"
         )
 
-    async def _load_on(self, replica: Replica, version: int, deadline: float, replay: bool = False) -> _Outcome:
-        """Load one version onto one replica, retrying while it cannot see the version yet."""
-        name = derived.replica_adapter_name(self.run_id, version)
+    async def _load_on(
+        self, replica: Replica, version: int, deadline: float, replay: bool = False, name: str | None = None
+    ) -> _Outcome:
+        """Load one version onto one replica (under `name`, else its policy name), retrying while it cannot see the
+        version yet."""
+        name = name or derived.replica_adapter_name(self.run_id, version)
         body = json.dumps(
             {"lora_name": name, "lora_path": layout.adapter_ref(self.run_id, version), "load_inplace": False}
         ).encode()
@@ -345,16 +348,18 @@ class AdapterSync:
             return text_response(502, message)
         return text_response(200, f"Success: LoRA adapter '{trl_name}' removed successfully.")
 
-    async def _unload_on(self, replica: Replica, version: int) -> str | None:
-        """Unload a version from one replica; None on success, else what went wrong. An unload sent again after its
-        answer was lost finds nothing to unload: its 404 (vLLM's "cannot be found") then means the lost one did it."""
-        body = json.dumps({"lora_name": derived.replica_adapter_name(self.run_id, version)}).encode()
+    async def _unload_on(self, replica: Replica, version: int, name: str | None = None) -> str | None:
+        """Unload a version (under `name`, else its policy name) from one replica; None on success, else what went
+        wrong. An unload sent again after its answer was lost finds nothing to unload: its 404 (vLLM's "cannot be
+        found") then means the lost one did it."""
+        body = json.dumps({"lora_name": name or derived.replica_adapter_name(self.run_id, version)}).encode()
         try:
             response, tries = await self._post_retrying(replica, "/v1/unload_lora_adapter", body)
         except UpstreamError as error:
             self.membership.suspect(replica, error)
             return str(error)
-        replica.loaded.discard(version)  # on an error too: a replica that refuses an unload does not serve it
+        if name is None:  # on an error too: a replica that refuses an unload does not serve it
+            replica.loaded.discard(version)
         if response.status == 200 or (response.status == 404 and tries > 1):
             return None
         return f"{response.status} {self.names.restore_in_text(response.text.strip())[:300]}"
@@ -377,6 +382,54 @@ class AdapterSync:
         transient = lambda error: isinstance(error, UpstreamError)  # noqa: E731
         response = await retry_async(post, transient, _TRANSPORT_RETRY, what=f"{target} on {replica.role}")
         return response, tries
+
+    # -- evaluation ------------------------------------------------------------------------------------------------
+
+    async def load_for_evaluation(self, body: bytes) -> Response:
+        """Load a published version under its evaluation name on every routable replica, all-or-nothing like a
+        policy load (undone where it was taken if any replica fails), without publishing it or touching the live
+        versions: held-out evaluation scores it there by that name, then unloads it."""
+        try:
+            version = _version_of(body)
+        except ValueError as error:
+            self.stats.count_error("bad_request")
+            return text_response(400, f"proxy: {error}")
+        name = derived.eval_adapter_name(self.run_id, version)
+        async with self.lock:
+            replicas = list(self.membership.routable)
+            if not replicas:
+                return text_response(503, f"proxy: no replica can take {name}; see GET /proxy/replicas")
+            deadline = time.monotonic() + self.load_deadline
+            outcomes = await asyncio.gather(*(self._load_on(r, version, deadline, name=name) for r in replicas))
+            refused = [outcome for outcome in outcomes if outcome.kind != "ok"]
+            if not refused:
+                self.stats.adapters["evaluation_loads"] += 1
+                return text_response(200, name)
+            await self._unload_everywhere(name, version, [o.replica for o in outcomes if o.kind == "ok"])
+        details = "; ".join(f"{outcome.replica.role}: {outcome.detail}" for outcome in refused)
+        return text_response(
+            502, f"proxy: loading {name} failed on {len(refused)}/{len(outcomes)} replicas ({details})"
+        )
+
+    async def unload_for_evaluation(self, body: bytes) -> Response:
+        """Unload a version's evaluation name from every routable replica."""
+        try:
+            version = _version_of(body)
+        except ValueError as error:
+            self.stats.count_error("bad_request")
+            return text_response(400, f"proxy: {error}")
+        name = derived.eval_adapter_name(self.run_id, version)
+        async with self.lock:
+            await self._unload_everywhere(name, version, list(self.membership.routable))
+        return text_response(200, f"Success: {name} removed.")
+
+    async def _unload_everywhere(self, name: str, version: int, replicas: list[Replica]) -> None:
+        """Unload an evaluation name; a replica that keeps it is ejected, and its re-admission clears it."""
+        self.router.forget_model(name)
+        results = await asyncio.gather(*(self._unload_on(replica, version, name) for replica in replicas))
+        for replica, problem in zip(replicas, results, strict=True):
+            if problem is not None and "404" not in problem[:3]:
+                self.membership.eject(replica, f"unloading {name} failed: {problem}")
 
     # -- pause, resume, reset_prefix_cache -------------------------------------------------------------------------
 
@@ -534,6 +587,17 @@ class AdapterSync:
     async def _post(self, replica: Replica, target: str, body: bytes, timeout: float) -> ClientResponse:
         headers = [*self.auth, ("Content-Type", "application/json")] if body else list(self.auth)
         return await self.client.request(replica.origin, "POST", target, headers, body, timeout)
+
+
+def _version_of(body: bytes) -> int:
+    """The published version a `{"version": N}` body names (N >= 1); ValueError saying what to send."""
+    try:
+        version = json.loads(body)["version"]
+    except (ValueError, KeyError, TypeError):
+        version = None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError('send {"version": N}, a published adapter version (N >= 1)')
+    return version
 
 
 def _roles_of(replicas: list[Replica]) -> str:

@@ -18,6 +18,9 @@ Endpoints (everything TRL 1.16's AsyncGRPOTrainer calls, plus the proxy's own):
                                                  {"reason": "..."} (shown as its last error)
     POST /proxy/replicas/<role>/admit            try to admit a replica now instead of at the next health check
     POST /proxy/trainer_state {"step": N}        the optimizer step stamped into the next published manifest
+    POST /proxy/evaluation/load {"version": N}   load published version N as <run_id>-eval-vN on every replica,
+                                                 all-or-nothing, for held-out evaluation (jobs/evaluation)
+    POST /proxy/evaluation/unload {"version": N} and unload it after
 
 Anything else is refused with 404 rather than forwarded: a state-changing call sent to one replica (e.g. NCCL weight
 transfer) would leave the replicas inconsistent.
@@ -109,6 +112,12 @@ class Proxy:
             ("GET", "/proxy/stats"): self._stats,
             ("GET", "/proxy/replicas"): self._replicas,
             ("POST", "/proxy/trainer_state"): self._trainer_state,
+            ("POST", "/proxy/evaluation/load"): lambda exchange: self.adapters.load_for_evaluation(
+                exchange.request.body
+            ),
+            ("POST", "/proxy/evaluation/unload"): lambda exchange: self.adapters.unload_for_evaluation(
+                exchange.request.body
+            ),
             ("POST", "/tokenize"): self._forward,
             ("POST", "/detokenize"): self._forward,
         }
@@ -435,6 +444,7 @@ class Proxy:
                         "unloads_ok",
                         "unloads_failed",
                         "replays",
+                        "evaluation_loads",
                     )
                 },
             },

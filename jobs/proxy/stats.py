@@ -14,7 +14,7 @@ Snapshot shape (all counters are totals since the proxy started; durations in se
                   "block_size": 16, "imbalance": 8, "group_allowance": 7},
       "adapters": {"current": 7, "live": [3, 4, 5, 6, 7], "step": 28,
                    "loads_ok": 7, "loads_failed": 0, "load_retries": 9, "rolled_back": 0,
-                   "unloads_ok": 2, "unloads_failed": 0, "replays": 0},
+                   "unloads_ok": 2, "unloads_failed": 0, "replays": 0, "evaluation_loads": 1},
       "sync_s": {"upload": W, "broadcast": W, "total": W},
       "membership": {"ejections": 1, "readmissions": 1},
       "errors": {"upstream_connect": 2, "upstream_timeout": 0, "...": 0}
@@ -22,7 +22,8 @@ Snapshot shape (all counters are totals since the proxy started; durations in se
 
 W, a latency window over the last 1024 syncs: {"count": n, "last": s, "p50": s, "p95": s, "max": s} (null values
 before the first sync). `load_retries` counts replica-level re-sends of a load (a replica that had not seen the new
-version yet); `rolled_back` counts loads undone on the replicas that had accepted them because another one failed.
+version yet); `rolled_back` counts loads undone on the replicas that had accepted them because another one failed;
+`evaluation_loads` counts versions loaded under their evaluation name for held-out evaluation.
 Error kinds: upstream_<connect|timeout|disconnected|protocol>, admission, publish, current_pointer, telemetry,
 upstreams_file, bad_request, no_replica.
 """

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jobs import settings
 from jobs.contract import RunSpec
-from jobs.contract.derived import replica_tensor_parallel, vllm_max_lora_rank, vllm_max_loras
+from jobs.contract.derived import replica_max_loras, replica_tensor_parallel, vllm_max_lora_rank
 
 # The public recipe's value: what the KV cache may take of the GPU, leaving room for LoRA slots and activations.
 GPU_MEMORY_UTILIZATION = 0.85
@@ -69,7 +69,7 @@ def engine_command(
 
 def vllm_command(spec: RunSpec, model_path: str, port: int, environ: Mapping[str, str] = os.environ) -> EngineCommand:
     """`vllm serve` with everything TRL's adapter-only sync needs (see shared/reference/vllm-runtime-lora.md)."""
-    max_loras = vllm_max_loras(spec.grpo.max_staleness)
+    max_loras = replica_max_loras(spec)
     argv = [
         "vllm",
         "serve",
@@ -135,7 +135,7 @@ def _serving_flags(spec: RunSpec, port: int) -> list[str]:
         "--max-lora-rank",
         str(vllm_max_lora_rank(spec.lora.rank)),
         "--max-loras",
-        str(vllm_max_loras(spec.grpo.max_staleness)),
+        str(replica_max_loras(spec)),
     ]
 
 

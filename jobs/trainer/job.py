@@ -48,6 +48,7 @@ from jobs.trainer.checkpoints import (
 from jobs.trainer.config import grpo_config, lora_config
 from jobs.trainer.control import GracefulStop, StepHint
 from jobs.trainer.dataset import build_prompts, load_rows
+from jobs.trainer.evaluator_process import EvaluatorProcess, evaluator_command
 from jobs.trainer.proxy_process import (
     ProxyProcess,
     StoreUnreachable,
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     outcome, exit_code = "failed", 1
     workdir: Path | None = None
     errors = None
+    evaluator: EvaluatorProcess | None = None
     try:
         pins.require("trl")  # TRL's experimental async trainer changes between releases: our code fits 1.16.0 only
         workdir = Path(ranks.shared_workdir(args.output_dir, spec.run_id))
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             watchdogs.append(start_proxy(proxy, args, telemetry))
             watchdogs.append(store_watchdog(store, spec.run_id, args.store_outage_timeout).start())
             replica_jobs = read_replica_jobs(store, spec.run_id)
+            evaluator = start_evaluator(spec, args, proxy, workdir, telemetry)
 
         ranks.from_main(lambda: install_reporting_packages(spec))
         os.environ.update(report_environment(spec))
@@ -222,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             audit.run(version, trainer.state.global_step)
         step = trainer.state.global_step
         publish_final(store, spec.run_id, trainer, workdir, {"step": step, "version": version, "attempt": attempt})
+        if evaluator is not None:
+            telemetry.status("evaluating")
+            evaluator.finish(version)
         outcome, exit_code = ("stopped", 0) if stop.reason else ("finished", 0)
         telemetry.event(
             outcome,
@@ -235,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for watchdog in watchdogs:
             watchdog.stop()
+        if evaluator is not None:
+            evaluator.stop()
         if errors is not None:
             errors.close()
         if main_process:
@@ -252,6 +260,18 @@ def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: Traine
     telemetry.status("waiting_replicas")
     proxy.wait_healthy(args.replica_wait, on_wait=lambda waited: telemetry.status(force=False, waited_s=waited))
     return replica_watchdog(proxy, args.replica_loss_timeout).start()
+
+
+def start_evaluator(
+    spec, args: argparse.Namespace, proxy: ProxyProcess, workdir: Path, telemetry: TrainerTelemetry
+) -> EvaluatorProcess | None:
+    """The held-out evaluator beside the proxy, when the run evaluates during training (main process)."""
+    if not (spec.eval.enabled and spec.eval.during_run):
+        return None
+    final_file = workdir / "evaluate-last-version"
+    uri = spec_uri(spec.storage, spec.run_id)
+    command = evaluator_command(uri, proxy.url, final_file, args.store_endpoint, args.store_region)
+    return EvaluatorProcess(command, final_file, telemetry).start()
 
 
 def store_watchdog(store, run_id: str, timeout: float) -> Watchdog:

@@ -16,7 +16,17 @@ import pytest
 from playwright.sync_api import Browser, Locator, Page, expect
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
-from tests.browser.helpers import TIMEOUT_MS, RunningPanel, fill, open_tab, plot_points, rows, screenshot
+from tests.browser.helpers import (
+    TIMEOUT_MS,
+    RunningPanel,
+    browser_errors,
+    fill,
+    open_tab,
+    plot_points,
+    rows,
+    run_row,
+    screenshot,
+)
 from tests.support.runs import job_log_tails
 from tests.support.waiting import wait_until
 
@@ -42,6 +52,9 @@ def demo_run(browser: Browser, panel: RunningPanel) -> str:
     expect(launch).to_be_enabled()
     # Issue 29: the demo's held-out prompts (its dataset's test split) are counted by the check.
     expect(page.locator("#launch-status")).to_contain_text("evaluated on 32 held-out prompts (split 'test')")
+    expect(page.locator("#launch-status")).to_contain_text(
+        "During the run: the base model, every 10 versions and the last (5 evaluations, 25% of the rollout tokens"
+    )
     expect(rows(page, "dataset-preview").nth(1)).to_contain_text("Write some numbers")
     plan = page.locator("#launch-plan")  # what Launch will submit: shown collapsed once the check passed
     expect(plan).to_be_visible()
@@ -190,6 +203,7 @@ def test_wrong_bucket_keys_show_the_connection_error(page: Page, moto_server) ->
 def test_monitor_fills_as_the_run_trains_then_stops(
     page: Page, panel: RunningPanel, demo_run: str, tmp_path: Path
 ) -> None:
+    console = browser_errors(page)
     open_tab(page, "Monitor")
     expect(page.locator("#run-header")).to_contain_text(demo_run)
     try:
@@ -200,9 +214,13 @@ def test_monitor_fills_as_the_run_trains_then_stops(
         )
     except PlaywrightTimeoutError:  # say why: the run's header, the panel's log and the jobs' logs
         header = page.locator("#run-header").inner_text()
+        toasts = page.locator(".toast-body").all_inner_texts()
         panel_log = panel.log.read_text(errors="replace")[-3000:]
         jobs = job_log_tails(panel.data / "jobs" / demo_run)
-        raise AssertionError(f"no 3 reward points in 240 s; header: {header}\n{panel_log}\n{jobs}") from None
+        raise AssertionError(
+            f"no 3 reward points in 240 s; header: {header}\nrun row: {run_row(panel, demo_run)}\n"
+            f"browser errors: {console}\ntoasts: {toasts}\n{panel_log}\n{jobs}"
+        ) from None
     page.locator("#stop-run").click()
     expect(page.locator("#run-header")).to_contain_text(re.compile("stopping|stopped"))
     expect(page.locator("#stop-run")).to_be_disabled()  # nothing left to stop
@@ -229,6 +247,13 @@ def test_monitor_fills_as_the_run_trains_then_stops(
     expect(page.locator("#run-header")).to_contain_text(re.compile(r"current v\d+ \(step \d+\)"))
     expect(page.locator("#run-header")).to_contain_text(re.compile(r"trained on\s*\d+% of samples"))  # issue 33, 5
     assert plot_points(page, "reward-plot") >= 3
+    # Issue 29: the base model and the version the run stopped at, scored on held-out prompts beside the trainer.
+    expect(page.locator("#run-header")).to_contain_text(re.compile(r"best by eval\s*v\d+ \(\d\.\d{3}\)"))
+    open_tab(page, "Training")
+    page.wait_for_function(
+        "() => { const g = document.querySelector('#eval-plot .js-plotly-plot'); return g && g.data &&"
+        " g.data.some(t => t.name === 'held-out reward' && t.x.length >= 2 && t.error_y && t.error_y.array) }"
+    )
     _browse_samples(page)
     _change_the_chart_options(page)
     _export_metrics(page, demo_run, tmp_path)
@@ -395,6 +420,8 @@ def test_adapters_download_compare_and_branch(page: Page, demo_run: str, tmp_pat
     open_tab(page, "Adapters")
     expect(page.locator("#adapters-run input")).to_have_value(re.compile(demo_run))
     expect(rows(page, "versions-table").nth(3)).to_be_visible(timeout=180_000)  # a header, three versions
+    # Issue 29: the last version's held-out reward (scored as the run stopped), mean ± half its interval.
+    expect(page.locator("#versions-table")).to_contain_text(re.compile(r"\d\.\d{3} ± \d\.\d{3}"))
     audit, table = rows(page, "versions-table").first.get_by_text("policy audit"), page.locator("#versions-table")
     audit_box, table_box = audit.bounding_box(), table.bounding_box()
     assert audit_box and table_box and audit_box["x"] + audit_box["width"] <= table_box["x"] + table_box["width"]

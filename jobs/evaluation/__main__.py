@@ -1,0 +1,5 @@
+import sys
+
+from jobs.evaluation.during_run import main
+
+sys.exit(main())

@@ -1,0 +1,252 @@
+"""Held-out evaluation during a run: a process beside the trainer that scores the base model once, every Nth
+adapter version as it is published, and the last one, through the proxy by each version's name.
+
+    python -m jobs.evaluation --spec <storage uri>/runs/<run_id>/spec.json --proxy http://127.0.0.1:<port> \
+        --final-file <path>
+
+A LoRA name pins a weight version, so the score of v12 is that of v12 whatever training does meanwhile.
+Each version is loaded for its evaluation under its own evaluation name (`POST /proxy/evaluation/load`, all-or-nothing
+on every replica, one LoRA slot the replicas keep for it) and unloaded after, so TRL unloading the version meanwhile
+takes nothing away. The evaluator never holds training up: few of its prompts are in flight at once, a version it
+cannot load or sample is skipped, and when it falls behind it evaluates the newest due version and skips the rest.
+Each skip and failure is one JSON line on stdout, which the trainer forwards as an event.
+
+Every result is written twice, telemetry first: a record on the `eval` stream (what the panel ingests) and the whole
+result at the key the panel's own evaluation reads (jobs/evaluation/results.py). A restarted evaluator skips the
+versions whose result is stored; one that died between the two writes evaluates that version again, and the panel
+keeps the first record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from jobs.contract import RunSpec, derived, layout
+from jobs.evaluation.heldout import EvalPrompts, eval_prompts, held_out
+from jobs.evaluation.results import TOTAL, VersionEval, result_key, score_table
+from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
+from jobs.runtime import add_run_arguments, open_run, setup_logging
+from jobs.store import ObjectNotFound, ObjectStore, StoreError
+from jobs.store.published import read_manifest
+from jobs.telemetry import ChunkWriter
+
+log = logging.getLogger("jobs.evaluation")
+POLL_S = 1.0  # how often the newest published version is read
+IN_FLIGHT_PROMPTS = 2  # the evaluator's prompts at the replicas at once (k samples each): training keeps the rest
+LOAD_TIMEOUT_S = 300.0  # the proxy's own load deadline bounds it sooner
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """The run's rewards, as the trainer builds them (same code, weights and EOS ids), over held-out completions."""
+
+    names: list[str]
+    rewards: list[Any]  # jobs.trainer.rewards.CheckedReward
+
+    def score(self, prompts: EvalPrompts, sampled: list[list[Completion]]) -> dict[str, list[list[float]]]:
+        k = len(sampled[0])
+        records = [record for record in prompts.records for _ in range(k)]
+        completions = [[{"role": "assistant", "content": c.text}] for texts in sampled for c in texts]
+        ids = [c.token_ids for texts in sampled for c in texts]
+        columns = {name: [record[name] for record in records] for name in records[0] if name != "prompt"}
+        prompts_each = [record["prompt"] for record in records]
+        weighted = [
+            reward.score(completions, prompts=prompts_each, completion_ids=ids, **columns) for reward in self.rewards
+        ]
+        return score_table(self.names, weighted, k)
+
+
+class RunEvaluator:
+    """Evaluates versions of one run through its proxy and writes their results."""
+
+    def __init__(
+        self, spec: RunSpec, store: ObjectStore, proxy_url: str, prompts: EvalPrompts, scorer: Scorer, key: str
+    ):
+        self.spec, self.store, self.proxy_url = spec, store, proxy_url
+        self.prompts, self.scorer, self.key = prompts, scorer, key
+        self.sampling = Sampling.of(spec)
+        self.every = derived.eval_cost(spec, len(prompts.records)).every
+        self.stream = ChunkWriter(store, spec.run_id, "eval")
+        self.tried: set[int] = set()  # evaluated, stored before, or skipped: never tried again
+
+    def due(self, published: int) -> int | None:
+        """The version to evaluate next once `published` is the newest: the newest every-Nth one not yet tried. Older
+        due versions not tried by then are skipped (said on stdout): the evaluator catches up instead of lagging."""
+        due = [v for v in range(published, 1, -1) if derived.version_due(v, self.every) and v not in self.tried]
+        for behind in due[1:]:
+            self.tried.add(behind)
+            notice("warning", f"held-out evaluation fell behind: v{behind} skipped, v{due[0]} evaluated instead")
+        return due[0] if due else None
+
+    def evaluate(self, version: int) -> None:
+        """Evaluate `version` (0: the base model) unless its result is stored; a failure is said, not raised."""
+        self.tried.add(version)
+        if self.store.exists(layout.eval_key(self.spec.run_id, version, self.key)):
+            return
+        started = time.monotonic()
+        try:
+            with self._served(version) as model:
+                sampled = sample(self.proxy_url, model, self.prompts.token_ids, self.sampling, None, IN_FLIGHT_PROMPTS)
+            scores = self.scorer.score(self.prompts, sampled)
+        except SamplingError as error:
+            notice("warning", f"held-out evaluation of v{version} skipped: {error}")
+            return
+        except Exception as error:  # the run's reward raised on a held-out completion: say which and why
+            notice("warning", f"held-out evaluation of v{version} failed: {type(error).__name__}: {error}")
+            return
+        result = VersionEval(
+            run_id=self.spec.run_id,
+            version=version,
+            key=self.key,
+            source=self.prompts.source,
+            sampling=self.sampling.describe(),
+            k=self.sampling.k,
+            prompts=self.prompts.texts,
+            completions=[[c.text for c in texts] for texts in sampled],
+            scores=scores,
+            seconds=time.monotonic() - started,
+        )
+        tokens = sum(len(completion.token_ids) for texts in sampled for completion in texts)
+        self.stream.add(telemetry_record(result, self._step(version), tokens))
+        if not self.stream.flush():
+            raise StoreError("the eval telemetry could not be written")
+        self.store.put_bytes(layout.eval_key(self.spec.run_id, version, self.key), result.to_json().encode())
+        log.info("v%d: held-out %s %.3f in %.1f s", version, TOTAL, result.summary(TOTAL).avg.mean, result.seconds)
+
+    @contextmanager
+    def _served(self, version: int) -> Iterator[str]:
+        """The name `version` is served under while it is scored: the base model's own, or the version loaded under
+        its evaluation name on every replica for the block's duration (TRL unloads its policy name whenever it
+        likes)."""
+        if version == 0:
+            yield self.spec.model.id
+            return
+        body = {"version": version}
+        try:
+            response = requests.post(f"{self.proxy_url}/proxy/evaluation/load", json=body, timeout=LOAD_TIMEOUT_S)
+        except requests.RequestException as error:
+            raise SamplingError(f"the proxy did not answer the load of v{version} ({type(error).__name__})") from None
+        if response.status_code != 200:
+            raise SamplingError(f"the proxy could not load v{version}: {response.status_code} {response.text[:300]}")
+        try:
+            yield response.text.strip()
+        finally:
+            try:
+                requests.post(f"{self.proxy_url}/proxy/evaluation/unload", json=body, timeout=LOAD_TIMEOUT_S)
+            except requests.RequestException as error:
+                log.warning("unloading v%d after its evaluation failed: %s", version, error)
+
+    def _step(self, version: int) -> int:
+        """The optimizer step a version holds, from its manifest (0 for the base model)."""
+        if version == 0:
+            return 0
+        meta = read_manifest(self.store, layout.adapter_prefix(self.spec.run_id, version)).meta
+        return int(meta.get("step") or 0)
+
+    def published(self) -> int:
+        """The newest version loaded on the replicas (`adapters/CURRENT`), 0 before the first."""
+        try:
+            return int(self.store.get_bytes(layout.current_key(self.spec.run_id)).decode().strip() or 0)
+        except (ObjectNotFound, ValueError):
+            return 0
+
+    def run(self, final_file: Path) -> None:
+        """The base model first, then every due version as it is published, until the trainer names its last
+        version in `final_file`: that one is evaluated too, then the evaluator ends."""
+        self.evaluate(0)
+        while True:
+            final = _final_version(final_file)
+            if final is not None:
+                if final not in self.tried:
+                    self.evaluate(final)
+                return
+            try:
+                version = self.due(self.published())
+                if version is not None:
+                    self.evaluate(version)
+            except StoreError as error:  # the bucket is the trainer's to worry about: try again next time
+                log.warning("held-out evaluation: the store failed (%s); trying again", error)
+            time.sleep(POLL_S)
+
+
+def telemetry_record(result: VersionEval, step: int, tokens: int) -> dict[str, Any]:
+    """What the panel ingests of a result: each score's avg@k with its 95 % interval, pass@k for 0/1 scores, and the
+    tokens generated for it (what evaluation costs beside the rollouts)."""
+    scores = {}
+    for name in result.scores:
+        summary = result.summary(name)
+        scores[name] = {
+            "mean": summary.avg.mean,
+            "low": _finite(summary.avg.low),
+            "high": _finite(summary.avg.high),
+            "pass_at_k": summary.pass_at_k,
+        }
+    return {
+        "time": time.time(),
+        "version": result.version,
+        "step": step,
+        "key": result.key,
+        "prompts": len(result.prompts),
+        "k": result.k,
+        "seconds": result.seconds,
+        "tokens": tokens,
+        "scores": scores,
+    }
+
+
+def _finite(value: float) -> float | None:
+    return value if abs(value) != float("inf") else None
+
+
+def notice(level: str, message: str) -> None:
+    """One line for the trainer to forward as an event (stdout is the evaluator's channel to it)."""
+    print(json.dumps({"level": level, "message": message}), flush=True)
+
+
+def _final_version(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def prepare(spec: RunSpec, store: ObjectStore, proxy_url: str) -> RunEvaluator:
+    """Everything an evaluation needs that does not change during the run: the held-out prompts as token ids, the
+    rewards, the key results are stored under."""
+    from transformers import AutoTokenizer
+
+    from jobs.models import eos_token_ids, resolve_model
+    from jobs.trainer.rewards import build_rewards
+
+    held = held_out(spec, store)
+    model_path = resolve_model(spec.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
+    prompts = eval_prompts(spec, held, tokenizer)
+    eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
+    scorer = Scorer([reward.name for reward in spec.rewards], list(build_rewards(spec.rewards, eos)))
+    return RunEvaluator(spec, store, proxy_url, prompts, scorer, result_key(spec, held, Sampling.of(spec)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jobs.evaluation", description=__doc__.split("\n\n")[0])
+    add_run_arguments(parser)
+    parser.add_argument("--proxy", required=True, help="the run's proxy, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--final-file", required=True, type=Path, help="where the trainer names its last version")
+    args = parser.parse_args(argv)
+    setup_logging("evaluator")
+    ctx = open_run(args.spec, args.store_endpoint, args.store_region)
+    evaluator = prepare(ctx.spec, ctx.store, args.proxy)
+    count = len(evaluator.prompts.records)
+    log.info("evaluating v0, every %d versions and the last on %d held-out prompts", evaluator.every, count)
+    evaluator.run(args.final_file)
+    return 0

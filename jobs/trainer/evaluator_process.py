@@ -1,0 +1,121 @@
+"""The held-out evaluator (jobs/evaluation/during_run.py) as a child of the trainer job, kept alive beside training.
+
+It is a process of its own so that tokenising, sampling and scoring never take the training loop's GIL. Whatever it
+does, training goes on: an evaluator that exits early is started again (a few times, each said as an event), and at
+the end it gets a bounded time to score the last version before it is stopped. What it prints on stdout (skips,
+failures) becomes the run's events.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Protocol
+
+log = logging.getLogger(__name__)
+RESTARTS = 3  # an evaluator that keeps dying is left dead: the run's training matters more
+CHECK_EVERY_S = 5.0
+# How long the trainer waits, with its replicas still up, for the last version's evaluation: a few hundred held-out
+# completions, on replicas that no longer train.
+FINISH_TIMEOUT_S = 300.0
+
+
+class Events(Protocol):
+    def event(self, kind: str, message: str, level: str = "info") -> None: ...
+
+
+def evaluator_command(
+    spec_uri: str, proxy_url: str, final_file: Path, store_endpoint: str | None, store_region: str | None
+) -> list[str]:
+    command = [sys.executable, "-m", "jobs.evaluation", "--spec", spec_uri, "--proxy", proxy_url]
+    command += ["--final-file", str(final_file)]
+    if store_endpoint:
+        command += ["--store-endpoint", store_endpoint]
+    if store_region:
+        command += ["--store-region", store_region]
+    return command
+
+
+class EvaluatorProcess:
+    def __init__(self, command: list[str], final_file: Path, events: Events, check_every: float = CHECK_EVERY_S):
+        self.command, self.final_file, self.events, self.check_every = command, final_file, events, check_every
+        self.process: subprocess.Popen[str] | None = None
+        self.restarts = 0
+        self._finishing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="evaluator-watch", daemon=True)
+
+    def start(self) -> EvaluatorProcess:
+        self.final_file.unlink(missing_ok=True)  # a resumed attempt's last version is not this one's
+        self._spawn()
+        self._watcher.start()
+        return self
+
+    def _spawn(self) -> None:
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._forward, args=(self.process.stdout,), daemon=True).start()
+
+    def _forward(self, stdout: IO[str] | None) -> None:
+        """The evaluator's notices as events of the run."""
+        for line in stdout or ():
+            try:
+                notice = json.loads(line)
+                self.events.event("evaluation", str(notice["message"]), level=str(notice.get("level", "info")))
+            except (ValueError, KeyError, TypeError):
+                log.info("evaluator: %s", line.rstrip())
+
+    def _watch(self) -> None:
+        """Start the evaluator again when it exits before it was asked to finish."""
+        while not self._finishing.wait(self.check_every):
+            process = self.process
+            if process is None or process.poll() is None or self._finishing.is_set():
+                continue
+            if self.restarts >= RESTARTS:
+                self.events.event(
+                    "evaluation",
+                    f"the held-out evaluator exited with code {process.returncode} {RESTARTS + 1} times; no more "
+                    "versions are evaluated during this run (training goes on; evaluate them from the Adapters page)",
+                    level="warning",
+                )
+                return
+            self.restarts += 1
+            self.events.event(
+                "evaluation",
+                f"the held-out evaluator exited with code {process.returncode}; started again "
+                f"({self.restarts} of {RESTARTS})",
+                level="warning",
+            )
+            self._spawn()
+
+    def finish(self, last_version: int, timeout: float = FINISH_TIMEOUT_S) -> None:
+        """Let the evaluator score `last_version` within `timeout` seconds, then end it."""
+        self._finishing.set()
+        self.final_file.write_text(str(last_version))
+        process = self.process
+        if process is None:
+            return
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.events.event(
+                "evaluation",
+                f"the held-out evaluation of the last version v{last_version} did not end within {timeout:.0f} s "
+                "and was stopped; evaluate it from the Adapters page",
+                level="warning",
+            )
+        self.stop()
+
+    def stop(self) -> None:
+        self._finishing.set()
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
