@@ -253,8 +253,8 @@ def _trained_on(use: SampleUse | None) -> str:
 
 
 def _best_by_eval(best: HeldOutScore | None) -> str:
-    """The version with the highest held-out reward: unlike the "best" alias (the training reward), scored on
-    prompts the run never trained on."""
+    """The version with the highest held-out reward, scored on prompts the run never trained on; the base model
+    included (training may have made things worse), where the `best` alias names an adapter version."""
     if best is None:
         return ""
     why = f"the highest mean reward on the held-out prompts, at step {best.step}"

@@ -12,7 +12,7 @@ from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
 from backend.db import Database
-from backend.ingest import latest_proxy_snapshots, version_reward
+from backend.ingest import best_held_out, latest_proxy_snapshots, version_reward
 from backend.models import AdapterVersion, Event, MetricPoint, Run
 from jobs.contract import RunSpec
 
@@ -123,10 +123,16 @@ def _replica_lag(session: Session, run: Run) -> str:
 
 
 def _update_aliases(session: Session, run: Run) -> None:
+    """The `best` alias: the adapter version with the highest held-out reward once versions are evaluated (prompts the
+    run never trained on), else the highest training reward around its step."""
     versions = list(session.exec(select(AdapterVersion).where(AdapterVersion.run_id == run.id)).all())
     for version in versions:
         if version.reward is None and version.step is not None:
             version.reward = version_reward(session, run.id, version.step)
             session.add(version)
+    held_out = best_held_out(session, run.id, adapters_only=True)
     scored = [v for v in versions if v.reward is not None]
-    run.best_version = max(scored, key=lambda v: (v.reward, v.version)).version if scored else None
+    if held_out is not None:
+        run.best_version = held_out.version
+    else:
+        run.best_version = max(scored, key=lambda v: (v.reward, v.version)).version if scored else None

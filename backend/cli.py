@@ -243,6 +243,7 @@ def replace_replica(args: argparse.Namespace) -> int:
 def versions(args: argparse.Namespace) -> int:
     services = _services(args)
     run = services.runs.get(args.run)
+    held_out = {score.version: score.mean for score in services.queries.held_out_series(args.run)}
     for version in services.adapters.versions(args.run):
         marks = " ".join(
             m
@@ -253,8 +254,10 @@ def versions(args: argparse.Namespace) -> int:
             if on
         )
         reward = f"{version.reward:.3f}" if version.reward is not None else "-"
+        scored = f"{held_out[version.version]:.3f}" if version.version in held_out else "-"
         print(
-            f"v{version.version:<5} step {version.step!s:>5}  reward {reward:>6}  {version.size_bytes:>10} B  {marks}"
+            f"v{version.version:<5} step {version.step!s:>5}  reward {reward:>6}  held-out {scored:>6}  "
+            f"{version.size_bytes:>10} B  {marks}"
         )
     return 0
 

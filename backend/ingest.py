@@ -12,9 +12,10 @@ import math
 import time
 from typing import Any
 
-from sqlalchemy import delete, func, insert
+from sqlalchemy import ScalarSelect, delete, func, insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col, select
+from sqlmodel.sql.expression import SelectOfScalar
 
 from backend.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample, VersionScore
 
@@ -239,3 +240,25 @@ def version_reward(session: Session, run_id: str, step: int | None) -> float | N
             MetricPoint.step <= step,
         )
     ).first()
+
+
+def _in_run_key(run_id: str) -> ScalarSelect[str]:
+    """The settings key of the run's own evaluation: that of the newest score ingested (after-run evaluations with
+    other settings have other keys, and their scores are not comparable with these)."""
+    newest = select(VersionScore.key).where(VersionScore.run_id == run_id).order_by(col(VersionScore.id).desc())
+    return newest.limit(1).scalar_subquery()
+
+
+def held_out_scores(run_id: str, name: str | None = None) -> SelectOfScalar[VersionScore]:
+    """The run's scores under its own evaluation's settings: those named `name`, one per version, or all of them."""
+    query = select(VersionScore).where(VersionScore.run_id == run_id, VersionScore.key == _in_run_key(run_id))
+    return query if name is None else query.where(VersionScore.name == name)
+
+
+def best_held_out(session: Session, run_id: str, adapters_only: bool = False) -> VersionScore | None:
+    """The version with the highest held-out reward, the earlier one of a tie (it cost fewer steps); with
+    `adapters_only`, the base model (v0) left out."""
+    query = held_out_scores(run_id, "reward")
+    if adapters_only:
+        query = query.where(VersionScore.version > 0)
+    return session.exec(query.order_by(col(VersionScore.mean).desc(), col(VersionScore.version)).limit(1)).first()

@@ -37,7 +37,7 @@ class Run(SQLModel, table=True):
     max_steps: int = 0
     latest_reward: float | None = None
     current_version: int | None = None  # alias "current": what adapters/CURRENT names
-    best_version: int | None = None  # alias "best": the version with the highest smoothed reward
+    best_version: int | None = None  # alias "best": the highest held-out reward, else the highest smoothed reward
     cost_usd: float = 0.0
     last_telemetry_at: float | None = None  # panel clock when telemetry last arrived (stall detection)
 

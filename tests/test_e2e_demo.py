@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import time
@@ -31,11 +32,11 @@ from jobs.contract import DEMO_MODEL_ID, layout
 from jobs.demo.dataset import digits_rows
 from jobs.demo.preset import demo_spec
 from jobs.evaluation.heldout import held_out, normalise
-from jobs.processes import group_alive
+from jobs.processes import group_alive, process_table
 from jobs.store import LocalStore, download_published, list_published, read_manifest
 from jobs.telemetry import decode_jsonl
 from jobs.trainer.dataset import to_messages
-from tests.support.processes import RunProcesses, kill_job_tree
+from tests.support.processes import RunProcesses, job_tree, kill_job_tree
 from tests.support.runs import follow_to_end, wait_while_running
 from tests.support.waiting import wait_until
 
@@ -127,6 +128,26 @@ def lose_the_database_mid_run(ctx: PanelContext, poller: Poller, folder: Path, r
     )
 
 
+def kill_the_evaluator_after(ctx: PanelContext, store: LocalStore, run_id: str, version: int) -> int:
+    """Issue 29: once the held-out evaluator beside the trainer has scored `version`, it is killed (as a crash would
+    end it); its pid."""
+    wait_until(
+        lambda: version in {r["version"] for r in stored(store, run_id, "eval")}, 600, 0.5, what=f"v{version} scored"
+    )
+    table = process_table()
+    trainer = job_pgids(ctx, run_id)["trainer#1"]
+    (pid,) = (pid for pid in job_tree([trainer], table) if "jobs.evaluation" in _command_line(pid))
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     from cryptography.fernet import Fernet
@@ -139,6 +160,7 @@ def demo_run(tmp_path_factory):
         started = time.monotonic()
         restored = lose_the_database_mid_run(ctx, poller, tmp_path, "demo-e2e")
         restarted = Poller(restored.ctx, stall_after=120)
+        kill_the_evaluator_after(ctx, LocalStore(tmp_path / "store"), "demo-e2e", 11)
 
         def ended(panel: PanelContext, panel_poller: Poller) -> bool:
             panel_poller.poll_run("demo-e2e")
@@ -479,10 +501,13 @@ def test_held_out_evaluation_scores_the_last_version_above_the_base_model_and_ke
     assert "eval.split: 'train' is the split the run trains on" in capsys.readouterr().err
 
 
-def test_held_out_evaluation_during_the_run_scores_the_base_model_every_tenth_version_and_the_last_once(demo_run):
+def test_held_out_evaluation_during_the_run_scores_the_base_model_every_tenth_version_and_the_last_once(
+    demo_run, monkeypatch, capsys
+):
     """Issue 29: beside the trainer, the evaluator scored v0, every tenth version as it was published (the demo's
-    `eval.every`) and the last one, each loaded under its evaluation name through the proxy and unloaded after; both
-    panels (the restored one too) hold each version's scores once, the last version well above the base model."""
+    `eval.every`) and the last one, each loaded under its evaluation name through the proxy and unloaded after, though
+    it was killed after v11 and started again; both panels (the restored one too) hold each version's scores once, the
+    last version well above the base model."""
     store = demo_run.store
     last = layout.parse_version_dir(list_published(store, layout.adapters_prefix("demo-e2e"))[-1])
     records = sorted(stored(store, "demo-e2e", "eval"), key=lambda record: record["version"])
@@ -496,9 +521,18 @@ def test_held_out_evaluation_during_the_run_scores_the_base_model_every_tenth_ve
     assert final.low is not None and base.high is not None and final.low > base.high
     best = QueryService(demo_run.ctx, OWNER).best_by_eval("demo-e2e")
     assert best is not None and best.mean == max(score.mean for score in series) and best.version != 0
+    # The `best` alias goes by the held-out reward now: what `versions` marks, and what the panel offers first.
+    assert RunService(demo_run.ctx, OWNER).get("demo-e2e").best_version == best.version
+    monkeypatch.setenv(settings.DATA.name, str(demo_run.ctx.folder))
+    assert main(["versions", "demo-e2e"]) == 0
+    listed = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert re.search(rf"held-out +{best.mean:.3f} .* best$", listed[f"v{best.version}"]), listed
+    assert re.search(r"held-out +- ", listed["v2"]), listed
     snapshot = QueryService(demo_run.ctx, OWNER).proxy_snapshots("demo-e2e")[-1]
     assert snapshot["adapters"]["evaluation_loads"] == 4  # v11, v21, v31, v41: v0 is the base model
-    assert [e for e in stored(store, "demo-e2e", "events") if e["kind"] == "evaluation"] == []  # nothing skipped
+    # The evaluator killed after v11 (the fixture) was started again, and nothing was skipped or scored twice.
+    said = [e["message"] for e in stored(store, "demo-e2e", "events") if e["kind"] == "evaluation"]
+    assert said == ["the held-out evaluator exited with code -9; started again (1 of 3)"], said
 
 
 def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path, monkeypatch, capsys):
@@ -554,7 +588,8 @@ def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, 
 
 
 def test_the_command_line_exports_metrics_and_samples_that_pandas_reads(finished_demo, tmp_path, monkeypatch, capsys):
-    """Issue 18: a run's metrics (one row per step, TRL's names) and samples leave the panel as CSV and Parquet."""
+    """Issue 18: a run's metrics (one row per step, TRL's names, and the held-out scores) and samples leave the panel
+    as CSV and Parquet."""
     import pandas as pd
 
     from backend.models import RolloutSample
@@ -562,15 +597,21 @@ def test_the_command_line_exports_metrics_and_samples_that_pandas_reads(finished
     ctx, _, _, _ = finished_demo
     monkeypatch.setenv(settings.DATA.name, str(ctx.folder))
     rewards = [value for _, value in QueryService(ctx, OWNER).metric_series("demo-e2e", "reward", max_points=None)]
+    held_out = QueryService(ctx, OWNER).held_out_series("demo-e2e")
     with ctx.db.session() as session:
         stored_samples = len(session.exec(select(RolloutSample.id).where(RolloutSample.run_id == "demo-e2e")).all())
     for fmt, read in (("csv", pd.read_csv), ("parquet", pd.read_parquet)):
         assert main(["export", "demo-e2e", "--format", fmt, "--out", str(tmp_path / fmt)]) == 0
         metrics_path, samples_path = capsys.readouterr().out.split()
         metrics, samples = read(metrics_path), read(samples_path)
-        assert list(metrics["step"]) == list(range(1, STEPS + 1))
+        assert list(metrics["step"]) == list(range(0, STEPS + 1))  # step 0: the base model's held-out scores
         assert {"time", "reward", "kl", "perf/step_s", "rewards/digit_frac"} <= set(metrics.columns)
-        assert metrics["reward"].tolist() == pytest.approx(rewards)
+        assert metrics["reward"].tolist()[1:] == pytest.approx(rewards)
+        # Issue 29: the held-out scores at the step of each version evaluated, with their 95 % bounds.
+        evaluated = metrics.dropna(subset=["eval/reward"])
+        assert evaluated["step"].tolist() == [score.step for score in held_out]
+        assert evaluated["eval/reward"].tolist() == pytest.approx([score.mean for score in held_out])
+        assert (evaluated["eval/reward/low"] < evaluated["eval/reward"]).all() and "eval/rewards/digit_frac" in metrics
         assert len(samples) == stored_samples > 0
         assert samples["reward/digit_frac"].tolist() == pytest.approx(samples["reward"].tolist())
         assert set(samples["step"]) == set(range(1, STEPS + 1)) and samples["completion"].fillna("").str.len().sum() > 0

@@ -11,7 +11,6 @@ from typing import Any
 
 import gradio as gr
 import pytest
-from sqlalchemy import func
 from sqlmodel import col, select
 
 from app import cards
@@ -20,10 +19,10 @@ from app.charts.training import held_out_figure
 from app.pages.adapters import HELD_OUT_COLUMN, AdaptersPage
 from app.pages.monitor import MonitorPage
 from app.panel import Panel
-from backend import ingest
+from backend import alerts, ingest
 from backend.context import PanelContext
 from backend.db import Database
-from backend.models import AdapterVersion, VersionScore
+from backend.models import AdapterVersion, Run, VersionScore
 from backend.poller import Poller
 from backend.services.queries import HeldOutScore, QueryService
 from backend.services.runs import RunNotFound, RunService
@@ -187,6 +186,23 @@ def test_the_monitor_redraws_the_evaluation_chart_when_scores_arrive_and_names_t
     assert "<span>best by eval</span><b>v5 (0.812)</b>" in second[page.header]
 
 
+def test_a_tick_redraws_the_training_charts_when_the_chart_controls_arrive_after_the_first_drawing(
+    panel: Panel,
+) -> None:
+    """After a reload the browser's saved chart controls may reach the page after the Monitor's first drawing; the
+    next tick draws with them, even though the run (stopped, say) logged nothing new."""
+    page = MonitorPage(panel)
+    with gr.Blocks():
+        page.build()
+    filters = ("", "", "", "", False, 1)
+    first = page.refresh(RUN, "training", {}, 1, True, *filters, 0, False, "step", [])
+    assert page.more_plot in first
+    same = page.refresh(RUN, "training", first[page.drawn], 1, True, *filters, 0, False, "step", [])
+    assert page.more_plot not in same
+    restored = page.refresh(RUN, "training", first[page.drawn], 1, True, *filters, 1, True, "step", ["loss"])
+    assert page.more_plot in restored and page.reward_plot in restored
+
+
 def test_the_header_shows_the_best_version_by_eval_only_when_there_is_one(panel: Panel) -> None:
     run = RunService(panel.ctx, "local").get(RUN)
     assert "best by eval" not in cards.run_header(run, None)
@@ -194,22 +210,36 @@ def test_the_header_shows_the_best_version_by_eval_only_when_there_is_one(panel:
     assert "<span>best by eval</span><b>v7 (0.812)</b>" in header
 
 
-def test_the_versions_table_shows_each_versions_held_out_reward_and_stars_the_best(panel: Panel) -> None:
+def test_the_versions_table_shows_held_out_rewards_and_the_best_by_eval_is_offered_first(panel: Panel) -> None:
+    """Issue 29: once versions are evaluated the `best` alias goes by held-out reward, not the training reward (v3
+    trained best here), and an ended run's version picker offers it first, preselected for make current, branch and
+    publish."""
     with panel.ctx.db.session() as session:
         session.add_all(
-            AdapterVersion(run_id=RUN, owner="local", version=version, step=version - 1, created_at=time.time())
-            for version in (1, 2, 3)
+            AdapterVersion(run_id=RUN, owner="local", version=v, step=v - 1, created_at=time.time(), reward=v / 10)
+            for v in (1, 2, 3)
         )
         session.commit()
-    ingested(panel.ctx, record(1, 0.25, half=None), record(3, 0.5, half=0.04))
+    ingested(panel.ctx, record(0, 0.9), record(1, 0.25, half=None), record(2, 0.5, half=0.04), record(3, 0.3))
+    alerts.evaluate(panel.ctx.db, RUN)
+    run = RunService(panel.ctx, "local").get(RUN)
+    assert run.best_version == 2  # v0 scored higher, but the base model is no version to keep
     page = AdaptersPage(panel)
     with gr.Blocks():
         page.build()
-    table = page.show_run(RUN)[page.table]
-    assert list(zip(table["version"], table[HELD_OUT_COLUMN], strict=True)) == [
-        ("v3", "0.500 ± 0.040 ★"),
-        ("v2", "—"),
-        ("v1", "0.250 ± ∞"),
+    shown = page.show_run(RUN)
+    table = shown[page.table]
+    assert list(zip(table["version"], table[HELD_OUT_COLUMN], table["alias"], strict=True)) == [
+        ("v3", "0.300 ± 0.050", ""),
+        ("v2", "0.500 ± 0.040", "★ best"),
+        ("v1", "0.250 ± ∞", ""),
     ]
+    picker = shown[page.version]
+    assert picker.choices[0] == ("v2 · step 1 · best by eval", 2) and picker.value != 2  # a draft: current offered
     with panel.ctx.db.session() as session:
-        assert session.exec(select(func.count()).select_from(VersionScore)).one() == 2
+        ended = session.get(Run, RUN)
+        assert ended is not None
+        ended.status = "finished"
+        session.add(ended)
+        session.commit()
+    assert page.show_run(RUN)[page.version].value == 2

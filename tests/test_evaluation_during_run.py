@@ -17,6 +17,7 @@ from jobs.evaluation.during_run import RunEvaluator, Scorer
 from jobs.evaluation.heldout import EvalPrompts
 from jobs.evaluation.results import score_table
 from jobs.evaluation.sampling import Completion
+from jobs.evaluation.statistics import Interval, stalled
 from jobs.store import LocalStore
 from jobs.trainer.evaluator_process import EvaluatorProcess
 from jobs.trainer.rewards import build_rewards
@@ -150,3 +151,69 @@ def test_an_evaluator_that_keeps_dying_is_given_up_on_and_one_that_hangs_at_the_
     hanging.finish(9, timeout=0.5)
     assert hanging.process is not None and hanging.process.returncode is not None
     assert "evaluation of the last version v9 did not end within 0 s" in events.messages()
+
+
+def test_a_stall_is_when_the_last_evaluations_never_beat_the_best_by_more_than_its_interval():
+    def history(*points: tuple[int, float]) -> list[tuple[int, Interval]]:
+        return [(version, Interval(mean, mean - 0.05, mean + 0.05)) for version, mean in points]
+
+    rising = history((0, 0.1), (11, 0.2), (21, 0.3), (31, 0.4))
+    assert stalled(rising, 2) is None
+    within = history((0, 0.1), (11, 0.5), (21, 0.54), (31, 0.52))  # v21 is higher, but within v11's interval
+    assert stalled(within, 2) == 11 and stalled(within, 3) is None
+    falling = history((0, 0.1), (11, 0.5), (21, 0.3), (31, 0.2), (41, 0.1))
+    assert stalled(falling, 3) == 11 and stalled(falling, 4) is None
+    assert stalled(history((0, 0.1)), 1) is None
+
+
+def test_a_stalled_held_out_reward_raises_an_alert_and_with_stop_on_regression_stops_and_keeps_the_best(
+    tmp_path, capsys
+):
+    import json
+
+    from jobs.contract import layout
+    from jobs.contract.control import STOP
+
+    store = LocalStore(tmp_path / "store")
+    alert_only = RunEvaluator(spec(tmp_path, patience=2), store, "", prompts(1), Scorer([], []), "a" * 16)
+    alert_only.history = [
+        (0, Interval(0.1, 0.05, 0.15)),
+        (11, Interval(0.5, 0.45, 0.55)),
+        (21, Interval(0.4, 0.3, 0.5)),
+    ]
+    alert_only.judge()
+    assert capsys.readouterr().out == ""  # one evaluation since the best: not yet
+    alert_only.history.append((31, Interval(0.52, 0.47, 0.57)))
+    alert_only.judge()
+    alert_only.judge()  # said once
+    said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(said) == 1 and (said[0]["level"], said[0]["kind"]) == ("error", "held_out_stalled")
+    assert "not beaten v11's 0.500" in said[0]["message"] and "training goes on" in said[0]["message"]
+    assert not store.exists(layout.control_key("during-run", STOP))
+    alert_only.make_best_current()
+    assert not store.exists(layout.current_key("during-run"))  # nothing stopped: current stays the trainer's
+
+    stopping = RunEvaluator(
+        spec(tmp_path, patience=2, stop_on_regression=True), store, "", prompts(1), Scorer([], []), "b" * 16
+    )
+    stopping.history = list(alert_only.history)
+    stopping.judge()
+    assert "the run stops" in capsys.readouterr().out
+    assert "eval.stop_on_regression" in json.loads(store.get_bytes(layout.control_key("during-run", STOP)))["reason"]
+    stopping.history.append((41, Interval(0.3, 0.2, 0.4)))
+    stopping.make_best_current()
+    assert store.get_bytes(layout.current_key("during-run")) == b"31"  # the highest mean among adapter versions
+
+
+def test_a_restarted_evaluator_knows_the_scores_stored_before_it(tmp_path):
+    from jobs.contract import layout
+    from jobs.evaluation.results import VersionEval
+
+    store = LocalStore(tmp_path / "store")
+    for version, score in ((11, 0.5), (0, 0.1)):
+        result = VersionEval("during-run", version, "c" * 16, "split 'test'", {}, 1, ["p"] * 2, [["a"]] * 2,
+                             {"reward": [[score], [score]]}, 1.0)  # fmt: skip
+        store.put_bytes(layout.eval_key("during-run", version, "c" * 16), result.to_json().encode())
+    evaluator = RunEvaluator(spec(tmp_path, every=10), store, "", prompts(1), Scorer([], []), "c" * 16)
+    assert [(version, score.mean) for version, score in evaluator.history] == [(0, 0.1), (11, 0.5)]
+    assert evaluator.due(25) == 21  # v11 is done, not skipped

@@ -69,6 +69,10 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "eval.k": ("advanced", "Eval samples per prompt"),
     "eval.greedy": ("advanced", "Greedy eval"),
     "eval.seed": ("advanced", "Eval seed"),
+    "eval.during_run": ("advanced", "Evaluate during the run"),
+    "eval.every": ("advanced", "Eval every N versions"),
+    "eval.patience": ("advanced", "Eval patience"),
+    "eval.stop_on_regression": ("advanced", "Stop when held-out stalls"),
     "rewards": ("rewards_code", "Rewards"),  # the list as a whole; the form has a code reward
     "rewards.*": (REWARD, None),  # a reward's trial: its message starts with the reward's name, no label
     "rewards.*.kind": (REWARD, "Kind"),

@@ -26,7 +26,7 @@ from backend.models import AdapterVersion, Run
 from backend.services.adapters import Comparison
 from backend.services.evaluation import PromptDifference
 from backend.services.queries import HeldOutScore
-from backend.services.runs import RunStateError, propose_run_id
+from backend.services.runs import TERMINAL_STATUSES, RunStateError, propose_run_id
 
 REFRESH_SECONDS = 5.0
 PICK_FIRST = "Pick a run and a version first (click a row of the table)."
@@ -38,12 +38,9 @@ COLUMNS = ["version", "step", REWARD_COLUMN, HELD_OUT_COLUMN, "size", "saved", "
 
 
 def versions_table(
-    run: Run | None,
-    versions: list[AdapterVersion],
-    held_out: list[HeldOutScore] | None = None,
-    best_by_eval: int | None = None,
+    run: Run | None, versions: list[AdapterVersion], held_out: list[HeldOutScore] | None = None
 ) -> pd.DataFrame:
-    """Newest first; `held_out` are the versions' held-out rewards, the best of them (`best_by_eval`) starred."""
+    """Newest first, with each version's held-out reward where it was evaluated (the `best` alias goes by it)."""
     scores = {score.version: score for score in held_out or []}
     rows = []
     for v in reversed(versions):
@@ -58,7 +55,7 @@ def versions_table(
                 "version": f"v{v.version}",
                 "step": v.step,
                 REWARD_COLUMN: round(v.reward, 3) if v.reward is not None else None,
-                HELD_OUT_COLUMN: held_out_text(scores.get(v.version), best=v.version == best_by_eval),
+                HELD_OUT_COLUMN: held_out_text(scores.get(v.version)),
                 "size": size(v.size_bytes),
                 "saved": clock(v.created_at),
                 "alias": " ".join(alias),
@@ -68,12 +65,24 @@ def versions_table(
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def held_out_text(score: HeldOutScore | None, best: bool = False) -> str:
+def held_out_text(score: HeldOutScore | None) -> str:
     """A held-out reward as mean ± half its 95 % interval (∞: unbounded, one prompt); "—": not evaluated."""
     if score is None:
         return "—"
     half = f"{score.half_width:.3f}" if score.half_width is not None else "∞"
-    return f"{score.mean:.3f} ± {half}" + (" ★" if best else "")
+    return f"{score.mean:.3f} ± {half}"
+
+
+def version_choices(run: Run, versions: list[AdapterVersion], held_out: list[HeldOutScore]) -> list[tuple[str, int]]:
+    """The versions to pick from, newest first, the `best` alias first of all and said as such: by held-out reward
+    once versions are evaluated, else by training reward."""
+    evaluated = {score.version for score in held_out}
+    by = "best by eval" if run.best_version in evaluated else "best by training reward"
+    choices = [
+        (f"v{v.version} · step {v.step}" + (f" · {by}" if v.version == run.best_version else ""), v.version)
+        for v in reversed(versions)
+    ]
+    return sorted(choices, key=lambda choice: choice[1] != run.best_version)  # stable: the rest stay newest first
 
 
 def metrics_table(comparison: Comparison) -> pd.DataFrame:
@@ -259,7 +268,9 @@ class AdaptersPage:
         latest = versions[-1].version if versions else None
         trained = [v.version for v in versions if v.step and v.version != latest]  # skip the untrained initial one
         first = trained[0] if trained else (versions[0].version if versions else None)
-        chosen = run.current_version if run.current_version is not None else latest
+        # An ended run is looked at to pick the version to keep: its best is offered first (current while it trains).
+        best = run.best_version if run.status in TERMINAL_STATUSES else None
+        chosen = best or (run.current_version if run.current_version is not None else latest)
         return listing | {
             self.version: gr.Dropdown(choices=choices, value=chosen),
             self.version_a: gr.Dropdown(choices=choices, value=first),
@@ -292,14 +303,11 @@ class AdaptersPage:
                 "No adapter version yet: the trainer publishes one at every weight sync; they appear here within "
                 "seconds."
             )
-        choices = [(f"v{v.version} · step {v.step}", v.version) for v in reversed(versions)]
         held_out = services.queries.held_out_series(run.id)
-        best = services.queries.best_by_eval(run.id)
-        best_version = best.version if best is not None else None
         key = [run.id, [v.version for v in versions], run.current_version, run.best_version,
                [(c.id, c.status) for c in children], [(s.version, s.mean) for s in held_out]]  # fmt: skip
-        table = versions_table(run, versions, held_out, best_version)
-        return {self.lineage: lineage, self.table: table, self.listed: key}, choices
+        table = versions_table(run, versions, held_out)
+        return {self.lineage: lineage, self.table: table, self.listed: key}, version_choices(run, versions, held_out)
 
     def prepare_download(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> dict:
         services = self.panel.services(profile)

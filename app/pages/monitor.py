@@ -323,9 +323,12 @@ class MonitorPage:
             run = services.runs.get(run_id)
         except RunNotFound:
             return self._frame(cards.empty_state(f"No run {run_id}."), "", {}, stoppable=False)
-        # The held-out scores counted too: an evaluation may be ingested without any other telemetry changing.
+        # The held-out scores counted too: an evaluation may be ingested without any other telemetry changing. And the
+        # chart controls: restored from the browser after a reload, they may arrive after the first drawing.
         held_out = services.queries.held_out_count(run.id)
+        charts = [smoothing, log_y, x_axis, sorted(more_metrics or [])]
         state = [run.id, run.status, run.step, run.last_telemetry_at, run.current_version, run.best_version, held_out]
+        state += charts
         step_seconds = services.queries.step_seconds(run.id) if run.status not in ("finished", "stopped") else None
         header = cards.run_header(
             run,

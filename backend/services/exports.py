@@ -16,6 +16,7 @@ import pandas as pd
 from sqlmodel import col, select
 
 from backend.context import PanelContext
+from backend.ingest import held_out_scores
 from backend.models import MetricPoint, RolloutSample
 from backend.services.runs import RunService
 
@@ -42,7 +43,9 @@ class ExportService:
         self.runs = RunService(ctx, owner)
 
     def metrics(self, run_id: str) -> pd.DataFrame:
-        """One row per step: `step`, `time` (when the step was logged, Unix seconds), then every metric."""
+        """One row per step: `step`, `time` (when the step was logged, Unix seconds), then every metric; held-out
+        scores as `eval/<score>` with their 95 % bounds (`eval/<score>/low`, `/high`) at the step of the version
+        evaluated (the base model at step 0)."""
         self.runs.get(run_id)  # the owner check
         with self.ctx.db.session() as session:
             rows = session.exec(
@@ -50,7 +53,15 @@ class ExportService:
                     MetricPoint.run_id == run_id
                 )
             ).all()
-        points = pd.DataFrame(rows, columns=["step", "time", "name", "value"])
+            held_out = session.exec(held_out_scores(run_id)).all()
+        # An evaluation's time is when it was scored: a step's time stays when the trainer logged it.
+        evaluated = [
+            (score.step, None, f"eval/{score.name}{part}", value)
+            for score in held_out
+            for part, value in (("", score.mean), ("/low", score.low), ("/high", score.high))
+            if value is not None
+        ]
+        points = pd.DataFrame([*rows, *evaluated], columns=["step", "time", "name", "value"])
         if points.empty:
             return pd.DataFrame(columns=["step", "time"])
         wide = points.pivot_table(index="step", columns="name", values="value", aggfunc="last")

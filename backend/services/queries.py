@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy
-from sqlalchemy import ScalarSelect, func, or_
+from sqlalchemy import func, or_
 from sqlmodel import col, select
-from sqlmodel.sql.expression import SelectOfScalar
 
 from backend.context import PanelContext
-from backend.ingest import latest_proxy_snapshots
+from backend.ingest import best_held_out, held_out_scores, latest_proxy_snapshots
 from backend.models import AdapterVersion, Event, Job, MetricPoint, ReplicaStatus, RolloutSample, Run, VersionScore
 
 # A count of dropped samples: summed as a Boolean column, SQLAlchemy reads any total back as True.
@@ -97,20 +96,6 @@ class HeldOutScore:
     @property
     def half_width(self) -> float | None:
         return None if self.low is None or self.high is None else (self.high - self.low) / 2
-
-
-def _in_run_key(run_id: str) -> ScalarSelect[str]:
-    """The settings key of the run's own evaluation: that of the newest score ingested (after-run evaluations with
-    other settings have other keys, and their scores are not comparable with these)."""
-    newest = select(VersionScore.key).where(VersionScore.run_id == run_id).order_by(col(VersionScore.id).desc())
-    return newest.limit(1).scalar_subquery()
-
-
-def _held_out_scores(run_id: str, name: str) -> SelectOfScalar[VersionScore]:
-    """The run's scores named `name` under its own evaluation's settings, one per version."""
-    return select(VersionScore).where(
-        VersionScore.run_id == run_id, VersionScore.name == name, VersionScore.key == _in_run_key(run_id)
-    )
 
 
 def _held_out(row: VersionScore) -> HeldOutScore:
@@ -350,15 +335,14 @@ class QueryService:
         order."""
         self._check(run_id)
         with self.ctx.db.session() as session:
-            rows = session.exec(_held_out_scores(run_id, name).order_by(col(VersionScore.version))).all()
+            rows = session.exec(held_out_scores(run_id, name).order_by(col(VersionScore.version))).all()
         return [_held_out(row) for row in rows]
 
     def best_by_eval(self, run_id: str) -> HeldOutScore | None:
-        """The version with the highest held-out reward (the earlier one of a tie: it cost fewer steps)."""
+        """The version with the highest held-out reward (the base model included: training may have made it worse)."""
         self._check(run_id)
-        query = _held_out_scores(run_id, "reward").order_by(col(VersionScore.mean).desc(), col(VersionScore.version))
         with self.ctx.db.session() as session:
-            row = session.exec(query.limit(1)).first()
+            row = best_held_out(session, run_id)
         return None if row is None else _held_out(row)
 
     def held_out_count(self, run_id: str) -> int:

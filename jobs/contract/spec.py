@@ -578,6 +578,25 @@ class EvalSpec(_Section):
             "Eval every N versions", "dataset", "during the run", unset="auto: ~10% of rollout tokens", advanced=True
         ),
     ] = None
+    patience: Annotated[
+        int,
+        Field(ge=1, le=100),
+        shown(
+            "Eval patience",
+            "dataset",
+            "evaluations during the run without beating the best by more than its interval before an alert",
+            advanced=True,
+        ),
+    ] = 3
+    stop_on_regression: Annotated[
+        bool,
+        shown(
+            "Stop when held-out stalls",
+            "dataset",
+            "after `patience` evaluations without improvement: stop the run and make the best version current",
+            advanced=True,
+        ),
+    ] = False
 
     @field_validator("split", mode="before")
     @classmethod

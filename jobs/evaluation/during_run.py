@@ -32,9 +32,11 @@ from typing import Any
 import requests
 
 from jobs.contract import RunSpec, derived, layout
+from jobs.contract.control import STOP, StopRequest
 from jobs.evaluation.heldout import EvalPrompts, eval_prompts, held_out
 from jobs.evaluation.results import TOTAL, VersionEval, result_key, score_table
 from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
+from jobs.evaluation.statistics import Interval, stalled
 from jobs.runtime import add_run_arguments, open_run, setup_logging
 from jobs.store import ObjectNotFound, ObjectStore, StoreError
 from jobs.store.published import read_manifest
@@ -77,7 +79,10 @@ class RunEvaluator:
         self.sampling = Sampling.of(spec)
         self.every = derived.eval_cost(spec, len(prompts.records)).every
         self.stream = ChunkWriter(store, spec.run_id, "eval")
-        self.tried: set[int] = set()  # evaluated, stored before, or skipped: never tried again
+        self.history = self._stored_history()  # (version, held-out reward) in the order evaluated
+        self.tried = {version for version, _ in self.history}  # evaluated, stored before, or skipped: not again
+        self.alerted = False  # the held-out reward stalled, and it was said
+        self.stopped = False  # ... and the run was asked to stop (eval.stop_on_regression)
 
     def due(self, published: int) -> int | None:
         """The version to evaluate next once `published` is the newest: the newest every-Nth one not yet tried. Older
@@ -116,12 +121,58 @@ class RunEvaluator:
             scores=scores,
             seconds=time.monotonic() - started,
         )
-        tokens = sum(len(completion.token_ids) for texts in sampled for completion in texts)
-        self.stream.add(telemetry_record(result, self._step(version), tokens))
+        self._write(result, sum(len(c.token_ids) for texts in sampled for c in texts))
+        self.history.append((version, result.summary(TOTAL).avg))
+        self.judge()
+
+    def _write(self, result: VersionEval, tokens: int) -> None:
+        """The record the panel ingests, then the whole result where the panel's evaluation reads it back."""
+        self.stream.add(telemetry_record(result, self._step(result.version), tokens))
         if not self.stream.flush():
             raise StoreError("the eval telemetry could not be written")
-        self.store.put_bytes(layout.eval_key(self.spec.run_id, version, self.key), result.to_json().encode())
-        log.info("v%d: held-out %s %.3f in %.1f s", version, TOTAL, result.summary(TOTAL).avg.mean, result.seconds)
+        self.store.put_bytes(layout.eval_key(self.spec.run_id, result.version, self.key), result.to_json().encode())
+        summary = result.summary(TOTAL).avg
+        log.info("v%d: held-out %s %.3f in %.1f s", result.version, TOTAL, summary.mean, result.seconds)
+
+    def judge(self) -> None:
+        """Once the held-out reward stops improving (`eval.patience` evaluations without beating the best by more
+        than its interval), say so as an alert; with `eval.stop_on_regression`, ask the trainer to stop too (the best
+        version is made current at the end, `make_best_current`)."""
+        settings = self.spec.eval
+        stuck = stalled(self.history, settings.patience)
+        if stuck is None or self.alerted:
+            return
+        self.alerted = True
+        best = dict(self.history)[stuck].mean
+        said = (
+            f"the held-out reward has not beaten v{stuck}'s {best:.3f} by more than its interval in "
+            f"{settings.patience} evaluations"
+        )
+        if not settings.stop_on_regression:
+            notice("error", f"{said}; training goes on (stop it, or set eval.stop_on_regression)", "held_out_stalled")
+            return
+        request = StopRequest(reason=f"{said} (eval.stop_on_regression)")
+        self.store.put_bytes(layout.control_key(self.spec.run_id, STOP), request.model_dump_json().encode())
+        self.stopped = True
+        notice("error", f"{said}: the run stops, and its best version becomes current", "held_out_stalled")
+
+    def make_best_current(self) -> None:
+        """After a stop for a stalled held-out reward: the best adapter version (the base model is none) is current."""
+        adapters = [(version, score) for version, score in self.history if version > 0]
+        if not (self.stopped and adapters):
+            return
+        version = max(adapters, key=lambda item: (item[1].mean, -item[0]))[0]
+        self.store.put_bytes(layout.current_key(self.spec.run_id), str(version).encode())
+        notice("info", f"v{version}, the best on held-out prompts, is now the run's current version", "evaluation")
+
+    def _stored_history(self) -> list[tuple[int, Interval]]:
+        """The held-out rewards already stored under this evaluation's key (a restarted evaluator's), by version."""
+        prefix = layout.eval_prefix(self.spec.run_id) + f"{self.key}/"
+        stored = []
+        for info in self.store.list(prefix):
+            result = VersionEval.from_json(self.store.get_bytes(info.key))
+            stored.append((result.version, result.summary(TOTAL).avg))
+        return sorted(stored)
 
     @contextmanager
     def _served(self, version: int) -> Iterator[str]:
@@ -169,6 +220,7 @@ class RunEvaluator:
             if final is not None:
                 if final not in self.tried:
                     self.evaluate(final)
+                self.make_best_current()
                 return
             try:
                 version = self.due(self.published())
@@ -208,9 +260,10 @@ def _finite(value: float) -> float | None:
     return value if abs(value) != float("inf") else None
 
 
-def notice(level: str, message: str) -> None:
-    """One line for the trainer to forward as an event (stdout is the evaluator's channel to it)."""
-    print(json.dumps({"level": level, "message": message}), flush=True)
+def notice(level: str, message: str, kind: str = "evaluation") -> None:
+    """One line for the trainer to forward as an event (stdout is the evaluator's channel to it); an error is an
+    alert on the panel until dismissed."""
+    print(json.dumps({"level": level, "message": message, "kind": kind}), flush=True)
 
 
 def _final_version(path: Path) -> int | None:

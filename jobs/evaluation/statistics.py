@@ -81,3 +81,14 @@ def paired(a: Sequence[float], b: Sequence[float]) -> Paired:
     wins = sum(d > TIE for d in differences)
     losses = sum(d < -TIE for d in differences)
     return Paired(interval(differences), wins, len(differences) - wins - losses, losses)
+
+
+def stalled(history: Sequence[tuple[int, Interval]], patience: int) -> int | None:
+    """The version whose held-out score the last `patience` evaluations did not beat by more than its interval (none
+    scored above its upper bound), or None while scores still improve. `history` is (version, score) in the order
+    evaluated."""
+    best = 0
+    for index in range(1, len(history)):
+        if history[index][1].mean > history[best][1].high:
+            best = index
+    return history[best][0] if len(history) - 1 - best >= patience else None

@@ -389,12 +389,10 @@ class AdapterSync:
         """Load a published version under its evaluation name on every routable replica, all-or-nothing like a
         policy load (undone where it was taken if any replica fails), without publishing it or touching the live
         versions: held-out evaluation scores it there by that name, then unloads it."""
-        try:
-            version = _version_of(body)
-        except ValueError as error:
-            self.stats.count_error("bad_request")
-            return text_response(400, f"proxy: {error}")
-        name = derived.eval_adapter_name(self.run_id, version)
+        named = self._evaluation_name(body)
+        if isinstance(named, Response):
+            return named
+        version, name = named
         async with self.lock:
             replicas = list(self.membership.routable)
             if not replicas:
@@ -413,15 +411,25 @@ class AdapterSync:
 
     async def unload_for_evaluation(self, body: bytes) -> Response:
         """Unload a version's evaluation name from every routable replica."""
-        try:
-            version = _version_of(body)
-        except ValueError as error:
-            self.stats.count_error("bad_request")
-            return text_response(400, f"proxy: {error}")
-        name = derived.eval_adapter_name(self.run_id, version)
+        named = self._evaluation_name(body)
+        if isinstance(named, Response):
+            return named
+        version, name = named
         async with self.lock:
             await self._unload_everywhere(name, version, list(self.membership.routable))
         return text_response(200, f"Success: {name} removed.")
+
+    def _evaluation_name(self, body: bytes) -> tuple[int, str] | Response:
+        """The version a `{"version": N}` body names (N >= 1) and its evaluation name, or the 400 saying what to
+        send."""
+        try:
+            version = json.loads(body)["version"]
+        except (ValueError, KeyError, TypeError):
+            version = None
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            self.stats.count_error("bad_request")
+            return text_response(400, 'proxy: send {"version": N}, a published adapter version (N >= 1)')
+        return version, derived.eval_adapter_name(self.run_id, version)
 
     async def _unload_everywhere(self, name: str, version: int, replicas: list[Replica]) -> None:
         """Unload an evaluation name; a replica that keeps it is ejected, and its re-admission clears it."""
@@ -587,17 +595,6 @@ class AdapterSync:
     async def _post(self, replica: Replica, target: str, body: bytes, timeout: float) -> ClientResponse:
         headers = [*self.auth, ("Content-Type", "application/json")] if body else list(self.auth)
         return await self.client.request(replica.origin, "POST", target, headers, body, timeout)
-
-
-def _version_of(body: bytes) -> int:
-    """The published version a `{"version": N}` body names (N >= 1); ValueError saying what to send."""
-    try:
-        version = json.loads(body)["version"]
-    except (ValueError, KeyError, TypeError):
-        version = None
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-        raise ValueError('send {"version": N}, a published adapter version (N >= 1)')
-    return version
 
 
 def _roles_of(replicas: list[Replica]) -> str:

@@ -33,6 +33,7 @@ class GracefulStop(TrainerCallback):
     def __init__(self, store: ObjectStore, run_id: str, telemetry=None, check_every: float = 5.0):
         self.store, self.run_id, self.telemetry, self.check_every = store, run_id, telemetry, check_every
         self.reason: str | None = None
+        self.cancelled = False  # the job received SIGTERM: it is being cancelled, and should end soon
         self._checked = 0.0
         self._signalled = threading.Event()
 
@@ -41,6 +42,7 @@ class GracefulStop(TrainerCallback):
 
     def _on_sigterm(self, _signum, _frame) -> None:
         self.reason = self.reason or "the job received SIGTERM"
+        self.cancelled = True
         self._signalled.set()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 

@@ -63,7 +63,8 @@ class EvaluatorProcess:
         for line in stdout or ():
             try:
                 notice = json.loads(line)
-                self.events.event("evaluation", str(notice["message"]), level=str(notice.get("level", "info")))
+                kind, level = str(notice.get("kind", "evaluation")), str(notice.get("level", "info"))
+                self.events.event(kind, str(notice["message"]), level=level)
             except (ValueError, KeyError, TypeError):
                 log.info("evaluator: %s", line.rstrip())
 

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             audit.run(version, trainer.state.global_step)
         step = trainer.state.global_step
         publish_final(store, spec.run_id, trainer, workdir, {"step": step, "version": version, "attempt": attempt})
-        if evaluator is not None:
+        if evaluator is not None and not stop.cancelled:  # a cancelled job ends now: no last evaluation
             telemetry.status("evaluating")
             evaluator.finish(version)
         outcome, exit_code = ("stopped", 0) if stop.reason else ("finished", 0)
