@@ -510,12 +510,19 @@ def test_held_out_evaluation_during_the_run_scores_the_base_model_every_tenth_ve
     last version well above the base model."""
     store = demo_run.store
     last = layout.parse_version_dir(list_published(store, layout.adapters_prefix("demo-e2e"))[-1])
+    # The evaluator killed after v11 (the fixture) was started again. A restart slower than ten steps (a loaded CI
+    # machine) may have it skip a due version: said, never silently.
+    said = [e["message"] for e in stored(store, "demo-e2e", "events") if e["kind"] == "evaluation"]
+    assert said[0] == "the held-out evaluator exited with code -9; started again (1 of 3)", said
+    assert all(message.startswith("held-out evaluation fell behind") for message in said[1:]), said
+    skipped = {int(v) for message in said[1:] for v in re.findall(r"v(\d+)", message.split(" skipped")[0])}
+    evaluated = [v for v in (0, 11, 21, 31, last) if v not in skipped]
     records = sorted(stored(store, "demo-e2e", "eval"), key=lambda record: record["version"])
-    assert [(r["version"], r["step"]) for r in records] == [(0, 0), (11, 10), (21, 20), (31, 30), (last, STEPS)]
-    assert all((r["prompts"], r["k"]) == (32, 4) for r in records)
+    assert [r["version"] for r in records] == evaluated and {0, 11, last} <= set(evaluated)  # each once
+    assert all((r["step"], r["prompts"], r["k"]) == (r["version"] - (r["version"] > 0), 32, 4) for r in records)
     for panel in (demo_run.ctx, demo_run.restored.ctx):
         series = QueryService(panel, OWNER).held_out_series("demo-e2e")
-        assert [score.version for score in series] == [0, 11, 21, 31, last]
+        assert [score.version for score in series] == evaluated
     base, final = series[0], series[-1]
     print("held-out reward during the run: " + ", ".join(f"v{s.version} {s.mean:.3f}" for s in series))
     assert final.low is not None and base.high is not None and final.low > base.high
@@ -529,10 +536,8 @@ def test_held_out_evaluation_during_the_run_scores_the_base_model_every_tenth_ve
     assert re.search(rf"held-out +{best.mean:.3f} .* best$", listed[f"v{best.version}"]), listed
     assert re.search(r"held-out +- ", listed["v2"]), listed
     snapshot = QueryService(demo_run.ctx, OWNER).proxy_snapshots("demo-e2e")[-1]
-    assert snapshot["adapters"]["evaluation_loads"] == 4  # v11, v21, v31, v41: v0 is the base model
-    # The evaluator killed after v11 (the fixture) was started again, and nothing was skipped or scored twice.
-    said = [e["message"] for e in stored(store, "demo-e2e", "events") if e["kind"] == "evaluation"]
-    assert said == ["the held-out evaluator exited with code -9; started again (1 of 3)"], said
+    assert snapshot["adapters"]["evaluation_loads"] == len(evaluated) - 1  # v0 is the base model, never loaded
+    assert snapshot["adapters"]["evaluating"] == []  # every evaluation's adapter unloaded after it
 
 
 def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path, monkeypatch, capsys):

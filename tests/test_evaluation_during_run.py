@@ -4,6 +4,7 @@ evaluator that can fail without touching training. The evaluator beside a real r
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -73,10 +74,9 @@ def test_an_evaluator_that_fell_behind_evaluates_the_newest_due_version_and_says
     )
     assert evaluator.due(10) is None
     assert evaluator.due(35) == 31
-    said = capsys.readouterr().out
-    assert "v21 skipped, v31 evaluated instead" in said and "v11 skipped" in said
-    evaluator.tried.add(31)
+    assert "fell behind: v11, v21 skipped, v31 evaluated instead" in capsys.readouterr().out
     assert evaluator.due(35) is None and evaluator.due(41) == 41
+    assert capsys.readouterr().out == ""  # each skip said once
 
 
 def test_held_out_completions_are_scored_by_the_runs_rewards_with_their_weights_as_in_training():
@@ -163,7 +163,9 @@ def test_a_stall_is_when_the_last_evaluations_never_beat_the_best_by_more_than_i
     assert stalled(within, 2) == 11 and stalled(within, 3) is None
     falling = history((0, 0.1), (11, 0.5), (21, 0.3), (31, 0.2), (41, 0.1))
     assert stalled(falling, 3) == 11 and stalled(falling, 4) is None
-    assert stalled(history((0, 0.1)), 1) is None
+    assert stalled(history((0, 0.1)), 1) is None and stalled([], 1) is None
+    one_prompt = [(0, Interval(0.1, -math.inf, math.inf)), (11, Interval(0.0, -math.inf, math.inf))]
+    assert stalled(one_prompt * 3, 2) is None  # no interval: never a stall
 
 
 def test_a_stalled_held_out_reward_raises_an_alert_and_with_stop_on_regression_stops_and_keeps_the_best(
@@ -217,3 +219,37 @@ def test_a_restarted_evaluator_knows_the_scores_stored_before_it(tmp_path):
     evaluator = RunEvaluator(spec(tmp_path, every=10), store, "", prompts(1), Scorer([], []), "c" * 16)
     assert [(version, score.mean) for version, score in evaluator.history] == [(0, 0.1), (11, 0.5)]
     assert evaluator.due(25) == 21  # v11 is done, not skipped
+
+
+def test_a_version_the_proxy_could_not_load_is_skipped_said_and_unloaded_all_the_same(tmp_path, capsys):
+    """The evaluation slot is freed whatever happened to the load (the proxy may finish one this side gave up on)."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    calls: list[tuple[str, dict]] = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            calls.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            refused = self.path.endswith("/load")
+            self.send_response(502 if refused else 200)
+            self.end_headers()
+            self.wfile.write(b"proxy: loading failed on 1/2 replicas" if refused else b"ok")
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        evaluator = RunEvaluator(
+            spec(tmp_path), LocalStore(tmp_path / "store"), url, prompts(1), Scorer([], []), "d" * 16
+        )
+        evaluator.evaluate(11)
+    finally:
+        server.shutdown()
+    assert calls == [("/proxy/evaluation/load", {"version": 11}), ("/proxy/evaluation/unload", {"version": 11})]
+    said = json.loads(capsys.readouterr().out)
+    assert said["level"] == "warning" and "v11 skipped: the proxy could not load v11: 502" in said["message"]
+    assert evaluator.history == []

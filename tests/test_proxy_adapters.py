@@ -329,7 +329,7 @@ def test_an_evaluation_load_serves_a_version_by_its_evaluation_name_until_unload
     stats = adapters_stats(harness)
     assert (stats["evaluation_loads"], stats["loads_ok"], stats["live"], stats["current"]) == (1, 1, [], 1)
     assert harness.post("/proxy/evaluation/unload", {"version": 1}).status_code == 200
-    assert held(harness) == [set(), set()]
+    assert held(harness) == [set(), set()] and adapters_stats(harness)["evaluating"] == []
     assert harness.completion(list(range(40)), model=name).status_code == 404
 
 
@@ -342,3 +342,18 @@ def test_an_evaluation_load_is_all_or_nothing_and_names_what_to_send(harness, tm
     for bad in ({"version": 0}, {"version": "1"}, {"lora_name": "trl-policy-v1"}):
         refused = harness.post("/proxy/evaluation/load", bad)
         assert refused.status_code == 400 and '{"version": N}' in refused.text
+
+
+def test_one_evaluation_slot_a_leftover_evaluation_name_is_unloaded_and_an_unpublished_version_refused(
+    harness, tmp_path
+):
+    """An evaluator that died before its unload leaves its name loaded: the next evaluation load frees that slot
+    first. A version never published is refused at once (404), without taking the lock a weight sync needs."""
+    for version in (1, 2):
+        assert harness.load(version, write_adapter(tmp_path / f"v{version}", seed=version)).status_code == 200
+    assert harness.post("/proxy/evaluation/load", {"version": 1}).status_code == 200  # and never unloaded
+    assert harness.post("/proxy/evaluation/load", {"version": 2}).status_code == 200
+    assert held(harness) == [{f"{RUN_ID}-v1", f"{RUN_ID}-v2", f"{RUN_ID}-eval-v2"}] * 2
+    assert adapters_stats(harness)["evaluating"] == [f"{RUN_ID}-eval-v2"]
+    missing = harness.post("/proxy/evaluation/load", {"version": 9})
+    assert missing.status_code == 404 and "v9 is not published" in missing.text

@@ -72,8 +72,10 @@ def test_re_admission_replays_every_live_adapter_and_drops_stale_ones(make_harne
     assert harness.post("/v1/unload_lora_adapter", {"lora_name": "trl-policy-v1"}).status_code == 200
     assert harness.load(3, write_adapter(tmp_path / "v3", seed=3)).status_code == 200
     assert set(harness.replicas[0].adapters) == {f"{RUN_ID}-v2", f"{RUN_ID}-v3"}
-    # It comes back still holding v1 and v2 (a network blip, not a restart).
-    assert set(harness.replicas[1].adapters) == {f"{RUN_ID}-v1", f"{RUN_ID}-v2"}
+    # It comes back still holding v1 and v2 (a network blip, not a restart), and an evaluation's adapter that was
+    # never unloaded (its evaluator died): the slot is the next evaluation's.
+    harness.replicas[1].adapters[f"{RUN_ID}-eval-v2"] = harness.replicas[1].adapters[f"{RUN_ID}-v2"]
+    assert set(harness.replicas[1].adapters) == {f"{RUN_ID}-v1", f"{RUN_ID}-v2", f"{RUN_ID}-eval-v2"}
     harness.start_replica(1)
     wait_until(lambda: harness.state(1) == "healthy", what="re-admission")
     assert set(harness.replicas[1].adapters) == {f"{RUN_ID}-v2", f"{RUN_ID}-v3"}

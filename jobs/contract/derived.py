@@ -173,6 +173,13 @@ def eval_adapter_name(run_id: str, version: int) -> str:
     return f"{run_id}-eval-v{version}"
 
 
+def parse_eval_adapter_name(run_id: str, name: str) -> int | None:
+    """The version in one of this run's evaluation names (`eval_adapter_name`), or None if `name` is not one."""
+    prefix = f"{run_id}-eval-v"
+    rest = name[len(prefix) :] if name.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() and not rest.startswith("0") else None
+
+
 def trl_adapter_name(version: int) -> str:
     return f"{TRL_ADAPTER_PREFIX}{version}"
 
@@ -199,7 +206,8 @@ def eval_cost(spec: RunSpec, prompts: int | None = None) -> EvalCost:
     grpo, settings = spec.grpo, spec.eval
     per_evaluation = min(prompts or settings.prompts, settings.prompts) * settings.k * grpo.max_completion_length
     rollout_tokens = grpo.max_steps * grpo.completions_per_step * grpo.max_completion_length
-    last = grpo.max_steps // grpo.weight_sync_steps + 1  # v1 holds the weights before the first step
+    # v1 holds the weights before the first step; a last partial interval is published at the end as one more.
+    last = -(-grpo.max_steps // grpo.weight_sync_steps) + 1
     if settings.every:
         every = settings.every
     else:

@@ -20,10 +20,13 @@ keeps the first record.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +41,7 @@ from jobs.evaluation.results import TOTAL, VersionEval, result_key, score_table
 from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
 from jobs.evaluation.statistics import Interval, stalled
 from jobs.runtime import add_run_arguments, open_run, setup_logging
+from jobs.secrets import redact
 from jobs.store import ObjectNotFound, ObjectStore, StoreError
 from jobs.store.published import read_manifest
 from jobs.telemetry import ChunkWriter
@@ -45,7 +49,7 @@ from jobs.telemetry import ChunkWriter
 log = logging.getLogger("jobs.evaluation")
 POLL_S = 1.0  # how often the newest published version is read
 IN_FLIGHT_PROMPTS = 2  # the evaluator's prompts at the replicas at once (k samples each): training keeps the rest
-LOAD_TIMEOUT_S = 300.0  # the proxy's own load deadline bounds it sooner
+LOAD_TIMEOUT_S = 900.0  # the proxy's load deadline, after its wait for a weight sync under way
 
 
 @dataclass(frozen=True)
@@ -62,10 +66,23 @@ class Scorer:
         ids = [c.token_ids for texts in sampled for c in texts]
         columns = {name: [record[name] for record in records] for name in records[0] if name != "prompt"}
         prompts_each = [record["prompt"] for record in records]
-        weighted = [
-            reward.score(completions, prompts=prompts_each, completion_ids=ids, **columns) for reward in self.rewards
-        ]
+        kwargs = {"prompts": prompts_each, "completion_ids": ids, **columns}
+        weighted = [_within_deadline(functools.partial(reward.score, completions, **kwargs)) for reward in self.rewards]
         return score_table(self.names, weighted, k)
+
+
+def _within_deadline(score: Callable[[], list[float | None]]) -> list[float | None]:
+    """A reward's scores within the trainer's deadline for one call (`REWARD_DEADLINE_S`): a reward that hangs fails
+    the version's evaluation instead of freezing the evaluator (its thread is left to finish, as in the trainer)."""
+    from jobs.trainer.rewards import REWARD_DEADLINE_S
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(score).result(timeout=REWARD_DEADLINE_S)
+    except FutureTimeout:
+        raise TimeoutError(f"a reward did not answer within {REWARD_DEADLINE_S:g} s") from None
+    finally:
+        pool.shutdown(wait=False)
 
 
 class RunEvaluator:
@@ -80,23 +97,30 @@ class RunEvaluator:
         self.every = derived.eval_cost(spec, len(prompts.records)).every
         self.stream = ChunkWriter(store, spec.run_id, "eval")
         self.history = self._stored_history()  # (version, held-out reward) in the order evaluated
-        self.tried = {version for version, _ in self.history}  # evaluated, stored before, or skipped: not again
-        self.alerted = False  # the held-out reward stalled, and it was said
-        self.stopped = False  # ... and the run was asked to stop (eval.stop_on_regression)
+        self.reached = max((version for version, _ in self.history), default=1)  # due versions up to it: done
+        # What an evaluator before this one (restarted) already said and did.
+        self.alerted = stalled(self.history, spec.eval.patience) is not None
+        self.stopped = self.alerted and spec.eval.stop_on_regression
 
     def due(self, published: int) -> int | None:
-        """The version to evaluate next once `published` is the newest: the newest every-Nth one not yet tried. Older
-        due versions not tried by then are skipped (said on stdout): the evaluator catches up instead of lagging."""
-        due = [v for v in range(published, 1, -1) if derived.version_due(v, self.every) and v not in self.tried]
-        for behind in due[1:]:
-            self.tried.add(behind)
-            notice("warning", f"held-out evaluation fell behind: v{behind} skipped, v{due[0]} evaluated instead")
-        return due[0] if due else None
+        """The version to evaluate next once `published` is the newest: the newest every-Nth one past those already
+        reached. Older ones passed over meanwhile are skipped, said once: the evaluator catches up, never lags."""
+        due = [v for v in range(published, self.reached, -1) if derived.version_due(v, self.every)]
+        if not due:
+            return None
+        self.reached = due[0]
+        if due[1:]:
+            skipped = ", ".join(f"v{v}" for v in reversed(due[1:]))
+            notice("warning", f"held-out evaluation fell behind: {skipped} skipped, v{due[0]} evaluated instead")
+        return due[0]
 
     def evaluate(self, version: int) -> None:
-        """Evaluate `version` (0: the base model) unless its result is stored; a failure is said, not raised."""
-        self.tried.add(version)
-        if self.store.exists(layout.eval_key(self.spec.run_id, version, self.key)):
+        """Evaluate `version` (0: the base model) unless it is scored already; a failure is said, not raised."""
+        if any(done == version for done, _ in self.history):
+            return
+        stored = self._stored(version)
+        if stored is not None:  # scored by the panel under the same settings: recorded, not scored again
+            self._record(stored, tokens=0)
             return
         started = time.monotonic()
         try:
@@ -121,18 +145,25 @@ class RunEvaluator:
             scores=scores,
             seconds=time.monotonic() - started,
         )
-        self._write(result, sum(len(c.token_ids) for texts in sampled for c in texts))
-        self.history.append((version, result.summary(TOTAL).avg))
-        self.judge()
+        self._record(result, sum(len(c.token_ids) for texts in sampled for c in texts))
+        self.store.put_bytes(layout.eval_key(self.spec.run_id, version, self.key), result.to_json().encode())
+        summary = result.summary(TOTAL).avg
+        log.info("v%d: held-out %s %.3f in %.1f s", version, TOTAL, summary.mean, result.seconds)
 
-    def _write(self, result: VersionEval, tokens: int) -> None:
-        """The record the panel ingests, then the whole result where the panel's evaluation reads it back."""
+    def _record(self, result: VersionEval, tokens: int) -> None:
+        """The record the panel ingests (before the whole result is stored: a version whose result is stored has its
+        record), then what judging the run needs."""
         self.stream.add(telemetry_record(result, self._step(result.version), tokens))
         if not self.stream.flush():
             raise StoreError("the eval telemetry could not be written")
-        self.store.put_bytes(layout.eval_key(self.spec.run_id, result.version, self.key), result.to_json().encode())
-        summary = result.summary(TOTAL).avg
-        log.info("v%d: held-out %s %.3f in %.1f s", result.version, TOTAL, summary.mean, result.seconds)
+        self.history.append((result.version, result.summary(TOTAL).avg))
+        self.judge()
+
+    def _stored(self, version: int) -> VersionEval | None:
+        try:
+            return VersionEval.from_json(self.store.get_bytes(layout.eval_key(self.spec.run_id, version, self.key)))
+        except ObjectNotFound:
+            return None
 
     def judge(self) -> None:
         """Once the held-out reward stops improving (`eval.patience` evaluations without beating the best by more
@@ -184,12 +215,18 @@ class RunEvaluator:
             return
         body = {"version": version}
         try:
-            response = requests.post(f"{self.proxy_url}/proxy/evaluation/load", json=body, timeout=LOAD_TIMEOUT_S)
-        except requests.RequestException as error:
-            raise SamplingError(f"the proxy did not answer the load of v{version} ({type(error).__name__})") from None
-        if response.status_code != 200:
-            raise SamplingError(f"the proxy could not load v{version}: {response.status_code} {response.text[:300]}")
-        try:
+            # The unload goes whatever happened: a load the proxy finished after this side gave up must not keep the
+            # replicas' evaluation slot.
+            try:
+                response = requests.post(f"{self.proxy_url}/proxy/evaluation/load", json=body, timeout=LOAD_TIMEOUT_S)
+            except requests.RequestException as error:
+                raise SamplingError(
+                    f"the proxy did not answer the load of v{version} ({type(error).__name__})"
+                ) from None
+            if response.status_code != 200:
+                raise SamplingError(
+                    f"the proxy could not load v{version}: {response.status_code} {response.text[:300]}"
+                )
             yield response.text.strip()
         finally:
             try:
@@ -213,22 +250,32 @@ class RunEvaluator:
 
     def run(self, final_file: Path) -> None:
         """The base model first, then every due version as it is published, until the trainer names its last
-        version in `final_file`: that one is evaluated too, then the evaluator ends."""
-        self.evaluate(0)
+        version in `final_file`: that one is evaluated too, then the evaluator ends. An iteration that fails is said
+        and the loop goes on."""
+        self._survive(lambda: self.evaluate(0))
         while True:
             final = _final_version(final_file)
             if final is not None:
-                if final not in self.tried:
-                    self.evaluate(final)
-                self.make_best_current()
+                self._survive(functools.partial(self.evaluate, final))
+                self._survive(self.make_best_current)
                 return
-            try:
-                version = self.due(self.published())
-                if version is not None:
-                    self.evaluate(version)
-            except StoreError as error:  # the bucket is the trainer's to worry about: try again next time
-                log.warning("held-out evaluation: the store failed (%s); trying again", error)
+            self._survive(self._next)
             time.sleep(POLL_S)
+
+    def _next(self) -> None:
+        version = self.due(self.published())
+        if version is not None:
+            self.evaluate(version)
+
+    @staticmethod
+    def _survive(step: Callable[[], None]) -> None:
+        try:
+            step()
+        except StoreError as error:  # the bucket is the trainer's to worry about: try again next time
+            log.warning("held-out evaluation: the store failed (%s); trying again", error)
+        except Exception as error:
+            log.exception("held-out evaluation failed")
+            notice("warning", f"held-out evaluation failed: {type(error).__name__}: {error}")
 
 
 def telemetry_record(result: VersionEval, step: int, tokens: int) -> dict[str, Any]:
@@ -262,8 +309,8 @@ def _finite(value: float) -> float | None:
 
 def notice(level: str, message: str, kind: str = "evaluation") -> None:
     """One line for the trainer to forward as an event (stdout is the evaluator's channel to it); an error is an
-    alert on the panel until dismissed."""
-    print(json.dumps({"level": level, "message": message, "kind": kind}), flush=True)
+    alert on the panel until dismissed. Redacted: a reward's error or a replica's answer may quote anything."""
+    print(json.dumps({"level": level, "message": redact(message), "kind": kind}), flush=True)
 
 
 def _final_version(path: Path) -> int | None:

@@ -87,8 +87,12 @@ def stalled(history: Sequence[tuple[int, Interval]], patience: int) -> int | Non
     """The version whose held-out score the last `patience` evaluations did not beat by more than its interval (none
     scored above its upper bound), or None while scores still improve. `history` is (version, score) in the order
     evaluated."""
+    if not history:
+        return None
     best = 0
     for index in range(1, len(history)):
         if history[index][1].mean > history[best][1].high:
             best = index
+    if not math.isfinite(history[best][1].high):  # one prompt: no interval, nothing can be said to stall
+        return None
     return history[best][0] if len(history) - 1 - best >= patience else None

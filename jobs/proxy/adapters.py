@@ -111,6 +111,7 @@ class AdapterSync:
         self.current: int | None = None
         self.step: int | None = None
         self.paused_query: str | None = None  # the query of the last pause, while paused
+        self.evaluating: dict[str, int] = {}  # evaluation names loaded on the replicas -> their version
         self.lock = asyncio.Lock()
 
     # -- load ------------------------------------------------------------------------------------------------------
@@ -393,13 +394,20 @@ class AdapterSync:
         if isinstance(named, Response):
             return named
         version, name = named
+        if not await asyncio.to_thread(
+            self.store.exists, layout.manifest_key(layout.adapter_prefix(self.run_id, version))
+        ):
+            return text_response(404, f"proxy: v{version} is not published; evaluate a published version")
         async with self.lock:
             replicas = list(self.membership.routable)
             if not replicas:
                 return text_response(503, f"proxy: no replica can take {name}; see GET /proxy/replicas")
+            for left, left_version in list(self.evaluating.items()):  # one evaluation slot: a leftover goes first
+                await self._unload_everywhere(left, left_version, replicas)
             deadline = time.monotonic() + self.load_deadline
             outcomes = await asyncio.gather(*(self._load_on(r, version, deadline, name=name) for r in replicas))
             refused = [outcome for outcome in outcomes if outcome.kind != "ok"]
+            self.evaluating[name] = version
             if not refused:
                 self.stats.adapters["evaluation_loads"] += 1
                 return text_response(200, name)
@@ -433,6 +441,7 @@ class AdapterSync:
 
     async def _unload_everywhere(self, name: str, version: int, replicas: list[Replica]) -> None:
         """Unload an evaluation name; a replica that keeps it is ejected, and its re-admission clears it."""
+        self.evaluating.pop(name, None)
         self.router.forget_model(name)
         results = await asyncio.gather(*(self._unload_on(replica, version, name) for replica in replicas))
         for replica, problem in zip(replicas, results, strict=True):
@@ -542,8 +551,12 @@ class AdapterSync:
         run unloaded, so each live version is loaded afresh from the store. Raises RuntimeError saying what failed;
         the replica then stays out and is tried again later.
         """
-        held = await self._held_versions(replica)
+        held, evaluation_names = await self._held_adapters(replica)
         replica.loaded = set(held)
+        for name in evaluation_names:  # an evaluation's adapter left behind: its slot is for the next evaluation
+            problem = await self._unload_on(replica, 0, name)
+            if problem is not None:
+                raise RuntimeError(f"unloading {name} failed: {problem}")
         if replica.reload:  # ejected for serving the wrong policy: nothing it holds is trusted, load all afresh
             await self._converge(replica, set())
         await self._converge(replica, set(self.live))
@@ -572,7 +585,8 @@ class AdapterSync:
             replica.loaded.add(version)
             self.stats.adapters["replays"] += 1
 
-    async def _held_versions(self, replica: Replica) -> set[int]:
+    async def _held_adapters(self, replica: Replica) -> tuple[set[int], list[str]]:
+        """The policy versions of this run a replica holds, and the evaluation names."""
         try:
             response = await self.client.request(
                 replica.origin, "GET", "/v1/models", self.auth, b"", self.control_timeout
@@ -585,12 +599,14 @@ class AdapterSync:
             ids = [item["id"] for item in json.loads(response.body)["data"]]
         except (ValueError, KeyError, TypeError):
             raise RuntimeError("GET /v1/models did not answer a model list") from None
-        versions = set()
+        versions, evaluation_names = set(), []
         for model_id in ids:
             trl_name = self.names.to_trl(model_id) if isinstance(model_id, str) else None
             if trl_name is not None:
                 versions.add(derived.parse_trl_adapter_name(trl_name))
-        return versions
+            elif isinstance(model_id, str) and derived.parse_eval_adapter_name(self.run_id, model_id) is not None:
+                evaluation_names.append(model_id)
+        return versions, evaluation_names
 
     async def _post(self, replica: Replica, target: str, body: bytes, timeout: float) -> ClientResponse:
         headers = [*self.auth, ("Content-Type", "application/json")] if body else list(self.auth)

@@ -433,6 +433,7 @@ class Proxy:
             "adapters": {
                 "current": adapters.current,
                 "live": sorted(adapters.live),
+                "evaluating": sorted(adapters.evaluating),
                 "step": adapters.step,
                 **{
                     key: counts[key]

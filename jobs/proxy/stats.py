@@ -12,7 +12,7 @@ Snapshot shape (all counters are totals since the proxy started; durations in se
       "routing": {"routed": 10240, "affinity": 8950, "followed": 0, "spilled": 12, "unmatched": 1278, "retried": 3,
                   "prefix_tokens_saved": 1904000, "tracked_blocks": 61000, "table_blocks": 80000,
                   "block_size": 16, "imbalance": 8, "group_allowance": 7},
-      "adapters": {"current": 7, "live": [3, 4, 5, 6, 7], "step": 28,
+      "adapters": {"current": 7, "live": [3, 4, 5, 6, 7], "evaluating": ["math-r1-eval-v5"], "step": 28,
                    "loads_ok": 7, "loads_failed": 0, "load_retries": 9, "rolled_back": 0,
                    "unloads_ok": 2, "unloads_failed": 0, "replays": 0, "evaluation_loads": 1},
       "sync_s": {"upload": W, "broadcast": W, "total": W},
@@ -23,7 +23,8 @@ Snapshot shape (all counters are totals since the proxy started; durations in se
 W, a latency window over the last 1024 syncs: {"count": n, "last": s, "p50": s, "p95": s, "max": s} (null values
 before the first sync). `load_retries` counts replica-level re-sends of a load (a replica that had not seen the new
 version yet); `rolled_back` counts loads undone on the replicas that had accepted them because another one failed;
-`evaluation_loads` counts versions loaded under their evaluation name for held-out evaluation.
+`evaluation_loads` counts versions loaded under their evaluation name for held-out evaluation, `evaluating` names
+those loaded now.
 Error kinds: upstream_<connect|timeout|disconnected|protocol>, admission, publish, current_pointer, telemetry,
 upstreams_file, bad_request, no_replica.
 """

@@ -13,6 +13,8 @@ import logging
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -46,6 +48,7 @@ class EvaluatorProcess:
         self.process: subprocess.Popen[str] | None = None
         self.restarts = 0
         self._finishing = threading.Event()
+        self._lock = threading.Lock()  # a restart and a stop never cross: no evaluator outlives the trainer
         self._watcher = threading.Thread(target=self._watch, name="evaluator-watch", daemon=True)
 
     def start(self) -> EvaluatorProcess:
@@ -59,21 +62,32 @@ class EvaluatorProcess:
         threading.Thread(target=self._forward, args=(self.process.stdout,), daemon=True).start()
 
     def _forward(self, stdout: IO[str] | None) -> None:
-        """The evaluator's notices as events of the run."""
+        """The evaluator's notices as events of the run (read to the end: a full pipe would block the evaluator)."""
         for line in stdout or ():
             try:
                 notice = json.loads(line)
                 kind, level = str(notice.get("kind", "evaluation")), str(notice.get("level", "info"))
                 self.events.event(kind, str(notice["message"]), level=level)
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, AttributeError):
                 log.info("evaluator: %s", line.rstrip())
+            except Exception:  # an event that could not be recorded: the next one may be
+                log.exception("forwarding the evaluator's notice failed")
 
     def _watch(self) -> None:
         """Start the evaluator again when it exits before it was asked to finish."""
         while not self._finishing.wait(self.check_every):
+            try:
+                if not self._restart_if_exited():
+                    return
+            except Exception:  # a failed start is tried again at the next check
+                log.exception("restarting the held-out evaluator failed")
+
+    def _restart_if_exited(self) -> bool:
+        """Start an evaluator that exited early again; False once it has died too often to be worth it."""
+        with self._lock:
             process = self.process
             if process is None or process.poll() is None or self._finishing.is_set():
-                continue
+                return True
             if self.restarts >= RESTARTS:
                 self.events.event(
                     "evaluation",
@@ -81,7 +95,7 @@ class EvaluatorProcess:
                     "versions are evaluated during this run (training goes on; evaluate them from the Adapters page)",
                     level="warning",
                 )
-                return
+                return False
             self.restarts += 1
             self.events.event(
                 "evaluation",
@@ -90,28 +104,34 @@ class EvaluatorProcess:
                 level="warning",
             )
             self._spawn()
+            return True
 
-    def finish(self, last_version: int, timeout: float = FINISH_TIMEOUT_S) -> None:
-        """Let the evaluator score `last_version` within `timeout` seconds, then end it."""
-        self._finishing.set()
+    def finish(
+        self, last_version: int, timeout: float = FINISH_TIMEOUT_S, cancelled: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Let the evaluator score `last_version` within `timeout` seconds (less if the job is `cancelled`
+        meanwhile), then end it."""
+        with self._lock:
+            self._finishing.set()
+            process = self.process
         self.final_file.write_text(str(last_version))
-        process = self.process
-        if process is None:
-            return
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.events.event(
-                "evaluation",
-                f"the held-out evaluation of the last version v{last_version} did not end within {timeout:.0f} s "
-                "and was stopped; evaluate it from the Adapters page",
-                level="warning",
-            )
+        deadline = time.monotonic() + timeout
+        while process is not None and process.poll() is None and not cancelled():
+            if time.monotonic() >= deadline:
+                self.events.event(
+                    "evaluation",
+                    f"the held-out evaluation of the last version v{last_version} did not end within {timeout:.0f} s "
+                    "and was stopped; evaluate it from the Adapters page",
+                    level="warning",
+                )
+                break
+            time.sleep(0.2)
         self.stop()
 
     def stop(self) -> None:
-        self._finishing.set()
-        process = self.process
+        with self._lock:
+            self._finishing.set()
+            process = self.process
         if process is None or process.poll() is not None:
             return
         process.terminate()

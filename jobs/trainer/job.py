@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         publish_final(store, spec.run_id, trainer, workdir, {"step": step, "version": version, "attempt": attempt})
         if evaluator is not None and not stop.cancelled:  # a cancelled job ends now: no last evaluation
             telemetry.status("evaluating")
-            evaluator.finish(version)
+            evaluator.finish(version, cancelled=lambda: stop.cancelled)
         outcome, exit_code = ("stopped", 0) if stop.reason else ("finished", 0)
         telemetry.event(
             outcome,
