@@ -44,9 +44,9 @@ from backend.db import Database
 from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService
-from jobs.contract import layout
 from jobs.demo.preset import demo_spec
-from jobs.telemetry import decode_jsonl
+from jobs.store import LocalStore
+from jobs.telemetry import read_stream
 
 
 def _children_cpu_s() -> float:
@@ -113,7 +113,7 @@ def run_demo(
         ratios = [v for _, v in queries.metric_series(run_id, "ratio", max_points=None)]
         lengths = [v for _, v in queries.metric_series(run_id, "completions/mean_length", max_points=None)]
         rollout_tokens = sum(lengths) * spec.grpo.completions_per_step
-        evaluations = stored_records(root / "store", run_id, "eval")
+        evaluations = read_stream(LocalStore(root / "store"), run_id, "eval")
         ctx.db.close()
         return {
             "steps": steps,
@@ -137,15 +137,6 @@ def run_demo(
             "ratio_max": max(ratios) if ratios else None,
             "load": os.getloadavg()[0],
         }
-
-
-def stored_records(store: Path, run_id: str, stream: str) -> list[dict]:
-    """Every record of a telemetry stream in a local store."""
-    return [
-        r
-        for chunk in sorted((store / layout.telemetry_prefix(run_id, stream)).glob("*"))
-        for r in decode_jsonl(chunk.read_bytes())
-    ]
 
 
 def main() -> None:

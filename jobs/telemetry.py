@@ -29,6 +29,15 @@ def next_sequence(store: ObjectStore, run_id: str, stream: TelemetryStream) -> i
     return highest + 1
 
 
+def read_stream(store: ObjectStore, run_id: str, stream: TelemetryStream) -> list[dict[str, Any]]:
+    """Every record of a JSONL stream, in the order written (what tests and benchmarks read back)."""
+    return [
+        record
+        for info in store.list(layout.telemetry_prefix(run_id, stream))
+        for record in decode_jsonl(store.get_bytes(info.key))
+    ]
+
+
 def encode_jsonl(records: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(record, default=str, allow_nan=True) + "\n" for record in records).encode()
 

@@ -34,7 +34,7 @@ from jobs.demo.preset import demo_spec
 from jobs.evaluation.heldout import held_out, normalise
 from jobs.processes import group_alive, process_table
 from jobs.store import LocalStore, download_published, list_published, read_manifest
-from jobs.telemetry import decode_jsonl
+from jobs.telemetry import decode_jsonl, read_stream
 from jobs.trainer.dataset import to_messages
 from tests.support.processes import RunProcesses, job_tree, kill_job_tree
 from tests.support.runs import follow_to_end, wait_while_running
@@ -252,11 +252,7 @@ def test_the_replicas_were_stopped_and_nothing_is_left_running(finished_demo):
 
 
 def stored(store, run_id: str, stream: str) -> list[dict]:
-    return [
-        r
-        for info in store.list(layout.telemetry_prefix(run_id, stream))
-        for r in decode_jsonl(store.get_bytes(info.key))
-    ]
+    return read_stream(store, run_id, stream)
 
 
 HELD_OUT_ROWS = 4  # of the demo's 32

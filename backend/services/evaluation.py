@@ -8,7 +8,6 @@ them back, changing the prompts, the sampling or the rewards evaluates again.
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -23,10 +22,17 @@ from backend.services.runs import RunService
 from jobs.contract import EvalSpec, RunSpec, SpecError, layout, parse_spec
 from jobs.evaluation.engine import EngineError, adapter_loaded, local_engine
 from jobs.evaluation.heldout import HeldOut, eval_prompts, held_out
-from jobs.evaluation.results import TOTAL, ScoreSummary, VersionEval, result_key, score_table
+from jobs.evaluation.results import (
+    TOTAL,
+    VersionEval,
+    interval_json,
+    result_key,
+    score_table,
+    stored_result,
+    summary_json,
+)
 from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
-from jobs.evaluation.statistics import Interval, Paired, paired
-from jobs.store import ObjectNotFound, ObjectStore
+from jobs.evaluation.statistics import Paired, paired
 
 # The reward sandbox's time for one scoring call grows with the completions it scores (start-up aside).
 SANDBOX_SECONDS_PER_COMPLETION = 0.05
@@ -75,7 +81,7 @@ class EvaluationService:
         held = held_out(spec, store)
         sampling = Sampling.of(spec)
         key = result_key(spec, held, sampling)
-        found = {version: _cached(store, run_id, version, key) for version in versions}
+        found = {version: stored_result(store, run_id, version, key) for version in versions}
         missing = [version for version, result in found.items() if result is None]
         try:
             fresh = self._evaluate_here(run, spec, held, sampling, key, missing, store) if missing else {}
@@ -111,7 +117,7 @@ class EvaluationService:
         held, sampling = evaluation.held_out, evaluation.sampling
         versions = []
         for result, cached in zip(evaluation.results, evaluation.cached, strict=True):
-            scores = {name: _summary(result.summary(name)) for name in result.scores}
+            scores = {name: summary_json(result.summary(name)) for name in result.scores}
             versions.append({"version": result.version, "scores": scores, "cached": cached, "seconds": result.seconds})
         comparison = None
         if len(evaluation.results) == 2:
@@ -120,7 +126,7 @@ class EvaluationService:
             comparison = {
                 "a": a,
                 "b": b,
-                "difference": _interval(paired_scores.difference),
+                "difference": interval_json(paired_scores.difference),
                 "wins": paired_scores.wins,
                 "ties": paired_scores.ties,
                 "losses": paired_scores.losses,
@@ -232,26 +238,6 @@ def _score(
         if trial.error:
             raise EvaluationError(f"rewards.{index}: {trial.name} failed on a held-out completion: {trial.error}")
     return score_table([reward.name for reward in spec.rewards], [trial.scores for trial in trials], k)
-
-
-def _interval(interval: Interval) -> dict[str, float | None]:
-    """An interval as JSON can carry it (one prompt's is unbounded: None)."""
-    return {"mean": interval.mean, "low": _finite(interval.low), "high": _finite(interval.high)}
-
-
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-def _summary(summary: ScoreSummary) -> dict[str, Any]:
-    return {**_interval(summary.avg), "pass_at_k": summary.pass_at_k}
-
-
-def _cached(store: ObjectStore, run_id: str, version: int, key: str) -> VersionEval | None:
-    try:
-        return VersionEval.from_json(store.get_bytes(layout.eval_key(run_id, version, key)))
-    except ObjectNotFound:
-        return None
 
 
 def _held_out_words(settings: EvalSpec) -> str:

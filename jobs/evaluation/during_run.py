@@ -37,7 +37,7 @@ import requests
 from jobs.contract import RunSpec, derived, layout
 from jobs.contract.control import STOP, StopRequest
 from jobs.evaluation.heldout import EvalPrompts, eval_prompts, held_out
-from jobs.evaluation.results import TOTAL, VersionEval, result_key, score_table
+from jobs.evaluation.results import TOTAL, VersionEval, result_key, score_table, stored_result, summary_json
 from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
 from jobs.evaluation.statistics import Interval, stalled
 from jobs.runtime import add_run_arguments, open_run, setup_logging
@@ -118,7 +118,7 @@ class RunEvaluator:
         """Evaluate `version` (0: the base model) unless it is scored already; a failure is said, not raised."""
         if any(done == version for done, _ in self.history):
             return
-        stored = self._stored(version)
+        stored = stored_result(self.store, self.spec.run_id, version, self.key)
         if stored is not None:  # scored by the panel under the same settings: recorded, not scored again
             self._record(stored, tokens=0)
             return
@@ -158,12 +158,6 @@ class RunEvaluator:
             raise StoreError("the eval telemetry could not be written")
         self.history.append((result.version, result.summary(TOTAL).avg))
         self.judge()
-
-    def _stored(self, version: int) -> VersionEval | None:
-        try:
-            return VersionEval.from_json(self.store.get_bytes(layout.eval_key(self.spec.run_id, version, self.key)))
-        except ObjectNotFound:
-            return None
 
     def judge(self) -> None:
         """Once the held-out reward stops improving (`eval.patience` evaluations without beating the best by more
@@ -281,15 +275,7 @@ class RunEvaluator:
 def telemetry_record(result: VersionEval, step: int, tokens: int) -> dict[str, Any]:
     """What the panel ingests of a result: each score's avg@k with its 95 % interval, pass@k for 0/1 scores, and the
     tokens generated for it (what evaluation costs beside the rollouts)."""
-    scores = {}
-    for name in result.scores:
-        summary = result.summary(name)
-        scores[name] = {
-            "mean": summary.avg.mean,
-            "low": _finite(summary.avg.low),
-            "high": _finite(summary.avg.high),
-            "pass_at_k": summary.pass_at_k,
-        }
+    scores = {name: summary_json(result.summary(name)) for name in result.scores}
     return {
         "time": time.time(),
         "version": result.version,
@@ -301,10 +287,6 @@ def telemetry_record(result: VersionEval, step: int, tokens: int) -> dict[str, A
         "tokens": tokens,
         "scores": scores,
     }
-
-
-def _finite(value: float) -> float | None:
-    return value if abs(value) != float("inf") else None
 
 
 def notice(level: str, message: str, kind: str = "evaluation") -> None:

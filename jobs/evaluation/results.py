@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from jobs.contract import RunSpec
+from jobs.contract import RunSpec, layout
 from jobs.evaluation.heldout import HeldOut
 from jobs.evaluation.sampling import Sampling
 from jobs.evaluation.statistics import Interval, interval, is_binary, pass_at_k
+from jobs.store import ObjectNotFound, ObjectStore
 
 TOTAL = "reward"  # the sum of the weighted rewards, as TRL's `reward` metric
 
@@ -91,3 +92,25 @@ def score_table(
 
 def _per_prompt(values: list[float], k: int) -> list[list[float]]:
     return [values[i : i + k] for i in range(0, len(values), k)]
+
+
+def stored_result(store: ObjectStore, run_id: str, version: int, key: str) -> VersionEval | None:
+    """A version's result under `key` as kept in the store, or None when it was not evaluated so."""
+    try:
+        return VersionEval.from_json(store.get_bytes(layout.eval_key(run_id, version, key)))
+    except ObjectNotFound:
+        return None
+
+
+def interval_json(value: Interval) -> dict[str, float | None]:
+    """An interval as JSON can carry it (one prompt's is unbounded: None)."""
+    return {"mean": value.mean, "low": _finite(value.low), "high": _finite(value.high)}
+
+
+def summary_json(summary: ScoreSummary) -> dict[str, float | None]:
+    """A score's avg@k with its interval and pass@k: what the API answers and the `eval` stream carries."""
+    return {**interval_json(summary.avg), "pass_at_k": summary.pass_at_k}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
