@@ -58,6 +58,9 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
         """Only the open page's timer runs."""
         return {timer: gr.Timer(active=page == name) for name, timer in timer_of.items()}
 
+    def _opened(page: str):
+        return lambda: _timers(page)
+
     def navigate(run_id: str, profile: gr.OAuthProfile | None = None) -> dict:
         """Open `run_id` in the monitor."""
         choices = run_choices(panel.services_or_none(profile))
@@ -68,22 +71,18 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     nav_outputs = [tabs, monitor.run, *timers]
     launch.wire_launch(navigate, nav_outputs)
 
-    # Opening a page: refresh what it lists, and turn on only its timer.
-    tab_of["launch"].select(launch.on_open, launch.load_outputs(), launch.load_outputs()).then(
-        lambda: _timers("launch"), None, timers
-    )
-    tab_of["runs"].select(runs.refresh_now, runs.overlay_controls(), runs.refresh_outputs()).then(
-        lambda: _timers("runs"), None, timers
-    )
+    # Opening a page: turn on only its timer. One queue slot for every tab's answer, so the answers come in the order
+    # of the clicks: a timer step chained after a page's slower refresh answered late, and the Launch tab's (selected
+    # on page load) turned the Monitor's timer off after a quick click on Monitor, leaving its page frozen.
+    for name, tab in tab_of.items():
+        tab.select(_opened(name), None, timers, concurrency_id="open-page", concurrency_limit=1, show_progress="hidden")
+    # ... and refresh what it lists.
+    tab_of["launch"].select(launch.on_open, launch.load_outputs(), launch.load_outputs())
+    tab_of["runs"].select(runs.refresh_now, runs.overlay_controls(), runs.refresh_outputs())
     # A new run in the dropdown redraws through its change event; the same run is kept current by the timer.
     tab_of["monitor"].select(monitor.open, [monitor.run], monitor.run, show_progress="hidden")
-    tab_of["monitor"].select(lambda: _timers("monitor"), None, timers)
-    tab_of["adapters"].select(adapters.open, [monitor.run, adapters.run], [adapters.run, adapters.branch_id]).then(
-        lambda: _timers("adapters"), None, timers
-    )
-    tab_of["account"].select(account.refresh, None, account.refresh_outputs()).then(
-        lambda: _timers("account"), None, timers
-    )
+    tab_of["adapters"].select(adapters.open, [monitor.run, adapters.run], [adapters.run, adapters.branch_id])
+    tab_of["account"].select(account.refresh, None, account.refresh_outputs())
 
     # Runs page actions that lead elsewhere.
     runs.open_button.click(navigate, [runs.selected], nav_outputs)
@@ -111,10 +110,10 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
         adapters.branch, [adapters.run, adapters.version, adapters.branch_id, adapters.branch_now], [child]
     ).then(show_branch, [child, adapters.run], [tabs, *timers, *runs.refresh_outputs()])
 
-    # Every page load: credentials for the form, and (in a Space) the signed-in user's token for their Jobs.
-    app.load(account.refresh, None, account.refresh_outputs()).then(
-        launch.on_open, launch.load_outputs(), launch.load_outputs()
-    )
+    # Every page load: (in a Space) the signed-in user's token for their Jobs. The Launch form's credentials and run
+    # id come from its tab's select, which Gradio fires on load for the first tab: a second `on_open` here answered
+    # after a user (or a test) had typed a run id, and replaced it with a fresh proposal.
+    app.load(account.refresh, None, account.refresh_outputs())
     # ... and the chart choices this browser made last time (kept in its local storage).
     app.load(monitor.restore_charts, [monitor.saved_charts], monitor.chart_controls(), show_progress="hidden")
     app.load(runs.restore, [runs.saved_overlay], [*runs.refresh_outputs(), runs.smoothing], show_progress="hidden")

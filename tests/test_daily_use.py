@@ -71,6 +71,42 @@ def test_opening_the_launch_page_replaces_an_id_a_run_has_taken_and_keeps_a_free
     assert page.on_open("", "", "", "", None)[run_id_box].startswith("run-")  # an emptied box gets one too
 
 
+@pytest.fixture
+def whole_panel(panel):
+    from app.ui import build_app
+
+    app = build_app(panel)
+    yield app
+    app.close()
+
+
+def _pages(app: gr.Blocks) -> list[int]:
+    """The panel's pages: the tabs of its top-level Tabs (the Monitor's sub-tabs are not pages)."""
+    (pages,) = [block for block in app.blocks.values() if isinstance(block, gr.Tabs) and block.elem_id == "pages"]
+    return [tab._id for tab in pages.children]
+
+
+def test_a_page_load_proposes_the_run_id_once_so_a_typed_id_is_never_replaced(whole_panel):
+    """Gradio fires the first tab's select on page load; the load event also ran `on_open`, and its second answer
+    replaced a run id the user had typed meanwhile (seen as a flaky browser test). One event serves both."""
+    on_open = [fn.targets for fn in whole_panel.fns.values() if fn.name == "on_open"]
+    assert on_open == [[(_pages(whole_panel)[0], "select")]]
+
+
+def test_the_open_pages_timer_follows_the_last_tab_clicked(whole_panel):
+    """A timer step chained after a page's own refresh answered late: the Launch tab's, selected on page load, turned
+    the Monitor's timer off after a quick click on Monitor, and the Monitor froze (a flaky browser test, twice). Each
+    tab now answers its timers directly, all through one queue slot, so the answers keep the order of the clicks."""
+    timers = {id(timer) for timer in whole_panel.blocks.values() if isinstance(timer, gr.Timer)}
+    page_timers = [
+        fn for fn in whole_panel.fns.values() if fn.outputs and {id(o) for o in fn.outputs} <= timers and fn.targets
+    ]
+    by_tab = {target: fn for fn in page_timers for target, event in fn.targets if event == "select"}
+    assert set(by_tab) == set(_pages(whole_panel))
+    assert {(fn.concurrency_id, fn.concurrency_limit) for fn in by_tab.values()} == {("open-page", 1)}
+    assert not [fn for fn in whole_panel.fns.values() if fn.trigger_after is not None and fn in page_timers]
+
+
 def test_the_branch_forms_propose_a_free_id_each_time(panel):
     from app.pages.adapters import AdaptersPage
 
