@@ -58,7 +58,7 @@ CODE_TEMPLATE = '''def reward(completions, answer, **columns):
 # The form's own inputs, beside the spec's fields: the rewards, the bucket's kind and the credentials chosen.
 OWN_KEYS = (
     "builtin_rewards", "format_tags", "length_target", "regex_pattern",
-    "code_enabled", "code_name", "code_entry", "code_weight", "code_source",
+    "code_enabled", "code_name", "code_entry", "code_weight", "code_source", "builtin_metrics", "code_metrics",
     "bucket_kind", "store_credential", "hf_credential", "wandb_credential",
 )  # fmt: skip
 # Where errors are shown: a note right under each part of the form (a spec field's `section` names its part).
@@ -73,7 +73,10 @@ OWN_LABELS = {
     "storage.credentials": "Bucket keys",
     "reporting.wandb_key": "W&B key",
 }
-_REWARD = re.compile(r"^rewards\.(\d+)(?:\.(.+))?$")
+# The lists of functions the form edits as built-ins and code: the run's rewards, and its eval metrics (scored on the
+# held-out prompts beside the rewards, never trained on). An error names one as `<list>.<index>[.<field>]`.
+_FUNCTION = re.compile(r"^(rewards|eval\.metrics)\.(\d+)(?:\.(.+))?$")
+_FUNCTION_WORD = {"rewards": "reward", "eval.metrics": "eval metric"}
 FieldKind = Literal["int", "float", "bool", "choice", "text", "other"]
 
 
@@ -235,7 +238,10 @@ class FormSchema:
             node[last] = value
         rewards, slots = rewards_of(form)
         spec["rewards"] = rewards
-        return Built(spec, slots)
+        metrics, metric_slots = metrics_of(form)
+        if metrics:
+            spec.setdefault("eval", {})["metrics"] = metrics
+        return Built(spec, slots, metric_slots)
 
     def form_from_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
         """Form values for a spec dict (a preset, or a parent run's spec): the inverse of `spec_from_form`."""
@@ -250,24 +256,27 @@ class FormSchema:
             form[form_field.path] = convert(node) if convert else form_field.to_form(node)
         storage = spec.get("storage") or {}
         form["bucket_kind"] = bucket_kind(storage.get("uri", ""), storage.get("endpoint"))
-        form.update(_reward_inputs(spec.get("rewards") or []))
+        form.update(_reward_inputs(spec.get("rewards") or [], (spec.get("eval") or {}).get("metrics") or []))
         return form
 
     # -- errors ----------------------------------------------------------------------------------------------------
 
-    def label(self, dotted: str, rewards: list[dict[str, Any]] | None = None) -> str:
+    def label(
+        self, dotted: str, rewards: list[dict[str, Any]] | None = None, metrics: list[dict[str, Any]] | None = None
+    ) -> str:
         """The human label of an error key (a spec field, or one of preflight's own), never the raw key."""
         path = field_path(dotted)
-        match = _REWARD.match(path)
+        match = _FUNCTION.match(path)
         if match:
-            index, rest = int(match.group(1)), match.group(2)
-            name = (rewards[index].get("name") if rewards and index < len(rewards) else None) or ""
-            reward = f"reward {index + 1}" + (f" ({name})" if name else "")
+            kind, index, rest = match.group(1), int(match.group(2)), match.group(3)
+            items = rewards if kind == "rewards" else metrics
+            name = (items[index].get("name") if items and index < len(items) else None) or ""
+            function = f"{_FUNCTION_WORD[kind]} {index + 1}" + (f" ({name})" if name else "")
             if rest is None:
-                return reward[0].upper() + reward[1:]
+                return function[0].upper() + function[1:]
             field_name = rest.split(".", 1)[0]
             known = self.item_labels.get("rewards", {}).get(field_name)
-            return f"{known or _words(field_name).capitalize()} of {reward}"
+            return f"{known or _words(field_name).capitalize()} of {function}"
         known = self._field_label(path)
         if known is not None:
             return known
@@ -285,29 +294,33 @@ class FormSchema:
                 return self.labels[prefix]
         return None
 
-    def slot_of(self, dotted: str, reward_slots: list[str], code_enabled: bool) -> str:
+    def slot_of(
+        self, dotted: str, reward_slots: list[str], code_enabled: bool, metric_slots: list[str] | None = None
+    ) -> str:
         """Which note under the form shows an error about `dotted` (a field name from Preflight.errors)."""
         path = field_path(dotted)
         if any(path == name or path.startswith(name + ".") for name in self.advanced):
             return "advanced"
-        match = _REWARD.match(path)
-        if match and int(match.group(1)) < len(reward_slots):
-            return reward_slots[int(match.group(1))]
-        head = path.split(".", 1)[0]
-        if head == "rewards":
+        match = _FUNCTION.match(path)
+        slots = (reward_slots if match.group(1) == "rewards" else metric_slots or []) if match else []
+        if match and int(match.group(2)) < len(slots):
+            return slots[int(match.group(2))]
+        if path.split(".", 1)[0] == "rewards" or path == "eval.metrics" or path.startswith("eval.metrics."):
             return "rewards_code" if code_enabled else "rewards_builtin"
-        return self.section_slots.get(head, "general")
+        return self.section_slots.get(path.split(".", 1)[0], "general")
 
     def route_errors(self, errors: dict[str, str], built: Built | None, code_enabled: bool) -> dict[str, list[str]]:
         """{slot: ["Label: message", ...]} for every slot (empty lists included, so stale notes are cleared)."""
         routed: dict[str, list[str]] = {slot: [] for slot in SLOTS}
         slots = built.reward_slots if built else []
         rewards = built.spec.get("rewards") if built else None
+        metrics = (built.spec.get("eval") or {}).get("metrics") if built else None
         for dotted, message in errors.items():
-            # A reward's own errors already start with its name ("custom (row 2): ..."): no label in front.
-            whole_reward = re.fullmatch(r"rewards\.\d+", field_path(dotted))
-            text = message if whole_reward else f"{self.label(dotted, rewards)}: {message}"
-            routed[self.slot_of(dotted, slots, code_enabled)].append(text)
+            # A function's own errors already start with its name ("custom (row 2): ..."): no label in front.
+            whole_function = re.fullmatch(r"(rewards|eval\.metrics)\.\d+", field_path(dotted))
+            text = message if whole_function else f"{self.label(dotted, rewards, metrics)}: {message}"
+            metric_slots = built.metric_slots if built else []
+            routed[self.slot_of(dotted, slots, code_enabled, metric_slots)].append(text)
         return routed
 
 
@@ -335,6 +348,7 @@ class Built:
 
     spec: dict[str, Any]
     reward_slots: list[str] = field(default_factory=list)
+    metric_slots: list[str] = field(default_factory=list)  # for each entry of `eval.metrics`
 
 
 def _text(value: Any) -> str | None:
@@ -392,17 +406,9 @@ def credentials(form: dict[str, Any]) -> RunCredentials:
 
 
 def rewards_of(form: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
-    rewards, slots = [], []
-    for name in form.get("builtin_rewards") or []:
-        params: dict[str, Any] = {}
-        if name == "format" and _text(form.get("format_tags")):
-            params["tags"] = [t for t in re.split(r"[,\s]+", form["format_tags"]) if t]
-        if name == "length" and form.get("length_target"):
-            params["target"] = int(form["length_target"])
-        if name == "regex":
-            params["pattern"] = form.get("regex_pattern") or ""
-        rewards.append({"kind": "builtin", "name": name, "params": params})
-        slots.append("rewards_builtin")
+    """The rewards the form holds, and for each the note that shows its errors."""
+    rewards = [_builtin(name, form) for name in form.get("builtin_rewards") or []]
+    slots = ["rewards_builtin"] * len(rewards)
     if form.get("code_enabled"):
         rewards.append(
             {
@@ -417,13 +423,45 @@ def rewards_of(form: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     return rewards, slots
 
 
-def _reward_inputs(rewards: list[dict[str, Any]]) -> dict[str, Any]:
-    """The reward inputs of the form for a spec's rewards: the inverse of `rewards_of`."""
-    builtins = [r for r in rewards if r.get("kind", "builtin") == "builtin"]
+def metrics_of(form: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """The eval metrics the form holds: built-ins (their parameters are the rewards'), and further functions of the
+    reward code; for each, the note that shows its errors."""
+    metrics = [_builtin(name, form) for name in form.get("builtin_metrics") or []]
+    slots = ["rewards_builtin"] * len(metrics)
+    if form.get("code_enabled"):
+        for entry in _names(form.get("code_metrics")):
+            metrics.append(
+                {"kind": "code", "name": entry, "source": form.get("code_source") or "", "entry_point": entry}
+            )
+            slots.append("rewards_code")
+    return metrics, slots
+
+
+def _builtin(name: str, form: dict[str, Any]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    if name == "format" and _text(form.get("format_tags")):
+        params["tags"] = [t for t in re.split(r"[,\s]+", form["format_tags"]) if t]
+    if name == "length" and form.get("length_target"):
+        params["target"] = int(form["length_target"])
+    if name == "regex":
+        params["pattern"] = form.get("regex_pattern") or ""
+    return {"kind": "builtin", "name": name, "params": params}
+
+
+def _names(value: Any) -> list[str]:
+    return [name for name in re.split(r"[,\s]+", str(value or "")) if name]
+
+
+def _reward_inputs(rewards: list[dict[str, Any]], metrics: list[dict[str, Any]]) -> dict[str, Any]:
+    """The reward and metric inputs of the form for a spec's rewards and metrics: the inverse of `rewards_of` and
+    `metrics_of` (a code metric's source is the code reward's)."""
+    builtins = [r for r in [*rewards, *metrics] if r.get("kind", "builtin") == "builtin"]
     code = next((r for r in rewards if r.get("kind") == "code"), None) or {}
     params = {r["name"]: r.get("params") or {} for r in builtins}
     return {
-        "builtin_rewards": [r["name"] for r in builtins],
+        "builtin_rewards": [r["name"] for r in rewards if r.get("kind", "builtin") == "builtin"],
+        "builtin_metrics": [m["name"] for m in metrics if m.get("kind", "builtin") == "builtin"],
+        "code_metrics": ", ".join(m["name"] for m in metrics if m.get("kind") == "code"),
         "format_tags": " ".join(params.get("format", {}).get("tags", ["<think>", "</think>", "<answer>", "</answer>"])),
         "length_target": params.get("length", {}).get("target", 256),
         "regex_pattern": params.get("regex", {}).get("pattern", ""),

@@ -270,6 +270,8 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.greedy:
         changes |= {"greedy": True, "k": args.k or 1}
     chosen = {name: value for name, value in changes.items() if value is not None}
+    if args.metric:
+        chosen["metrics"] = [_metric(text) for text in args.metric]
     report = services.evaluation.report(services.evaluation.evaluate(args.run, numbers, chosen))
     sampling = report["sampling"]
     dropped = (
@@ -284,8 +286,10 @@ def evaluate(args: argparse.Namespace) -> int:
         f"{report['prompts']} held-out prompts ({report['source']}{dropped}), k={sampling['k']}, {how}, "
         f"seed {sampling['seed']}"
     )
-    names = list(report["versions"][0]["scores"])
-    names = names if len(names) > 2 else names[:1]  # one reward: its score is the total
+    scores = list(report["versions"][0]["scores"])
+    rewards = [name for name in scores if name.startswith("rewards/")]
+    # The total first; each reward when there are several (one reward's score is the total); each eval metric.
+    names = [scores[0], *(rewards if len(rewards) > 1 else []), *(n for n in scores if n.startswith("metrics/"))]
     print(f"{'version':<8} " + "  ".join(f"{name + ' [95% interval]':<30}" for name in names) + "  pass@k  time")
     for version in report["versions"]:
         cells = [_with_interval(version["scores"][name], "{:.3f}").ljust(30) for name in names]
@@ -301,6 +305,20 @@ def evaluate(args: argparse.Namespace) -> int:
             f"higher {comparison['wins']}, equal {comparison['ties']}, lower {comparison['losses']}"
         )
     return 0
+
+
+def _metric(text: str) -> dict[str, str]:
+    """An eval metric from the command line: a built-in's name, or `FILE.py:FUNCTION` (the function in that file)."""
+    path, _, function = text.rpartition(":")
+    if not path:
+        return {"kind": "builtin", "name": text}
+    try:
+        source = Path(path).read_text()
+    except OSError as error:
+        raise SystemExit(
+            f"--metric: cannot read {path} ({error.strerror}); give FILE.py:FUNCTION or a built-in"
+        ) from None
+    return {"kind": "code", "name": function, "source": source, "entry_point": function}
 
 
 def _with_interval(figure: dict[str, float | None], shape: str) -> str:
@@ -500,6 +518,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "eval my-run 0 last",
         "eval my-run all --k 8",
         "eval my-run 20 40 --split test --greedy",
+        "eval my-run last --metric exact.py:exact_match",
     )
     eval_parser.add_argument("run")
     eval_parser.add_argument("versions", nargs="+", help="version numbers (0: the base model), last, or all")
@@ -507,6 +526,12 @@ def _build_parser() -> argparse.ArgumentParser:
     eval_parser.add_argument("--prompts", type=int, help="how many held-out prompts (default: the run's, 128)")
     eval_parser.add_argument("--k", type=int, help="completions per prompt (default: the run's, 4)")
     eval_parser.add_argument("--greedy", action="store_true", help="one greedy completion per prompt")
+    eval_parser.add_argument(
+        "--metric",
+        action="append",
+        help="an eval metric, scored beside the rewards and never trained on: a built-in (e.g. math_boxed) or "
+        "FILE.py:FUNCTION; repeat for several (default: the run's)",
+    )
     compare_parser = _command(
         commands, "compare", compare, "compare two adapter versions, module by module", "compare my-run 20 40"
     )

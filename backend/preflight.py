@@ -31,6 +31,7 @@ from jobs.chat_templates import ADDITIONAL_TEMPLATES_DIR, ChatTemplateError, cha
 from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, derived, parse_spec
 from jobs.contract.flavors import flavor
 from jobs.evaluation.heldout import HeldOut, held_out
+from jobs.evaluation.results import function_fields, scored_functions
 from jobs.store import StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
 from jobs.trainer.reporting import missing_packages
@@ -392,11 +393,11 @@ def _check_held_out(spec: RunSpec, store, result: Preflight) -> None:
 def _check_rewards(spec: RunSpec, rows: list[dict[str, Any]], result: Preflight, limits: SandboxLimits) -> None:
     completions = [str(row.get("answer") or "") for row in rows]
     try:
-        result.trials = run_rewards(spec.rewards, rows, completions, limits)
+        result.trials = run_rewards(scored_functions(spec), rows, completions, limits)
     except SandboxError as error:
         result.errors["rewards"] = str(error)
         return
-    for index, trial in enumerate(result.trials):
+    for field_name, trial in zip(function_fields(spec), result.trials, strict=True):
         if trial.error:
             where = f" (row {trial.row})" if trial.row is not None else ""
-            result.errors[f"rewards.{index}"] = f"{trial.name}{where}: {trial.error}"
+            result.errors[field_name] = f"{trial.name}{where}: {trial.error}"

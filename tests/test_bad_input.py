@@ -424,6 +424,23 @@ def test_eval_settings_out_of_range(gate, refused, settings, field, fix):
     refused(gate.spec(eval={"split": "test", **settings}), field, fix)
 
 
+@row("eval metric raising or of the wrong length")
+@pytest.mark.parametrize(
+    ("body", "fix"),
+    [("    raise ValueError('no exact answer')\n", "ValueError: no exact answer"), ("    return [1.0]\n", "for 4")],
+    ids=["raising", "wrong-length"],
+)
+def test_an_eval_metric_that_fails_on_sample_rows(gate, refused, body, fix):
+    """A metric is tried on the dataset's rows like a reward, and named as the metric it is (never as a reward)."""
+    metric = {
+        "kind": "code",
+        "name": "exact",
+        "source": "def exact(completions, **kw):\n" + body,
+        "entry_point": "exact",
+    }
+    refused(gate.spec(eval={"split": "test", "metrics": [metric]}), "eval.metrics.0", fix)
+
+
 # --- rewards ----------------------------------------------------------------------------------------------------
 
 

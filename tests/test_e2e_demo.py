@@ -461,12 +461,19 @@ def _local(store, run_id: str, version: int):
     return target
 
 
+HAS_DIGIT = """def has_digit(completions, **columns):
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(any(ch.isdigit() for ch in text)) for text in texts]
+"""
+
+
 def test_held_out_evaluation_scores_the_last_version_above_the_base_model_and_keeps_the_result(
-    finished_demo, monkeypatch, capsys
+    finished_demo, monkeypatch, capsys, tmp_path
 ):
     """Issue 29: `python -m backend eval` scores versions on the demo's held-out split (the same instructions about
     things it never trained on), each (prompt, sample) with its own seed: the last version scores above the base
-    model, prompt by prompt. Asked again, the results are read back from the bucket; another k evaluates again."""
+    model, prompt by prompt. Asked again, the results are read back from the bucket; another k, or an eval metric,
+    evaluates again."""
     from backend.services.adapters import AdapterService
     from backend.services.evaluation import EvaluationService
 
@@ -485,14 +492,23 @@ def test_held_out_evaluation_scores_the_last_version_above_the_base_model_and_ke
     assert comparison.difference.low > 0 and comparison.wins > comparison.losses
     assert f"v{last} - v0: {comparison.difference.mean:+.3f}" in printed
     assert len(list(store.list(layout.run_prefix("demo-e2e") + "eval/"))) == 5  # v0, v11, v21, v31, v41
-    assert main(["eval", "demo-e2e", "last", "--k", "2"]) == 0  # another k: evaluated here, on a CPU engine
+    # Another k, and an eval metric the run did not have (never trained on): evaluated here, on a CPU engine.
+    metric_file = tmp_path / "metrics.py"
+    metric_file.write_text(HAS_DIGIT)
+    assert main(["eval", "demo-e2e", "last", "--k", "2", "--metric", f"{metric_file}:has_digit"]) == 0
     again = capsys.readouterr().out
-    assert "k=2" in again and "cached" not in again
+    assert "k=2" in again and "cached" not in again and "metrics/has_digit [95% interval]" in again, again
     assert len(list(store.list(layout.run_prefix("demo-e2e") + "eval/"))) == 6
     # Scored here as beside the run (the completions' own token ids, the reward divides by them): other draws of the
     # same version agree within noise. Counting a token per word, the panel once read 0.99 for a 0.69 version.
-    here = EvaluationService(ctx, OWNER).evaluate("demo-e2e", [last], {"k": 2}).results[0].summary("reward").avg
-    assert abs(here.mean - trained.avg.mean) < 0.1, (here, trained.avg)
+    metric = {"kind": "code", "name": "has_digit", "source": HAS_DIGIT, "entry_point": "has_digit"}
+    here = EvaluationService(ctx, OWNER).evaluate("demo-e2e", [last], {"k": 2, "metrics": [metric]})
+    assert here.cached == [True]
+    assert abs(here.results[0].summary("reward").avg.mean - trained.avg.mean) < 0.1, (here, trained.avg)
+    # The metric is reported beside the reward, never in it (the total is the digit fraction alone), with pass@k.
+    has_digit = here.results[0].summary("metrics/has_digit")
+    assert has_digit.pass_at_k is not None and has_digit.avg.mean >= here.results[0].summary("reward").avg.mean
+    assert here.results[0].scores["reward"] == here.results[0].scores["rewards/digit_frac"]
     assert main(["eval", "demo-e2e", "0", "--split", "train"]) == 2
     assert "eval.split: 'train' is the split the run trains on" in capsys.readouterr().err
 

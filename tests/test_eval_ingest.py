@@ -160,6 +160,10 @@ def test_the_chart_draws_the_held_out_reward_with_intervals_beside_the_training_
 
     one_reward = held_out_figure(reward, training, {"digits": reward}, ChartOptions(smoothing=4))
     assert [trace.name for trace in one_reward.data] == ["training reward, rolling mean (4 steps)", "held-out reward"]
+    # An eval metric (scored, never trained on) always has its trace, even beside a single reward.
+    with_metric = held_out_figure(reward, training, {"digits": reward}, metrics={"exact": functions["length"]})
+    assert [trace.name for trace in with_metric.data][1:] == ["held-out reward", "held-out metric exact"]
+    assert list(with_metric.data[2].y) == [0.1, 0.3]
     by_time = held_out_figure(reward, training, options=ChartOptions(log_y=True, x_values={4: 30.0}, x_title="t"))
     assert list(by_time.data[1].x) == [0, 4] and by_time.layout.yaxis.type == "log"
     assert by_time.layout.xaxis.title.text.startswith("optimizer step")

@@ -99,6 +99,9 @@ def test_the_demo_evaluates_on_its_test_split_and_the_recipe_does_not(tmp_path):
     assert not parse_spec(math_recipe("math-1", "me", "bucket")).eval.enabled
 
 
+EXACT = {"kind": "code", "name": "exact", "entry_point": "exact", "source": "def exact(completions, **kw): ..."}
+
+
 @pytest.mark.parametrize(
     ("settings", "field", "words"),
     [
@@ -107,6 +110,11 @@ def test_the_demo_evaluates_on_its_test_split_and_the_recipe_does_not(tmp_path):
         ({"split": "train"}, "eval.split", "the split the run trains on"),
         ({"split": "test", "k": 0}, "eval.k", "greater than or equal to 1"),
         ({"split": "test", "prompts": 5000}, "eval.prompts", "less than or equal to 4096"),
+        ({"split": "test", "metrics": [EXACT, EXACT]}, "eval.metrics", "distinct name"),
+        ({"split": "test", "metrics": [{**EXACT, "weight": 2.0}]}, "eval.metrics.0.weight", "never weighted"),
+        ({"metrics": [EXACT]}, "eval.metrics", "set a held-out split or held-out rows"),
+        ({"split": "test", "metrics": [{"name": "digit_frac"}]}, "eval.metrics.0.name", "already a reward"),
+        ({"split": "test", "metrics": [{**EXACT, "source": ""}]}, "eval.metrics.0.source", "needs Python code"),
     ],
 )
 def test_eval_settings_that_cannot_work_are_named(tmp_path, settings, field, words):

@@ -16,7 +16,7 @@ from jobs.contract import RewardSpec, derived
 from jobs.demo.preset import demo_spec
 from jobs.evaluation.during_run import RunEvaluator, Scorer
 from jobs.evaluation.heldout import EvalPrompts
-from jobs.evaluation.results import score_table
+from jobs.evaluation.results import score_names, score_table, scored_functions
 from jobs.evaluation.sampling import Completion
 from jobs.evaluation.statistics import Interval, stalled
 from jobs.store import LocalStore
@@ -80,19 +80,33 @@ def test_an_evaluator_that_fell_behind_evaluates_the_newest_due_version_and_says
 
 
 def test_held_out_completions_are_scored_by_the_runs_rewards_with_their_weights_as_in_training():
-    """The total is the sum of the weighted rewards, as TRL's `reward`; each reward as it weighs in training."""
-    table = score_table(["a", "b"], [[0.5, None, 1.0, 2.0], [1.0, 1.0, float("nan"), 1.0]], k=2)
+    """The total is the sum of the weighted rewards, as TRL's `reward`; each reward as it weighs in training; an eval
+    metric is reported beside them and never counted in the total (it is not trained on)."""
+    weighted = [[0.5, None, 1.0, 2.0], [1.0, 1.0, float("nan"), 1.0], [1.0, 0.0, 0.0, 1.0]]
+    table = score_table(["rewards/a", "rewards/b", "metrics/exact"], weighted, k=2)
     assert table == {
         "reward": [[1.5, 1.0], [1.0, 3.0]],
         "rewards/a": [[0.5, 0.0], [1.0, 2.0]],
         "rewards/b": [[1.0] * 2, [0.0, 1.0]],
+        "metrics/exact": [[1.0, 0.0], [0.0, 1.0]],
     }
-    reward = RewardSpec(kind="builtin", name="digit_frac", weight=2.0)
-    scorer = Scorer(["digit_frac"], list(build_rewards([reward])))
+    exact = RewardSpec(kind="code", name="exact", source=EXACT, entry_point="exact")
+    run = demo_spec(
+        "during-run",
+        "file:///unused",
+        rewards=[{"kind": "builtin", "name": "digit_frac", "weight": 2.0}],
+        eval={"split": "test", "metrics": [exact.model_dump()]},
+    )
+    assert score_names(run) == ["rewards/digit_frac", "metrics/exact"]
+    scorer = Scorer(score_names(run), list(build_rewards(scored_functions(run))))
     sampled = [[Completion("12", [16, 17]), Completion("ab", [5, 6])]]
     scores = scorer.score(prompts(1), sampled)
     assert scores["rewards/digit_frac"] == scores["reward"]
     assert scores["reward"][0][1] == 0.0 and scores["reward"][0][0] > 1.0  # weighted: a fraction, doubled
+    assert scores["metrics/exact"] == [[1.0, 0.0]]  # unweighted, and not in the total
+
+
+EXACT = "def exact(completions, **columns):\n    return [float(c[0]['content'] == '12') for c in completions]\n"
 
 
 class Events:
@@ -151,6 +165,45 @@ def test_an_evaluator_that_keeps_dying_is_given_up_on_and_one_that_hangs_at_the_
     hanging.finish(9, timeout=0.5)
     assert hanging.process is not None and hanging.process.returncode is not None
     assert "evaluation of the last version v9 did not end within 0 s" in events.messages()
+
+
+def test_each_versions_scores_reach_the_trainers_reports_as_eval_keys_and_never_the_panels_metrics(tmp_path):
+    """The evaluator prints each stored record; the trainer hands it to Trackio and W&B on its next log line as
+    `eval_<score>` (their callbacks name it `eval/<score>`), newest version last, and the panel's metrics stream
+    leaves those keys out: it reads the `eval` stream."""
+    from jobs.trainer.held_out_reports import HeldOutReports
+    from jobs.trainer.telemetry import TelemetryCallback
+
+    record = {"version": 11, "step": 10, "scores": {"reward": {"mean": 0.25}, "metrics/exact": {"mean": 0.5}}}
+    older = {"version": 0, "step": 0, "scores": {"reward": {"mean": 0.05}}}
+    script = f"print(json.dumps({{'scores': {record!r}}}), flush=True)\ntime.sleep(600)\n"
+    reports, events = HeldOutReports(), Events()
+    evaluator = EvaluatorProcess(evaluator_script(tmp_path, script), tmp_path / "f", events, on_scores=reports.add)
+    evaluator.start()
+    try:
+        wait_until(lambda: reports._pending, 60, 0.1, what="the evaluator's scores")
+    finally:
+        evaluator.stop()
+    assert events.said == []  # scores are not events
+    reports.add(older)  # arrived later, but an older version: the newer one's scores win
+    logs = {"loss": 1.0}
+    reports.on_log(None, None, None, logs=logs)
+    assert logs == {
+        "loss": 1.0,
+        "eval_reward": 0.25,
+        "eval_metrics/exact": 0.5,
+        "eval_version": 11.0,
+        "eval_version_step": 10.0,
+    }
+    reports.on_log(None, None, None, logs=(again := {"loss": 0.9}))
+    assert again == {"loss": 0.9}  # each record once
+
+    class Telemetry:
+        attempt, metrics = 1, type("Stream", (), {"add": lambda self, record: added.append(record)})()
+
+    added: list[dict[str, object]] = []
+    TelemetryCallback(Telemetry()).on_log(None, type("State", (), {"global_step": 10})(), None, logs=logs)
+    assert added[0]["loss"] == 1.0 and not [key for key in added[0] if key.startswith("eval_")]
 
 
 def test_a_stall_is_when_the_last_evaluations_never_beat_the_best_by_more_than_its_interval():

@@ -44,8 +44,10 @@ MESSAGE = "what is wrong and how to fix it"
 SECRET = "hf_abcdefghijklmnopqrstuvwxyz0123"  # token-shaped: the spec's secret check refuses it wherever it is
 INVALID = [{"not": "valid"}]  # refused by every field: no string, number, bool, literal, dict or list of strings
 REWARD = "reward"  # in the table: the note of the reward the key names (rewards.0 built-in, rewards.1 code)
+METRIC = "metric"  # the note of the eval metric the key names (eval.metrics.0 built-in, eval.metrics.1 code)
 # Where the errors of each RunSpec field (and of each key preflight names on its own) must show, and their label.
-# `rewards.*.<field>` is a field of any reward; its label reads "<label> of reward <n> (<name>)".
+# `rewards.*.<field>` is a field of any reward; its label reads "<label> of reward <n> (<name>)"; an eval metric's,
+# "<label> of eval metric <n> (<name>)".
 EXPECTED: dict[str, tuple[str, str | None]] = {
     "spec": ("general", "Settings"),
     "schema_version": ("general", "Spec version"),
@@ -73,6 +75,14 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "eval.every": ("advanced", "Eval every N versions"),
     "eval.patience": ("advanced", "Eval patience"),
     "eval.stop_on_regression": ("advanced", "Stop when held-out stalls"),
+    "eval.metrics": ("rewards_code", "Eval metrics"),  # the list as a whole: beside the rewards, whose code it uses
+    "eval.metrics.*": (METRIC, None),  # a metric's trial: its message starts with the metric's name
+    "eval.metrics.*.kind": (METRIC, "Kind"),
+    "eval.metrics.*.name": (METRIC, "Name"),
+    "eval.metrics.*.params": (METRIC, "Parameters"),
+    "eval.metrics.*.source": (METRIC, "Code"),
+    "eval.metrics.*.entry_point": (METRIC, "Function to call"),
+    "eval.metrics.*.weight": (METRIC, "Weight"),
     "rewards": ("rewards_code", "Rewards"),  # the list as a whole; the form has a code reward
     "rewards.*": (REWARD, None),  # a reward's trial: its message starts with the reward's name, no label
     "rewards.*.kind": (REWARD, "Kind"),
@@ -141,9 +151,13 @@ PREFLIGHT_SOURCES = {
     "backend/launchers/hf_jobs.py": r'raise \w+\(\s*f?"(compute\.[\w.{}]*): ',
     "backend/launchers/base.py": r'raise \w+\(\s*f?"(compute\.[\w.{}]*): ',
     "backend/services/runs.py": r'RunStateError\(\s*f?"([a-z_][\w.{}]*): ',
+    # The field of each reward and eval metric a trial names (preflight keys its failures so).
+    "jobs/evaluation/results.py": r'f"((?:rewards|eval\.metrics)\.\{i\})"',
 }
 TEMPLATES = {
     "rewards.{index}": ["rewards.0", "rewards.1"],
+    "rewards.{i}": ["rewards.0", "rewards.1"],
+    "eval.metrics.{i}": ["eval.metrics.0", "eval.metrics.1"],
     "compute.{field}": ["compute.trainer_flavor", "compute.replica_flavor"],
     "dataset.{field}": ["dataset.prompt_column", "dataset.answer_column"],
     "reporting.{name}": ["reporting.trackio", "reporting.wandb"],
@@ -152,17 +166,24 @@ TEMPLATES = {
 
 @pytest.fixture(scope="module")
 def form() -> dict[str, Any]:
-    """The launch form filled with the demo, one built-in reward and one written in Python."""
+    """The launch form filled with the demo, one built-in reward and one written in Python, and likewise two eval
+    metrics (a built-in, and a further function of the reward code)."""
     values = form_from_spec(demo_spec("form-errors", "file:///tmp/form-errors-store").model_dump())
     values.update(
         builtin_rewards=["digit_frac"], code_enabled=True, code_name="custom", code_entry="reward", code_weight=1.0
     )
-    values.update(code_source=CODE_TEMPLATE, store_credential="", hf_credential="", wandb_credential="")
+    values.update(builtin_metrics=["length"], code_metrics="exact", code_source=CODE_TEMPLATE + EXACT)
+    values.update(store_credential="", hf_credential="", wandb_credential="")
     built = spec_from_form(values)
     assert [r["kind"] for r in built.spec["rewards"]] == ["builtin", "code"]
     assert built.reward_slots == ["rewards_builtin", "rewards_code"]
+    assert [(m["kind"], m["name"]) for m in built.spec["eval"]["metrics"]] == [("builtin", "length"), ("code", "exact")]
+    assert built.metric_slots == ["rewards_builtin", "rewards_code"]
     parse_spec(built.spec)  # valid as built: every error below comes from the one value changed
     return values
+
+
+EXACT = "\n\ndef exact(completions, answer, **columns):\n    return [1.0] * len(completions)\n"
 
 
 # --- the keys the product produces ------------------------------------------------------------------------------
@@ -236,6 +257,7 @@ def produced_keys(spec: dict[str, Any]) -> list[tuple[str, str]]:
     cross = [
         ({**spec, "rewards": []}, "rewards"),
         ({**spec, "rewards": [spec["rewards"][1], spec["rewards"][1]]}, "rewards"),
+        (_set(spec, "eval.metrics", [spec["eval"]["metrics"][1]] * 2), "eval.metrics"),
         (_set(spec, "grpo.max_completion_length", 10_000), "grpo.max_completion_length"),
         (_set(spec, "parent.run_id", spec["run_id"]), "parent.run_id"),
         (_set(spec, "grpo.queue_size", 2), "grpo.queue_size"),
@@ -263,19 +285,29 @@ def preflight_keys() -> list[str]:
 
 
 def generic(key: str) -> str:
-    """The table entry a preflight key belongs to: `rewards.1` -> `rewards.*`."""
-    return re.sub(r"^rewards\.\d+", "rewards.*", key)
+    """The table entry a preflight key belongs to: `rewards.1` -> `rewards.*`, `eval.metrics.0` -> `eval.metrics.*`."""
+    return re.sub(r"^(rewards|eval\.metrics)\.\d+", r"\1.*", key)
+
+
+FUNCTION = re.compile(r"^(rewards|eval\.metrics)(?:\.|\[)(\d+)")  # a key about one reward or eval metric
+
+
+def function_of(key: str) -> tuple[str, int]:
+    """Which list (`rewards`, `eval.metrics`) and which entry of it a key names."""
+    match = FUNCTION.match(key)
+    assert match, key
+    return match.group(1), int(match.group(2))
 
 
 # --- the checks ---------------------------------------------------------------------------------------------------
 
 
-def expected_slot(field: str, key: str, reward_slots: list[str]) -> str:
+def expected_slot(field: str, key: str, built) -> str:
     slot, _ = EXPECTED[field]
-    if slot != REWARD:
+    if slot not in (REWARD, METRIC):
         return slot
-    index = int(re.match(r"^rewards(?:\.|\[)(\d+)", key).group(1))
-    return reward_slots[index]
+    _, index = function_of(key)
+    return (built.reward_slots if slot == REWARD else built.metric_slots)[index]
 
 
 def routed_one(key: str, built, code_enabled: bool = True) -> tuple[str, str]:
@@ -286,16 +318,17 @@ def routed_one(key: str, built, code_enabled: bool = True) -> tuple[str, str]:
     return shown[0]
 
 
-def check_label(field: str, key: str, text: str, rewards: list[dict[str, Any]]) -> None:
+def check_label(field: str, key: str, text: str, spec: dict[str, Any]) -> None:
     _, expected = EXPECTED[field]
     if expected is None:  # a reward's own message: shown as it is
         assert text == MESSAGE, (key, text)
         return
     assert text.endswith(f": {MESSAGE}"), (key, text)
     shown = text.removesuffix(f": {MESSAGE}")
-    if field.startswith("rewards.*."):
-        index = int(re.match(r"^rewards(?:\.|\[)(\d+)", key).group(1))
-        expected = f"{expected} of reward {index + 1} ({rewards[index]['name']})"
+    if field.startswith(("rewards.*.", "eval.metrics.*.")):
+        kind, index = function_of(key)
+        items, word = (spec["rewards"], "reward") if kind == "rewards" else (spec["eval"]["metrics"], "eval metric")
+        expected = f"{expected} of {word} {index + 1} ({items[index]['name']})"
     assert shown == expected, (key, shown)
     # Words, never the raw key: no dotted path, no list index, no field name with underscores.
     assert key not in shown and not re.search(r"\w\.\w|\[\d*\]", shown), (key, shown)
@@ -318,8 +351,8 @@ def test_every_key_the_spec_produces_lands_in_its_fields_note_with_a_human_label
     seen_slots = set()
     for field, key in cases:
         slot, text = routed_one(key, built)
-        assert slot == expected_slot(field, key, built.reward_slots), (field, key, slot)
-        check_label(field, key, text, built.spec["rewards"])
+        assert slot == expected_slot(field, key, built), (field, key, slot)
+        check_label(field, key, text, built.spec)
         seen_slots.add(slot)
     assert seen_slots == set(SLOTS)
 
@@ -333,8 +366,8 @@ def test_every_key_preflight_names_lands_in_its_fields_note_with_a_human_label(f
         field = generic(key)
         assert field in EXPECTED, f"preflight names {key!r}: add it to EXPECTED"
         slot, text = routed_one(key, built)
-        assert slot == expected_slot(field, key, built.reward_slots), (key, slot)
-        check_label(field, key, text, built.spec["rewards"])
+        assert slot == expected_slot(field, key, built), (key, slot)
+        check_label(field, key, text, built.spec)
 
 
 def test_all_eleven_notes_are_reached(form):
@@ -372,6 +405,7 @@ ODD_LABELS = [  # (key, the spec's rewards, label)
     ("rewards.2.source", NAMED, "Code of reward 3"),  # one past the last reward
     ("rewards.5.weight", NAMED, "Weight of reward 6"),
     ("rewards.0.weight", None, "Weight of reward 1"),  # no spec to take the name from
+    ("eval.metrics[1].source", NAMED, "Code of eval metric 2"),  # the rewards' names are not the metrics'
     ("bogus", None, "Settings: bogus"),
     ("grpo.not_a_field.deeper", NAMED, "Training: not a field deeper"),
 ]
@@ -388,6 +422,7 @@ def test_a_key_the_form_has_no_field_for_is_still_labelled_in_words(key, rewards
         ("rewards.2.source", ["rewards_builtin", "rewards_code"], True, "rewards_code"),  # one past the last slot
         ("rewards[1]", ["rewards_builtin"], False, "rewards_builtin"),
         ("rewards.0.weight", [], True, "rewards_code"),
+        ("eval.metrics.3.name", ["rewards_builtin"], False, "rewards_builtin"),  # metrics sit beside the rewards
     ],
 )
 def test_a_reward_past_the_forms_last_goes_to_the_rewards_note_of_the_mode(key, reward_slots, code_enabled, slot):
@@ -416,7 +451,8 @@ def test_a_secret_in_reward_code_is_shown_under_the_code_editor(tmp_path, form):
     with gr.Blocks():
         page.build()
     source = f'TOKEN = "{SECRET}"\n' + CODE_TEMPLATE
-    values = {page.inputs[key]: value for key, value in {**form, "code_source": source}.items() if key in KEYS}
+    reported = {**form, "code_source": source, "code_metrics": ""}  # the reported form had no code metric
+    values = {page.inputs[key]: value for key, value in reported.items() if key in KEYS}
     outputs = page.check(values)
     assert set(outputs) == set(page._check_outputs())
     notes = {slot: outputs[page.slots[slot]] for slot in SLOTS}

@@ -159,12 +159,22 @@ def test_a_demo_run_reports_to_trackio_and_wandb_under_trls_names(tmp_path, monk
     assert trackio_reward == pytest.approx(panel, rel=1e-9)  # every step the panel shows, under TRL's name
     assert any("train/kl" in metrics for _, metrics in logged)
 
+    # Issue 29: each evaluated version's held-out scores as `eval/...`, the last one (evaluated after training) too.
+    held_out = {s.version: s.mean for s in QueryService(ctx, OWNER).held_out_series(spec.run_id)}
+    last = max(held_out)
+    assert set(held_out) == {0, last} and last > 0, held_out  # every 10 versions: none between base and last
+    trackio_eval = {int(m["eval/version"]): m["eval/reward"] for _, m in logged if "eval/version" in m}
+    assert trackio_eval[last] == pytest.approx(held_out[last]) and set(trackio_eval) <= set(held_out)
+
     (run_file,) = wandb_dir.glob("wandb/offline-run-*/run-*.wandb")
     assert ("grpo-panel", "report-demo") in wandb_records.run_names(run_file)  # the spec's project, the run's id
     rows = wandb_records.history(run_file)
     wandb_reward = {row["train/global_step"]: row["train/reward"] for row in rows if "train/reward" in row}
     assert wandb_reward == pytest.approx(panel, rel=1e-9)
     assert any("train/kl" in row for row in rows)
+    wandb_eval = {int(row["eval/version"]): row["eval/reward"] for row in rows if "eval/version" in row}
+    assert wandb_eval == pytest.approx(trackio_eval)
+    assert not [name for name in QueryService(ctx, OWNER).metric_names(spec.run_id) if name.startswith("eval")]
     job_files = [path for path in (ctx.local_launcher.workdir / spec.run_id).rglob("*") if path.is_file()]
     assert job_files and all(WANDB_KEY not in path.read_text(errors="replace") for path in job_files)
     ctx.db.close()

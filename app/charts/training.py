@@ -57,11 +57,13 @@ def held_out_figure(
     training: Series,
     per_function: dict[str, list[HeldOutScore]] | None = None,
     options: ChartOptions = ChartOptions(),
+    metrics: dict[str, list[HeldOutScore]] | None = None,
 ) -> go.Figure:
     """Held-out reward per evaluated version at the version's step, with its 95 % interval, over the training reward
     (lighter): a training reward that climbs while the held-out one stays flat is overfitting or reward hacking. Each
-    reward function's held-out mean gets its own trace when there are several. A version's score belongs to its step,
-    so the x axis stays on steps whatever the controls count; smoothing applies to the training reward only."""
+    reward function's held-out mean gets its own trace when there are several, each eval metric (scored, never
+    trained on) always. A version's score belongs to its step, so the x axis stays on steps whatever the controls
+    count; smoothing applies to the training reward only."""
     title = "Held-out reward per version (95 % interval)"
     if not reward:
         return empty_figure(
@@ -74,9 +76,10 @@ def held_out_figure(
         _add_training_reward(figure, training, options.window(len(training)))
     _add_held_out(figure, "held-out reward", reward, COLORS["reward"], intervals=True)
     functions = {name: scores for name, scores in (per_function or {}).items() if scores}
-    if len(functions) > 1:
-        for index, (name, scores) in enumerate(sorted(functions.items())):
-            _add_held_out(figure, f"held-out {name}", scores, series_color(index), intervals=False)
+    traces = {f"held-out {name}": scores for name, scores in sorted(functions.items())} if len(functions) > 1 else {}
+    traces |= {f"held-out metric {name}": scores for name, scores in sorted((metrics or {}).items()) if scores}
+    for index, (name, scores) in enumerate(traces.items()):
+        _add_held_out(figure, name, scores, series_color(index), intervals=False)
     steps = [score.step for score in reward] + [step for step, _ in training]
     figure = replace(options, x_values=None).apply(integer_steps(figure, steps))
     if options.x_values is not None:

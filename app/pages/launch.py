@@ -28,6 +28,7 @@ from app.launch_form import (
     FormSchema,
     builtin_choices,
     credentials,
+    metrics_of,
     rewards_of,
 )
 from app.panel import Panel
@@ -210,21 +211,22 @@ class LaunchPage:
             label="Built-in rewards",
             elem_id="builtin-rewards",
         )
+        i["builtin_metrics"] = gr.Dropdown(
+            builtin_choices(),
+            value=initial["builtin_metrics"],
+            multiselect=True,
+            label="Eval metrics (built-in): scored on the held-out prompts beside the rewards, never trained on",
+            elem_id="builtin-metrics",
+        )
+        picked = {*initial["builtin_rewards"], *initial["builtin_metrics"]}
         with gr.Row():
             i["format_tags"] = gr.Textbox(
-                initial["format_tags"],
-                label="format: required tags, in order",
-                visible="format" in initial["builtin_rewards"],
+                initial["format_tags"], label="format: required tags, in order", visible="format" in picked
             )
             i["length_target"] = gr.Number(
-                initial["length_target"],
-                label="length: target tokens",
-                precision=0,
-                visible="length" in initial["builtin_rewards"],
+                initial["length_target"], label="length: target tokens", precision=0, visible="length" in picked
             )
-            i["regex_pattern"] = gr.Textbox(
-                initial["regex_pattern"], label="regex: pattern", visible="regex" in initial["builtin_rewards"]
-            )
+            i["regex_pattern"] = gr.Textbox(initial["regex_pattern"], label="regex: pattern", visible="regex" in picked)
         self._slot("rewards_builtin")
         i["code_enabled"] = gr.Checkbox(
             initial["code_enabled"], label="Add a reward written in Python", elem_id="code-enabled"
@@ -241,6 +243,12 @@ class LaunchPage:
                 max_lines=30,
                 label="Reward code",
                 elem_id="reward-code",
+            )
+            i["code_metrics"] = gr.Textbox(
+                initial["code_metrics"],
+                label="Eval metrics in this code: names of further functions, scored on the held-out prompts, never "
+                "trained on (e.g. exact_match)",
+                elem_id="code-metrics",
             )
         self._slot("rewards_code")
         with gr.Row(elem_classes="gp-align-end"):
@@ -394,11 +402,14 @@ class LaunchPage:
             [i["bucket_kind"], i["storage.uri"]],
             [i["storage.uri"], i["storage.endpoint"], i["storage.region"], self.remote_row, self.keys_row],
         )
-        i["builtin_rewards"].change(
-            lambda names: [gr.update(visible=n in (names or [])) for n in ("format", "length", "regex")],
-            [i["builtin_rewards"]],
-            [i["format_tags"], i["length_target"], i["regex_pattern"]],
-        )
+        for builtins in (i["builtin_rewards"], i["builtin_metrics"]):  # a built-in's parameters serve both
+            builtins.change(
+                lambda rewards, metrics: [
+                    gr.update(visible=n in {*(rewards or []), *(metrics or [])}) for n in ("format", "length", "regex")
+                ],
+                [i["builtin_rewards"], i["builtin_metrics"]],
+                [i["format_tags"], i["length_target"], i["regex_pattern"]],
+            )
         i["code_enabled"].change(lambda on: gr.Group(visible=on), [i["code_enabled"]], [self.code_group])
         i["compute.backend"].change(
             lambda backend: [gr.update(visible=backend == "hf_jobs")] * len(_HUB_ONLY),
@@ -642,19 +653,22 @@ class LaunchPage:
         return cards.cost_line(money(result.cost_per_hour, per_hour=True), "at the Hub's current prices")
 
     def test_rewards(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
-        """Score sample rows with the rewards on screen, in the sandbox; each error goes next to its reward."""
+        """Score sample rows with the rewards and eval metrics on screen, in the sandbox; each error goes next to its
+        function."""
         services = self.panel.services(profile)
         form = self._form(values)
         code_enabled = bool(form["code_enabled"])
         rewards, reward_slots = rewards_of(form)
+        metrics, metric_slots = metrics_of(form)
+        function_slots = [*reward_slots, *metric_slots]
         errors: dict[str, list[str]] = {"rewards_builtin": [], "rewards_code": []}
         specs = []
-        for index, reward in enumerate(rewards):
+        for index, function in enumerate([*rewards, *metrics]):
             try:
-                specs.append(RewardSpec.model_validate(reward))
+                specs.append(RewardSpec.model_validate(function))
             except ValidationError as error:
                 message = "; ".join(e["msg"].removeprefix("Value error, ") for e in error.errors())
-                errors[reward_slots[index]].append(f"{reward['name']}: {message}")
+                errors[function_slots[index]].append(f"{function['name']}: {message}")
         if not rewards:
             errors["rewards_builtin"].append("Pick at least one built-in reward or add one written in Python.")
         rows = values[self.rows]
@@ -677,10 +691,9 @@ class LaunchPage:
                 errors["rewards_code" if code_enabled else "rewards_builtin"].append(str(error))
             else:
                 table = gr.Dataframe(trials_table(rows, completions, trials), visible=True)
-                for index, trial in enumerate(trials):
+                for slot, trial in zip(function_slots, trials, strict=True):
                     if trial.error:
                         where = f" (row {trial.row + 1})" if trial.row is not None else ""
-                        slot = self.form.slot_of(f"rewards.{index}", reward_slots, code_enabled)
                         errors[slot].append(f"{trial.name}{where}: {trial.error}")
         return {
             self.trials: table,
@@ -813,6 +826,9 @@ def check_status(result: Preflight) -> str:
     if result.held_out is not None:
         held = result.held_out
         notes += f" Versions can be evaluated on {len(held.rows)} held-out prompts ({held.source})."
+        metrics = [metric.name for metric in result.spec.eval.metrics] if result.spec is not None else []
+        if metrics:
+            notes += f" Scored beside the rewards, never trained on: {', '.join(metrics)}."
         if result.spec is not None and result.spec.eval.during_run:
             cost = derived.eval_cost(result.spec, len(held.rows))
             notes += (

@@ -436,6 +436,7 @@ class MonitorPage:
                 reward,
                 {r.name: held_out_series(run.id, f"rewards/{r.name}") for r in spec.rewards},
                 options,
+                {m.name: held_out_series(run.id, f"metrics/{m.name}") for m in spec.eval.metrics},
             ),
             self.ratio_plot: training_charts.ratio_kl_figure(
                 series(run.id, "ratio", MAX_POINTS), series(run.id, "kl", MAX_POINTS), options=options

@@ -25,9 +25,12 @@ from jobs.evaluation.heldout import HeldOut, eval_prompts, held_out
 from jobs.evaluation.results import (
     TOTAL,
     VersionEval,
+    function_fields,
     interval_json,
     result_key,
+    score_names,
     score_table,
+    scored_functions,
     stored_result,
     summary_json,
 )
@@ -233,11 +236,11 @@ def _score(
     flat = [completion for completions in sampled for completion in completions]
     limits = SandboxLimits(seconds=max(SandboxLimits.seconds, SANDBOX_SECONDS_PER_COMPLETION * len(flat)))
     texts, ids = [c.text for c in flat], [c.token_ids for c in flat]
-    trials = run_rewards(spec.rewards, rows, texts, limits, eos_token_ids=eos, completion_ids=ids)
-    for index, trial in enumerate(trials):
+    trials = run_rewards(scored_functions(spec), rows, texts, limits, eos_token_ids=eos, completion_ids=ids)
+    for field_name, trial in zip(function_fields(spec), trials, strict=True):
         if trial.error:
-            raise EvaluationError(f"rewards.{index}: {trial.name} failed on a held-out completion: {trial.error}")
-    return score_table([reward.name for reward in spec.rewards], [trial.scores for trial in trials], k)
+            raise EvaluationError(f"{field_name}: {trial.name} failed on a held-out completion: {trial.error}")
+    return score_table(score_names(spec), [trial.scores for trial in trials], k)
 
 
 def _held_out_words(settings: EvalSpec) -> str:

@@ -331,8 +331,8 @@ class QueryService:
             )
 
     def held_out_series(self, run_id: str, name: str = "reward") -> list[HeldOutScore]:
-        """The run's held-out score `name` (reward, or rewards/<reward name>) of each evaluated version, in version
-        order."""
+        """The run's held-out score `name` (reward, rewards/<reward name> or metrics/<metric name>) of each evaluated
+        version, in version order."""
         self._check(run_id)
         with self.ctx.db.session() as session:
             rows = session.exec(held_out_scores(run_id, name).order_by(col(VersionScore.version))).all()

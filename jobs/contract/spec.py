@@ -597,6 +597,9 @@ class EvalSpec(_Section):
             advanced=True,
         ),
     ] = False
+    # Written like rewards (built-in or code, same sandbox) and scored on every held-out completion beside them, but
+    # never trained on: e.g. exact-match accuracy next to a shaped reward. Reported as `metrics/<name>`, unweighted.
+    metrics: Annotated[list[RewardSpec], Field(max_length=8, title="Eval metrics")] = Field(default_factory=list)
 
     @field_validator("split", mode="before")
     @classmethod
@@ -609,6 +612,14 @@ class EvalSpec(_Section):
             raise ValueError("holdout: choose held-out rows or a held-out split, not both; empty one of them")
         if self.greedy and self.k > 1:
             raise ValueError(f"k: greedy decoding gives one completion per prompt, not {self.k}; set k to 1")
+        names = [metric.name for metric in self.metrics]
+        if len(set(names)) != len(names):
+            raise ValueError("metrics: each metric needs a distinct name (it becomes the score metrics/<name>)")
+        for index, metric in enumerate(self.metrics):
+            if metric.weight != 1.0:
+                raise ValueError(f"metrics.{index}.weight: a metric is reported as it is, never weighted; remove it")
+        if self.metrics and not self.enabled:
+            raise ValueError("metrics: they score held-out prompts; set a held-out split or held-out rows first")
         return self
 
     @property
@@ -665,6 +676,12 @@ class RunSpec(_Section):
         names = [reward.name for reward in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError("rewards: each reward needs a distinct name (it becomes the metric rewards/<name>)")
+        for index, metric in enumerate(self.eval.metrics):
+            if metric.name in names:
+                raise ValueError(
+                    f"eval.metrics.{index}.name: {metric.name!r} is already a reward of the run, and every reward's "
+                    "held-out score is reported; remove the metric, or give it another name"
+                )
         if self.grpo.max_completion_length >= self.model.max_model_len:
             raise ValueError(
                 f"grpo.max_completion_length: {self.grpo.max_completion_length} must be below model.max_model_len "

@@ -37,7 +37,16 @@ import requests
 from jobs.contract import RunSpec, derived, layout
 from jobs.contract.control import STOP, StopRequest
 from jobs.evaluation.heldout import EvalPrompts, eval_prompts, held_out
-from jobs.evaluation.results import TOTAL, VersionEval, result_key, score_table, stored_result, summary_json
+from jobs.evaluation.results import (
+    TOTAL,
+    VersionEval,
+    result_key,
+    score_names,
+    score_table,
+    scored_functions,
+    stored_result,
+    summary_json,
+)
 from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
 from jobs.evaluation.statistics import Interval, stalled
 from jobs.runtime import add_run_arguments, open_run, setup_logging
@@ -54,10 +63,11 @@ LOAD_TIMEOUT_S = 900.0  # the proxy's load deadline, after its wait for a weight
 
 @dataclass(frozen=True)
 class Scorer:
-    """The run's rewards, as the trainer builds them (same code, weights and EOS ids), over held-out completions."""
+    """The run's rewards, as the trainer builds them (same code, weights and EOS ids), and its eval metrics, over
+    held-out completions."""
 
-    names: list[str]
-    rewards: list[Any]  # jobs.trainer.rewards.CheckedReward
+    names: list[str]  # results.score_names
+    functions: list[Any]  # jobs.trainer.rewards.CheckedReward, of results.scored_functions
 
     def score(self, prompts: EvalPrompts, sampled: list[list[Completion]]) -> dict[str, list[list[float]]]:
         k = len(sampled[0])
@@ -67,7 +77,7 @@ class Scorer:
         columns = {name: [record[name] for record in records] for name in records[0] if name != "prompt"}
         prompts_each = [record["prompt"] for record in records]
         kwargs = {"prompts": prompts_each, "completion_ids": ids, **columns}
-        weighted = [_within_deadline(functools.partial(reward.score, completions, **kwargs)) for reward in self.rewards]
+        weighted = [_within_deadline(functools.partial(f.score, completions, **kwargs)) for f in self.functions]
         return score_table(self.names, weighted, k)
 
 
@@ -153,9 +163,11 @@ class RunEvaluator:
     def _record(self, result: VersionEval, tokens: int) -> None:
         """The record the panel ingests (before the whole result is stored: a version whose result is stored has its
         record), then what judging the run needs."""
-        self.stream.add(telemetry_record(result, self._step(result.version), tokens))
+        record = telemetry_record(result, self._step(result.version), tokens)
+        self.stream.add(record)
         if not self.stream.flush():
             raise StoreError("the eval telemetry could not be written")
+        print(json.dumps({"scores": record}), flush=True)  # for the trainer's Trackio and W&B reporting
         self.history.append((result.version, result.summary(TOTAL).avg))
         self.judge()
 
@@ -315,7 +327,7 @@ def prepare(spec: RunSpec, store: ObjectStore, proxy_url: str) -> RunEvaluator:
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
     prompts = eval_prompts(spec, held, tokenizer)
     eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
-    scorer = Scorer([reward.name for reward in spec.rewards], list(build_rewards(spec.rewards, eos)))
+    scorer = Scorer(score_names(spec), list(build_rewards(scored_functions(spec), eos)))
     return RunEvaluator(spec, store, proxy_url, prompts, scorer, result_key(spec, held, Sampling.of(spec)))
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from jobs.contract import RunSpec, layout
+from jobs.contract import RewardSpec, RunSpec, layout
 from jobs.evaluation.heldout import HeldOut
 from jobs.evaluation.sampling import Sampling
 from jobs.evaluation.statistics import Interval, interval, is_binary, pass_at_k
@@ -62,32 +62,53 @@ class VersionEval:
 
 
 def result_key(spec: RunSpec, held: HeldOut, sampling: Sampling) -> str:
-    """A short hash of what a result depends on: the held-out prompts, the sampling, the rewards and the columns
-    they read. The evaluator beside a run and the panel's after the run key alike, so each reads the other's."""
+    """A short hash of what a result depends on: the held-out prompts, the sampling, the rewards and metrics and the
+    columns they read (a run without metrics keeps the key it had before metrics existed). The evaluator beside a run
+    and the panel's after the run key alike, so each reads the other's."""
     parts = {
         # 2: scored on the completions' own token ids (before, the panel counted a token per word)
         "scoring": 2,
         "prompts": held.fingerprint,
         "sampling": sampling.describe(),
         "rewards": [reward.model_dump() for reward in spec.rewards],
+        **({"metrics": [metric.model_dump() for metric in spec.eval.metrics]} if spec.eval.metrics else {}),
         "dataset": spec.dataset.model_dump(include={"prompt_column", "answer_column", "system_prompt"}),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def scored_functions(spec: RunSpec) -> list[RewardSpec]:
+    """What an evaluation scores each completion with, in order: the run's rewards, then its eval metrics."""
+    return [*spec.rewards, *spec.eval.metrics]
+
+
+def function_fields(spec: RunSpec) -> list[str]:
+    """The spec field of each of `scored_functions`, for errors: `rewards.0`, ..., `eval.metrics.0`, ..."""
+    return [f"rewards.{i}" for i in range(len(spec.rewards))] + [
+        f"eval.metrics.{i}" for i in range(len(spec.eval.metrics))
+    ]
+
+
+def score_names(spec: RunSpec) -> list[str]:
+    """The score each of `scored_functions` is kept under: `rewards/<name>` (weighted, summed into the total) and
+    `metrics/<name>` (reported as they are, never in the total: they are not trained on)."""
+    return [f"rewards/{r.name}" for r in spec.rewards] + [f"metrics/{m.name}" for m in spec.eval.metrics]
+
+
 def score_table(
     names: Sequence[str], weighted: Sequence[Sequence[float | None]], k: int
 ) -> dict[str, list[list[float]]]:
-    """Per score, per prompt, per sample: the total, then each reward as `rewards/<name>`, from each reward's weighted
-    scores of the completions (prompt after prompt, k each). A reward's None (TRL: it does not apply to that
-    completion) or a non-finite score counts 0."""
-    per_reward = {
-        f"rewards/{name}": [0.0 if s is None or not math.isfinite(s) else float(s) for s in scores]
+    """Per score, per prompt, per sample: the total, then each score named in `names` (`score_names`), from each
+    function's weighted scores of the completions (prompt after prompt, k each). A None (TRL: the reward does not
+    apply to that completion) or a non-finite score counts 0."""
+    per_score = {
+        name: [0.0 if s is None or not math.isfinite(s) else float(s) for s in scores]
         for name, scores in zip(names, weighted, strict=True)
     }
+    rewards = [values for name, values in per_score.items() if name.startswith("rewards/")]
     count = len(weighted[0]) if weighted else 0
-    total = [sum(scores[i] for scores in per_reward.values()) for i in range(count)]
-    return {TOTAL: _per_prompt(total, k)} | {name: _per_prompt(values, k) for name, values in per_reward.items()}
+    total = [sum(values[i] for values in rewards) for i in range(count)]
+    return {TOTAL: _per_prompt(total, k)} | {name: _per_prompt(values, k) for name, values in per_score.items()}
 
 
 def _per_prompt(values: list[float], k: int) -> list[list[float]]:

@@ -3,7 +3,7 @@
 It is a process of its own so that tokenising, sampling and scoring never take the training loop's GIL. Whatever it
 does, training goes on: an evaluator that exits early is started again (a few times, each said as an event), and at
 the end it gets a bounded time to score the last version before it is stopped. What it prints on stdout (skips,
-failures) becomes the run's events.
+failures) becomes the run's events; each version's scores, the run's Trackio and W&B reports (`on_scores`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 log = logging.getLogger(__name__)
 RESTARTS = 3  # an evaluator that keeps dying is left dead: the run's training matters more
@@ -43,8 +43,18 @@ def evaluator_command(
 
 
 class EvaluatorProcess:
-    def __init__(self, command: list[str], final_file: Path, events: Events, check_every: float = CHECK_EVERY_S):
+    def __init__(
+        self,
+        command: list[str],
+        final_file: Path,
+        events: Events,
+        check_every: float = CHECK_EVERY_S,
+        on_scores: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        """`on_scores` is given each version's held-out record (jobs/evaluation/during_run.py's `telemetry_record`) as
+        it is stored, for reporting elsewhere than the panel (which reads the `eval` stream)."""
         self.command, self.final_file, self.events, self.check_every = command, final_file, events, check_every
+        self.on_scores = on_scores
         self.process: subprocess.Popen[str] | None = None
         self.restarts = 0
         self._finishing = threading.Event()
@@ -66,6 +76,10 @@ class EvaluatorProcess:
         for line in stdout or ():
             try:
                 notice = json.loads(line)
+                if isinstance(notice.get("scores"), dict):
+                    if self.on_scores is not None:
+                        self.on_scores(notice["scores"])
+                    continue
                 kind, level = str(notice.get("kind", "evaluation")), str(notice.get("level", "info"))
                 self.events.event(kind, str(notice["message"]), level=level)
             except (ValueError, KeyError, TypeError, AttributeError):

@@ -49,6 +49,7 @@ from jobs.trainer.config import grpo_config, lora_config
 from jobs.trainer.control import GracefulStop, StepHint
 from jobs.trainer.dataset import build_prompts, load_rows
 from jobs.trainer.evaluator_process import EvaluatorProcess, evaluator_command
+from jobs.trainer.held_out_reports import HeldOutReports
 from jobs.trainer.proxy_process import (
     ProxyProcess,
     StoreUnreachable,
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir: Path | None = None
     errors = None
     evaluator: EvaluatorProcess | None = None
+    reports: HeldOutReports | None = None
     try:
         pins.require("trl")  # TRL's experimental async trainer changes between releases: our code fits 1.16.0 only
         workdir = Path(ranks.shared_workdir(args.output_dir, spec.run_id))
@@ -154,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             watchdogs.append(start_proxy(proxy, args, telemetry))
             watchdogs.append(store_watchdog(store, spec.run_id, args.store_outage_timeout).start())
             replica_jobs = read_replica_jobs(store, spec.run_id)
-            evaluator = start_evaluator(spec, args, proxy, workdir, telemetry)
+            reports = HeldOutReports() if spec.reporting.report_to() else None
+            evaluator = start_evaluator(spec, args, proxy, workdir, telemetry, reports)
 
         ranks.from_main(lambda: install_reporting_packages(spec))
         os.environ.update(report_environment(spec))
@@ -205,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             peft_config=lora_config(spec),
         )
         continue_versions.trainer = trainer
+        if reports is not None and evaluator is not None:
+            reports.attach(trainer)
         if spec.parent is not None and resume_path is None:
             parent = ranks.from_main(lambda: download_parent_adapter(store, spec.parent, workdir))
             load_parent_adapter(parent, spec.parent, trainer.model)
@@ -228,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         if evaluator is not None and not stop.cancelled:  # a cancelled job ends now: no last evaluation
             telemetry.status("evaluating")
             evaluator.finish(version, cancelled=lambda: stop.cancelled)
+            if reports is not None:
+                reports.flush(trainer)
         outcome, exit_code = ("stopped", 0) if stop.reason else ("finished", 0)
         telemetry.event(
             outcome,
@@ -263,15 +270,22 @@ def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: Traine
 
 
 def start_evaluator(
-    spec, args: argparse.Namespace, proxy: ProxyProcess, workdir: Path, telemetry: TrainerTelemetry
+    spec,
+    args: argparse.Namespace,
+    proxy: ProxyProcess,
+    workdir: Path,
+    telemetry: TrainerTelemetry,
+    reports: HeldOutReports | None,
 ) -> EvaluatorProcess | None:
-    """The held-out evaluator beside the proxy, when the run evaluates during training (main process)."""
+    """The held-out evaluator beside the proxy, when the run evaluates during training (main process); its scores go
+    to `reports` too, when the run reports to Trackio or W&B."""
     if not (spec.eval.enabled and spec.eval.during_run):
         return None
     final_file = workdir / "evaluate-last-version"
     uri = spec_uri(spec.storage, spec.run_id)
     command = evaluator_command(uri, proxy.url, final_file, args.store_endpoint, args.store_region)
-    return EvaluatorProcess(command, final_file, telemetry).start()
+    on_scores = reports.add if reports is not None else None
+    return EvaluatorProcess(command, final_file, telemetry, on_scores=on_scores).start()
 
 
 def store_watchdog(store, run_id: str, timeout: float) -> Watchdog:

@@ -131,7 +131,9 @@ class TelemetryCallback(TrainerCallback):
     def on_log(self, _args, state, _control, logs=None, **_kwargs):
         if logs:
             record = {"step": state.global_step, "time": time.time(), "attempt": self.telemetry.attempt}
-            record.update({key: _finite(value) for key, value in logs.items() if isinstance(value, int | float)})
+            # Held-out scores (`eval_*`, added for Trackio and W&B by reporting.HeldOutReports) have their own stream.
+            numbers = {key: value for key, value in logs.items() if isinstance(value, int | float)}
+            record.update({key: _finite(value) for key, value in numbers.items() if not key.startswith("eval_")})
             self.telemetry.metrics.add(record)
 
     def on_step_end(self, _args, state, _control, **_kwargs):
