@@ -117,7 +117,8 @@ def held_out_comparison(evaluation: Evaluation, paired: Paired) -> str:
     dropped = f"; {held.shared} shared with training left out" if held.shared else ""
     cached = " (read back from the bucket)" if all(evaluation.cached) else ""
     how = f"{len(held.rows)} held-out prompts ({held.source}{dropped}), {sampling.k} samples each{cached}; ± is the "
-    return f'<div class="gp-stats">{cells}</div>' + note(how + "95 % interval over prompts.")
+    job = f" Evaluated on HF Jobs: {evaluation.job.summary()}." if evaluation.job is not None else ""
+    return f'<div class="gp-stats">{cells}</div>' + note(how + "95 % interval over prompts." + job)
 
 
 def json_block(data: Any) -> str:

@@ -272,7 +272,10 @@ def evaluate(args: argparse.Namespace) -> int:
     chosen = {name: value for name, value in changes.items() if value is not None}
     if args.metric:
         chosen["metrics"] = [_metric(text) for text in args.metric]
-    report = services.evaluation.report(services.evaluation.evaluate(args.run, numbers, chosen))
+    evaluation = services.evaluation.evaluate(args.run, numbers, chosen, on_progress=print)
+    report = services.evaluation.report(evaluation)
+    if evaluation.job is not None:
+        print(f"evaluated on HF Jobs: {evaluation.job.summary()} ({evaluation.job.url})")
     sampling = report["sampling"]
     dropped = (
         f"; {report['shared_with_training']} shared with training dropped" if report["shared_with_training"] else ""

@@ -59,6 +59,7 @@ from backend.poller import Poller
 from backend.sandbox import SandboxError, SandboxLimits, run_rewards
 from backend.sandbox import confinement as sandbox_confinement
 from backend.services.adapters import AdapterService
+from backend.services.evaluation import EvaluationError
 from backend.services.exports import ExportService
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
@@ -171,6 +172,12 @@ class HubRun:
     replica_answers: dict[str, Any]  # how a replica's exposed port answered each kind of caller, and where it is
     proxy_listens: list[tuple[str, int]]  # the trainer's proxy's listening addresses, seen while it ran
     secrets: dict[str, str]
+    # Issue 29: after the run, its base model and last version evaluated with the run's own settings (read back from
+    # what the trainer's evaluator stored) and with k=2 (by an evaluator job on the emulated Hub), what it said; and
+    # an evaluation cancelled as soon as its job was submitted, with the error it ended in.
+    evaluations: tuple[Any, Any]
+    evaluation_progress: list[str]
+    cancelled_evaluation: str
 
 
 def _job_env(root: Path, hub_url: str) -> dict[str, str]:
@@ -272,6 +279,12 @@ def hub_run(tmp_path_factory, moto_server) -> HubRun:
             poller.poll_run(RUN_ID)
             run = services.runs.get(RUN_ID)
             assert run.status == "finished", run.status_message
+            last = services.adapters.versions(RUN_ID)[-1].version
+            own = services.evaluation.evaluate(RUN_ID, [0, last])
+            progress: list[str] = []
+            other = services.evaluation.evaluate(RUN_ID, [0, last], {"k": 2}, on_progress=progress.append)
+            with pytest.raises(EvaluationError) as cancelled:
+                services.evaluation.evaluate(RUN_ID, [last], {"k": 1}, cancelled=lambda: True)
         yield HubRun(
             ctx,
             emulator,
@@ -284,10 +297,43 @@ def hub_run(tmp_path_factory, moto_server) -> HubRun:
             replica_answers,
             listens,
             secrets,
+            (own, other),
+            progress,
+            str(cancelled.value),
         )
     finally:
         emulator.close()
         ctx.db.close()
+
+
+# --- held-out evaluation after the run, on HF Jobs ---------------------------------------------------------------
+
+
+@pytest.mark.e2e
+def test_a_run_on_hf_jobs_is_evaluated_after_it_by_one_job_that_ends_and_is_read_back_after(hub_run):
+    """Issue 29: the versions the trainer's evaluator scored are read back (no job); other settings start one job of
+    the replicas' kind (their flavor, no port), which stores each result and ends: nothing is left billing, its
+    request is deleted, and what it cost is said. Asked again, the results are read back without a job."""
+    own, other = hub_run.evaluations
+    assert own.cached == [True, True] and own.job is None
+    assert other.cached == [False, False] and other.job is not None
+    assert [result.k for result in other.results] == [2, 2] and other.results[0].key != own.results[0].key
+    job, cancelled = [s for s in hub_run.emulator.submissions if s.spec["labels"]["grpo-role"].startswith("evaluator-")]
+    assert job.spec["flavor"] == "cpu-basic" and not job.spec.get("expose"), job.spec
+    assert hub_run.emulator.jobs[job.job_id].stage == "COMPLETED"
+    assert other.job.seconds > 0 and other.job.cost_usd is not None and "cpu-basic job ran" in other.job.summary()
+    assert any("evaluating 2 version(s) on one cpu-basic job" in said for said in hub_run.evaluation_progress)
+    client = hub_run.moto.client()
+    requests = client.list_objects_v2(Bucket=hub_run.bucket, Prefix=f"panel/runs/{RUN_ID}/eval-requests/")
+    assert requests.get("KeyCount", 0) == 0
+    again = PanelServices(hub_run.ctx, ALICE).evaluation.evaluate(RUN_ID, [0, other.results[1].version], {"k": 2})
+    assert again.cached == [True, True] and again.job is None
+    assert len(hub_run.emulator.submissions) == 5  # no other job
+    # Cancelled at once: its job ended (canceled, not billing), its request deleted, and the error says so.
+    assert "the evaluation was cancelled" in hub_run.cancelled_evaluation, hub_run.cancelled_evaluation
+    assert hub_run.emulator.jobs[cancelled.job_id].stage == "CANCELED"
+    trained, base = other.results[1].summary("reward").avg, other.results[0].summary("reward").avg
+    print(f"on the emulated Hub, k=2: v0 {base.mean:.3f}, v{other.results[1].version} {trained.mean:.3f}")
 
 
 # --- secrets ----------------------------------------------------------------------------------------------------
@@ -317,14 +363,16 @@ def test_no_secret_value_is_left_anywhere_after_a_run(hub_run):
     assert any(database.parent.glob("*.sqlite3-wal")), "the database is expected in WAL mode"
     scan.scan_tree(hub_run.root)
     # Every log: the jobs' log lines as the Hub serves them, and the panel's own log records.
-    assert len(hub_run.emulator.jobs) == 3 and all(job.lines for job in hub_run.emulator.jobs.values())
+    # The trainer, its replica and the evaluator jobs of the after-run evaluations (one finished, one cancelled).
+    jobs = hub_run.emulator.jobs.values()
+    assert len(jobs) == 5 and all(job.lines for job in jobs if job.started_at), "a job that ran logged nothing"
     for job in hub_run.emulator.jobs.values():
         scan.scan(f"log of job {job.id}", "\n".join(job.lines))
         scan.scan(f"job {job.id} as the Hub shows it", json.dumps(job.to_json()))
     scan.scan("the panel's log", "\n".join(hub_run.logs))
     # Every recorded job spec, but for the `secrets` field itself.
     submissions = hub_run.emulator.submissions
-    assert len(submissions) == 3
+    assert len(submissions) == 5
     for submission in submissions:
         shown = {key: value for key, value in submission.spec.items() if key != "secrets"}
         scan.scan(f"job spec {submission.job_id}", json.dumps(shown))
@@ -363,7 +411,7 @@ def test_replica_ports_demand_the_bearer_token_on_the_hub(hub_run):
     for it. The refusals below are the Hub's (the emulator's), so what is asserted of the product is that part, and
     that a caller with the token does reach the replica."""
     answers = hub_run.replica_answers
-    replicas = [s.spec for s in hub_run.emulator.submissions if s.spec["labels"]["grpo-role"] != "trainer"]
+    replicas = [s.spec for s in hub_run.emulator.submissions if s.spec["labels"]["grpo-role"].startswith("replica-")]
     assert len(replicas) == 2
     assert all(body["expose"]["ports"] and not body["expose"].get("portsPublic") for body in replicas)
     assert answers["endpoint"] in answers["exposed"]  # the panel talks to the replica through the Hub's proxy

@@ -122,6 +122,7 @@ class AdaptersPage:
         self.panel = panel
         # Zips are handed to Gradio from here: a temp folder it may serve from, wherever the data folder is mounted.
         self.downloads = Path(tempfile.mkdtemp(prefix="grpo-panel-downloads-"))
+        self._cancelled: set[tuple[str, str]] = set()  # (owner, run id) whose held-out evaluation job is to end
 
     def build(self) -> None:
         with gr.Row(elem_classes="gp-align-end"):
@@ -180,12 +181,15 @@ class AdaptersPage:
         with gr.Row(elem_classes="gp-align-end"):
             gr.HTML(
                 '<span class="gp-meta">Score A and B on the run\'s held-out prompts (never trained on), on the '
-                "same seeded draws, with the run's rewards; kept in the bucket, so asking again is instant.</span>",
+                "same seeded draws, with the run's rewards; kept in the bucket, so asking again is instant. A run on "
+                "HF Jobs is scored by one job there, at its replicas' price (Cancel ends it).</span>",
                 padding=False,
             )
             self.held_out_button = gr.Button(
                 "Compare on held-out prompts", elem_id="compare-held-out", scale=0, min_width=240
             )
+            # A run on HF Jobs is evaluated by a job there: this cancels it (and it stops billing).
+            self.held_out_cancel = gr.Button("Cancel", elem_id="cancel-held-out", scale=0, min_width=100)
         self.held_out_summary = gr.HTML("", elem_id="held-out-summary", padding=False)
         self.held_out_table = gr.Dataframe(
             visible=False,
@@ -229,6 +233,7 @@ class AdaptersPage:
             concurrency_limit=1,
             concurrency_id="generate",
         )
+        self.held_out_cancel.click(self.cancel_held_out, [self.run], None)
         self.generate_button.click(
             self.generate,
             [self.run, self.version_a, self.version_b, self.prompts],
@@ -367,18 +372,35 @@ class AdaptersPage:
             self.metrics: gr.Dataframe(metrics_table(comparison), visible=True),
         }
 
+    def cancel_held_out(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> None:
+        if run_id:
+            self._cancelled.add((self.panel.services(profile).owner, run_id))
+
     def compare_held_out(
-        self, run_id: str | None, version_a: int | None, version_b: int | None, profile: gr.OAuthProfile | None = None
+        self,
+        run_id: str | None,
+        version_a: int | None,
+        version_b: int | None,
+        profile: gr.OAuthProfile | None = None,
+        progress: gr.Progress = gr.Progress(),
     ) -> dict:
-        """Versions A and B scored on the run's held-out prompts: the paired difference, and where they differ most."""
+        """Versions A and B scored on the run's held-out prompts: the paired difference, and where they differ most.
+        A run on HF Jobs is evaluated by a job there; how it goes is shown as progress, and Cancel ends it."""
         services = self.panel.services(profile)
         hidden = gr.Dataframe(visible=False)
         if not run_id or version_a is None or version_b is None or int(version_a) == int(version_b):
             return {self.held_out_summary: cards.note("Pick two different versions (A and B above).", "warn"),
                     self.held_out_table: hidden}  # fmt: skip
         a, b = int(version_a), int(version_b)
+        asked = (services.owner, run_id)
+        self._cancelled.discard(asked)
         try:
-            evaluation = services.evaluation.evaluate(run_id, [a, b])
+            evaluation = services.evaluation.evaluate(
+                run_id,
+                [a, b],
+                on_progress=lambda message: progress(None, desc=message),
+                cancelled=lambda: asked in self._cancelled,
+            )
         except ValueError as error:  # no held-out prompts, a version gone, an engine that failed: said in words
             return {self.held_out_summary: cards.note(f"Not evaluated: {error}", "bad"), self.held_out_table: hidden}
         return {

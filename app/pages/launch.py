@@ -204,19 +204,11 @@ class LaunchPage:
         )
 
         gr.Markdown("### 2 · Rewards", elem_classes="gp-section-title")
-        i["builtin_rewards"] = gr.Dropdown(
-            builtin_choices(),
-            value=initial["builtin_rewards"],
-            multiselect=True,
-            label="Built-in rewards",
-            elem_id="builtin-rewards",
-        )
-        i["builtin_metrics"] = gr.Dropdown(
-            builtin_choices(),
-            value=initial["builtin_metrics"],
-            multiselect=True,
-            label="Eval metrics (built-in): scored on the held-out prompts beside the rewards, never trained on",
-            elem_id="builtin-metrics",
+        i["builtin_rewards"] = _builtin_picker(initial["builtin_rewards"], "Built-in rewards", "builtin-rewards")
+        i["builtin_metrics"] = _builtin_picker(
+            initial["builtin_metrics"],
+            "Eval metrics (built-in): scored on the held-out prompts beside the rewards, never trained on",
+            "builtin-metrics",
         )
         picked = {*initial["builtin_rewards"], *initial["builtin_metrics"]}
         with gr.Row():
@@ -810,6 +802,11 @@ class LaunchPage:
 
 
 CHECKED = ("bucket", "model", "dataset", "rewards", "compute")
+
+
+def _builtin_picker(value: list[str], label: str, elem_id: str) -> gr.Dropdown:
+    """The built-in reward functions to pick from, as rewards or as eval metrics."""
+    return gr.Dropdown(builtin_choices(), value=value, multiselect=True, label=label, elem_id=elem_id)
 
 
 def check_status(result: Preflight) -> str:

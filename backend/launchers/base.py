@@ -34,6 +34,9 @@ Stage = Literal["scheduling", "running", "completed", "error", "canceled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "error", "canceled"})
 REPLICA_PORT = 8000
 SMOKE_ROLE = "smoke"  # the one job of a smoke test (backend/services/smoke.py): a replica's image, port and flavor
+# `evaluator-<request id>`: an evaluation of a run's stored versions (jobs/evaluation/after_run.py), a replica's image
+# and flavor, no port.
+EVALUATOR_ROLE = "evaluator-"
 
 
 @dataclass
@@ -99,6 +102,9 @@ def job_module_args(spec: RunSpec, role: str, port: int | str = REPLICA_PORT, ho
         return [*trainer_launcher(derived.trainer_processes(spec.compute)), "jobs.trainer", "--spec", uri, *store_args]
     if role == SMOKE_ROLE:
         return ["jobs.smoke", "--spec", uri, "--host", host, "--port", str(port), *store_args]
+    if role.startswith(EVALUATOR_ROLE):
+        request = layout.eval_request_key(spec.run_id, role.removeprefix(EVALUATOR_ROLE))
+        return ["jobs.evaluation.after_run", "--spec", uri, "--request", request, *store_args]
     index = role.removeprefix("replica-")
     return [
         "jobs.replica",

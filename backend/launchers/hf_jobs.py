@@ -33,6 +33,7 @@ from huggingface_hub.utils._http import default_client_factory
 
 from backend.bundle import bootstrap_source, build_bundle, bundle_digest, upload_bundle
 from backend.launchers.base import (
+    EVALUATOR_ROLE,
     REPLICA_PORT,
     TERMINAL,
     JobHandle,
@@ -219,7 +220,7 @@ class HfJobsLauncher(Launcher):
             command=["python3", "-c", bootstrap_source(), *bundle, *job_module_args(spec, role)],
             env=dict(_JOB_ENV),
             secrets=sorted(job_env(role, run_secrets, on_hf_jobs=True)),
-            ports=[REPLICA_PORT] if replica else [],
+            ports=[REPLICA_PORT] if replica and not role.startswith(EVALUATOR_ROLE) else [],
             image=spec.compute.replica_image if replica else spec.compute.trainer_image,
             flavor=spec.compute.replica_flavor if replica else spec.compute.trainer_flavor,
             timeout_s=timeout_seconds(spec.compute.timeout),

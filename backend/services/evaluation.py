@@ -9,18 +9,20 @@ them back, changing the prompts, the sampling or the rewards evaluates again.
 from __future__ import annotations
 
 import tempfile
-import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from backend.context import PanelContext
+from backend.launchers.base import LaunchError
 from backend.models import Run
 from backend.sandbox import SandboxError, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService, ensure_generates_here
+from backend.services.evaluation_job import EvaluationJobError, EvaluationJobReport, run_evaluation_job
 from backend.services.runs import RunService
-from jobs.contract import EvalSpec, RunSpec, SpecError, layout, parse_spec
-from jobs.evaluation.engine import EngineError, adapter_loaded, local_engine
+from jobs.contract import EvalSpec, RunSpec, SpecError, parse_spec
+from jobs.evaluation.engine import EngineError, local_engine
 from jobs.evaluation.heldout import HeldOut, eval_prompts, held_out
 from jobs.evaluation.results import (
     TOTAL,
@@ -34,8 +36,9 @@ from jobs.evaluation.results import (
     stored_result,
     summary_json,
 )
-from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
+from jobs.evaluation.sampling import Completion, Sampling, SamplingError
 from jobs.evaluation.statistics import Paired, paired
+from jobs.evaluation.versions import evaluate_versions
 
 # The reward sandbox's time for one scoring call grows with the completions it scores (start-up aside).
 SANDBOX_SECONDS_PER_COMPLETION = 0.05
@@ -53,6 +56,7 @@ class Evaluation:
     sampling: Sampling
     results: list[VersionEval]
     cached: list[bool]
+    job: EvaluationJobReport | None = None  # the evaluator job on HF Jobs that scored the versions not cached
 
 
 @dataclass(frozen=True)
@@ -72,9 +76,17 @@ class EvaluationService:
         self.runs = RunService(ctx, owner)
         self.adapters = AdapterService(ctx, owner)
 
-    def evaluate(self, run_id: str, versions: list[int], changes: dict[str, Any] | None = None) -> Evaluation:
+    def evaluate(
+        self,
+        run_id: str,
+        versions: list[int],
+        changes: dict[str, Any] | None = None,
+        on_progress: Callable[[str], None] = lambda message: None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> Evaluation:
         """Evaluate `versions` of the run (0: the base model) on its held-out prompts; `changes` alter its eval
-        settings for this evaluation (a held-out split, the prompt count, k, greedy)."""
+        settings for this evaluation (a held-out split, the prompt count, k, greedy, metrics). A run on HF Jobs is
+        evaluated by one job there (`on_progress` hears how it goes; `cancelled` ends it); a local run, here."""
         run = self.runs.get(run_id)
         spec = self.spec(run, changes or {})
         for version in versions:
@@ -86,12 +98,28 @@ class EvaluationService:
         key = result_key(spec, held, sampling)
         found = {version: stored_result(store, run_id, version, key) for version in versions}
         missing = [version for version, result in found.items() if result is None]
+        job = None
         try:
-            fresh = self._evaluate_here(run, spec, held, sampling, key, missing, store) if missing else {}
-        except (EngineError, SamplingError, SandboxError) as error:  # said as what went wrong, not as a traceback
-            raise EvaluationError(f"the evaluation of run {run_id} failed: {error}") from None
+            if missing and run.backend == "hf_jobs":
+                job = run_evaluation_job(self.ctx, run, spec, missing, on_progress, cancelled)
+                fresh = self._stored(store, run_id, missing, key, job)
+            else:
+                fresh = self._evaluate_here(run, spec, held, sampling, key, missing, store) if missing else {}
+        except (EngineError, SamplingError, SandboxError, EvaluationJobError, LaunchError) as error:
+            raise EvaluationError(f"the evaluation of run {run_id} failed: {error}") from None  # said, no traceback
         results = [found[version] or fresh[version] for version in versions]
-        return Evaluation(held, sampling, results, [found[version] is not None for version in versions])
+        return Evaluation(held, sampling, results, [found[version] is not None for version in versions], job)
+
+    @staticmethod
+    def _stored(
+        store: Any, run_id: str, versions: list[int], key: str, job: EvaluationJobReport
+    ) -> dict[int, VersionEval]:
+        """What the evaluator job stored: each version's result under `key`."""
+        results = {version: stored_result(store, run_id, version, key) for version in versions}
+        lost = [f"v{version}" for version, result in results.items() if result is None]
+        if lost:
+            raise EvaluationJobError(f"the evaluator job ended without a result for {', '.join(lost)} ({job.url})")
+        return {version: result for version, result in results.items() if result is not None}
 
     def versions_named(self, run_id: str, words: list[str]) -> list[int]:
         """Version numbers from words: numbers (0: the base model), `last`, or `all`; each once, in order."""
@@ -141,6 +169,7 @@ class EvaluationService:
             "sampling": sampling.describe(),
             "versions": versions,
             "comparison": comparison,
+            "job": None if evaluation.job is None else asdict(evaluation.job),  # HF Jobs: url, flavor, seconds, cost
         }
 
     def differences(
@@ -192,38 +221,22 @@ class EvaluationService:
         from jobs.models import eos_token_ids, resolve_model
 
         model_path = resolve_model(spec.model)
-        ensure_generates_here(spec, model_path, "held-out evaluation of larger models on HF Jobs is not built yet")
+        ensure_generates_here(spec, model_path, "a run on HF Jobs is evaluated by a job of its own there")
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
         prompts = eval_prompts(spec, held, tokenizer)
-        records, prompt_ids, texts = prompts.records, prompts.token_ids, prompts.texts
         eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
-        results: dict[int, VersionEval] = {}
         with local_engine(spec, model_path) as url, tempfile.TemporaryDirectory(prefix="eval-") as folder:
-            for version in versions:
-                started = time.monotonic()
-                if version == 0:
-                    sampled = sample(url, spec.model.id, prompt_ids, sampling)
-                else:
-                    path = self.adapters.local_copy(run.id, version, Path(folder))
-                    with adapter_loaded(url, f"eval-v{version}", path) as name:
-                        sampled = sample(url, name, prompt_ids, sampling)
-                completions = [[completion.text for completion in prompt] for prompt in sampled]
-                scores = _score(spec, records, sampled, eos)
-                result = VersionEval(
-                    run_id=run.id,
-                    version=version,
-                    key=key,
-                    source=held.source,
-                    sampling=sampling.describe(),
-                    k=sampling.k,
-                    prompts=texts,
-                    completions=completions,
-                    scores=scores,
-                    seconds=time.monotonic() - started,
-                )
-                store.put_bytes(layout.eval_key(run.id, version, key), result.to_json().encode())
-                results[version] = result
-        return results
+            return evaluate_versions(
+                url,
+                spec,
+                prompts,
+                sampling,
+                key,
+                versions,
+                lambda version: self.adapters.local_copy(run.id, version, Path(folder)),
+                lambda prompts, sampled: _score(spec, prompts.records, sampled, eos),
+                store,
+            )
 
 
 def _score(

@@ -162,6 +162,14 @@ def eval_prefix(run_id: str) -> str:
     return run_prefix(run_id) + "eval/"
 
 
+def eval_request_key(run_id: str, request: str) -> str:
+    """What an evaluator job on HF Jobs is asked to do (jobs/evaluation/after_run.py): the spec to evaluate with and
+    the versions; deleted by the panel once the job has ended."""
+    if not re.fullmatch(r"[0-9a-f]{8}", request):
+        raise ValueError(f"invalid evaluation request id {request!r}")
+    return run_prefix(run_id) + f"eval-requests/{request}.json"
+
+
 def eval_file(version: int) -> str:
     """The name of a version's result below each evaluation's key (version 0: the base model)."""
     return f"v{version:06d}.json"

@@ -1,5 +1,6 @@
-"""An engine on this machine for evaluating stored versions: the CPU engine the embedded default's replicas run,
-started for the evaluation and stopped after it, each version loaded under its own LoRA name for its turn."""
+"""An engine on this machine for evaluating stored versions, started for the evaluation and stopped after it, each
+version loaded under its own LoRA name for its turn: the CPU engine the embedded default's replicas run, or vLLM in the
+evaluator job on HF Jobs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import requests
 from jobs.contract import RunSpec
 from jobs.ports import free_port
 from jobs.processes import terminate_group
-from jobs.replica.engine_command import cpu_engine_command
+from jobs.replica.engine_command import engine_command
 
 START_TIMEOUT_S = 300.0
 
@@ -25,10 +26,13 @@ class EngineError(RuntimeError):
 
 
 @contextmanager
-def local_engine(spec: RunSpec, model_path: str) -> Iterator[str]:
-    """The base URL of a CPU engine serving `spec`'s model (stopped on exit)."""
+def local_engine(
+    spec: RunSpec, model_path: str, engine: str = "cpu", start_timeout: float = START_TIMEOUT_S
+) -> Iterator[str]:
+    """The base URL of an engine (`cpu`, or `vllm` in the evaluator job on HF Jobs) serving `spec`'s model on this
+    machine, stopped on exit."""
     port = free_port()
-    command = cpu_engine_command(spec, model_path, port)
+    command = engine_command(engine, spec, model_path, port)
     with tempfile.TemporaryDirectory(prefix="eval-engine-") as folder:
         log = Path(folder) / "engine.log"
         with open(log, "wb") as output:
@@ -37,15 +41,15 @@ def local_engine(spec: RunSpec, model_path: str) -> Iterator[str]:
             )
         url = f"http://127.0.0.1:{port}"
         try:
-            _wait_ready(url, process, log)
+            _wait_ready(url, process, log, start_timeout)
             yield url
         finally:
             terminate_group(process.pid, grace=10.0)
             process.wait()
 
 
-def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise EngineError(f"the evaluation engine exited with code {process.returncode}: {_tail(log)}")
@@ -55,7 +59,7 @@ def _wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
         except requests.RequestException:
             pass
         time.sleep(0.2)
-    raise EngineError(f"the evaluation engine did not answer within {START_TIMEOUT_S:.0f}s: {_tail(log)}")
+    raise EngineError(f"the evaluation engine did not answer within {timeout:.0f}s: {_tail(log)}")
 
 
 def _tail(log: Path, lines: int = 5) -> str:
