@@ -80,7 +80,8 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     tab_of["launch"].select(launch.on_open, launch.load_outputs(), launch.load_outputs())
     tab_of["runs"].select(runs.refresh_now, runs.overlay_controls(), runs.refresh_outputs())
     # A new run in the dropdown redraws through its change event; the same run is kept current by the timer.
-    tab_of["monitor"].select(monitor.open, [monitor.run], monitor.run, show_progress="hidden")
+    opened = [monitor.run, monitor.saved_charts]
+    tab_of["monitor"].select(monitor.open, opened, monitor.open_outputs(), show_progress="hidden")
     tab_of["adapters"].select(adapters.open, [monitor.run, adapters.run], [adapters.run, adapters.branch_id])
     tab_of["account"].select(account.refresh, None, account.refresh_outputs())
 
@@ -114,6 +115,7 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     # id come from its tab's select, which Gradio fires on load for the first tab: a second `on_open` here answered
     # after a user (or a test) had typed a run id, and replaced it with a fresh proposal.
     app.load(account.refresh, None, account.refresh_outputs())
-    # ... and the chart choices this browser made last time (kept in its local storage).
+    # ... and the choices this browser made last time (kept in its local storage): the Monitor's chart controls (also
+    # set by opening the Monitor, with the run it draws) and the Runs page's overlay.
     app.load(monitor.restore_charts, [monitor.saved_charts], monitor.chart_controls(), show_progress="hidden")
     app.load(runs.restore, [runs.saved_overlay], [*runs.refresh_outputs(), runs.smoothing], show_progress="hidden")

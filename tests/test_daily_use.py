@@ -577,6 +577,10 @@ def test_the_monitor_charts_any_logged_metric_and_a_reload_keeps_the_choice(pane
     assert restored[page.more_metrics].value == ["grad_norm"]
     defaults = page.restore_charts(None)
     assert defaults[page.smoothing] == CHART_DEFAULTS["smoothing"] and defaults[page.more_metrics].value == []
+    # Opening the Monitor picks the run and sets the controls in one answer, so the run's first drawing has them.
+    opened = page.open(None, saved)
+    assert opened[page.run].value == "demo-more" and opened[page.more_metrics].value == ["grad_norm"]
+    assert set(opened) == set(page.open_outputs())
 
 
 def test_the_training_figures_count_x_in_wall_time_or_generated_tokens(panel):

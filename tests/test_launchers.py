@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -179,6 +180,34 @@ def test_a_rejected_token_and_an_unknown_flavor_fail_before_anything_is_submitte
     with pytest.raises(UnknownFlavor, match=r"compute.replica_flavor: the Hub has no flavor 'h9000'"):
         HfJobsLauncher(TOKEN, endpoint=emulator.url).check_flavors(bad)
     assert emulator.submissions == []
+
+
+def test_a_running_jobs_log_is_read_in_bounded_time_whatever_its_machines_clock(emulator, monkeypatch):
+    """A job's log lines are stamped by its machine's clock, the Hub's `Date` by the API server's: with the machine
+    behind, huggingface_hub's non-follow read of a job that logs often never meets a line newer than the Date, and
+    never ends (the poller reads every running job's log tail on each poll). The launcher's read ends on its own."""
+    from huggingface_hub import HfApi
+
+    from backend.launchers import hf_jobs
+
+    monkeypatch.setattr(hf_jobs, "LOG_TAIL_READ_S", 2.0)
+    emulator.log_clock_skew = -3600.0
+    code = "import time\nfor i in range(10**6):\n    print(f'line {i}', flush=True)\n    time.sleep(0.2)"
+    job = HfApi(endpoint=emulator.url, token=TOKEN).run_job(
+        image="python:3.12", command=[sys.executable, "-c", code], namespace=OWNER
+    )
+    launcher = HfJobsLauncher(TOKEN, endpoint=emulator.url)
+    handle = JobHandle("chatty", "replica-0", job.id, "hf_jobs")
+    wait_until(lambda: len(emulator.job(job.id).lines) > 5, 60, 0.1, what="the job's first lines")
+    read: list[str] = []
+    reader = threading.Thread(target=lambda: read.extend(launcher.logs(handle, 5)), daemon=True)
+    reader.start()
+    reader.join(60)
+    try:
+        assert not reader.is_alive(), "the log read never ended"
+        assert len(read) == 5 and all(line.startswith("line ") for line in read), read
+    finally:
+        launcher.cancel(handle)
 
 
 def test_hub_errors_are_retried_without_duplicate_jobs(emulator, moto_server, tmp_path, caplog):

@@ -783,7 +783,7 @@ def test_the_pages_bob_sees_show_nothing_of_alices(pages, owners):
     shown = [
         pages.runs.refresh([RUN_ID, "alice-draft"], None, profile=bob),
         pages.runs.restore({"ticked": [RUN_ID, "alice-draft"], "metric": "reward", "smoothing": 0}, bob),
-        pages.monitor.open(RUN_ID, bob),
+        pages.monitor.open(RUN_ID, None, bob),
         pages.adapters.open(RUN_ID, RUN_ID, bob),
         pages.account.refresh(bob),
         pages.launch.on_open(str(owners.alice_keys), str(owners.alice_hf), "", "", bob),

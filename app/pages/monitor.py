@@ -284,11 +284,17 @@ class MonitorPage:
 
     # --- handlers -----------------------------------------------------------------------------------------------
 
-    def open(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> gr.Dropdown:
-        """The tab was opened: refresh the run list, keeping the run shown (or the newest) selected."""
+    def open(self, run_id: str | None, saved: dict | None, profile: gr.OAuthProfile | None = None) -> dict:
+        """The tab was opened: refresh the run list, keeping the run shown (or the newest) selected, and set the chart
+        controls as this browser last left them, in the same answer: the drawing that a newly picked run starts is
+        asked with them (restored on their own, on page load, they could arrive after it, and only a tick redrew)."""
         choices = run_choices(self.panel.services_or_none(profile))
         ids = [value for _, value in choices]
-        return gr.Dropdown(choices=choices, value=run_id if run_id in ids else (ids[0] if ids else None))
+        picked = run_id if run_id in ids else (ids[0] if ids else None)
+        return {self.run: gr.Dropdown(choices=choices, value=picked)} | self.restore_charts(saved)
+
+    def open_outputs(self) -> list:
+        return [self.run, *self.chart_controls()]
 
     def refresh(
         self,
@@ -412,7 +418,7 @@ class MonitorPage:
         return shown | {self.saved_charts: remember_charts(*charts)}
 
     def restore_charts(self, saved: dict | None) -> dict:
-        """The chart controls as this browser last left them (on every page load)."""
+        """The chart controls as this browser last left them."""
         saved = {**CHART_DEFAULTS, **(saved or {})}
         more = [name for name in saved["more_metrics"] if isinstance(name, str)]
         return {

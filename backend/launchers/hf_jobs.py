@@ -20,7 +20,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from secrets import token_hex
 from typing import TypeVar
@@ -111,6 +112,13 @@ def _hub_wait(error: BaseException, planned: float) -> float:
 
 # Seconds to connect, and between two reads or writes, of any Hub call (log reads stream, so no total bound).
 HUB_TIMEOUT = 30.0
+# A running job's log is an event stream even when not followed: the Hub replays what it has, then sends each new line
+# as it comes; huggingface_hub stops at the first line stamped after the answer's `Date`, or after 5 s without a line.
+# The lines are stamped by the job's machine, the Date by the API server: with the machine's clock behind, a job that
+# logs often holds the reader forever (and the poller, which reads every running job's tail on each poll, with it).
+# So a read ends after this long, whatever the clocks say.
+LOG_TAIL_READ_S = 10.0
+WHOLE_LOG_READ_S = 60.0
 
 
 def bound_hub_calls(timeout: float = HUB_TIMEOUT) -> None:
@@ -317,20 +325,20 @@ class HfJobsLauncher(Launcher):
         return urls[0] if urls else None
 
     def logs(self, job: JobHandle, tail: int = 50) -> list[str]:
+        def fetch() -> list[str]:
+            lines = self.api.fetch_job_logs(job_id=job.job_id, namespace=self._namespace(job), tail=tail)
+            return list(_read_for(lines, LOG_TAIL_READ_S))
+
         try:
-            return list(
-                self._call(
-                    lambda: list(self.api.fetch_job_logs(job_id=job.job_id, namespace=self._namespace(job), tail=tail)),
-                    f"read the {job.role} job's logs",
-                )
-            )[-tail:]
+            return self._call(fetch, f"read the {job.role} job's logs")[-tail:]
         except LaunchError as error:
             return [f"(logs unavailable: {error})"]
 
     def write_log(self, job: JobHandle, destination: Path) -> None:
         def fetch() -> None:  # from the first line again on a retry
             with destination.open("w", encoding="utf-8") as log:
-                for line in self.api.fetch_job_logs(job_id=job.job_id, namespace=self._namespace(job)):
+                lines = self.api.fetch_job_logs(job_id=job.job_id, namespace=self._namespace(job))
+                for line in _read_for(lines, WHOLE_LOG_READ_S):
                     log.write(f"{line}\n")
 
         try:
@@ -342,3 +350,19 @@ class HfJobsLauncher(Launcher):
         self._call(
             lambda: cancel_unless_ended(self.api, job.job_id, self._namespace(job)), f"cancel the {job.role} job"
         )
+
+
+def _read_for(lines: Iterable[str], seconds: float) -> Iterator[str]:
+    """`lines` until `seconds` have passed (checked as each line arrives; a silent stream ends by the client's own
+    read timeout), then the stream is closed."""
+    deadline = time.monotonic() + seconds
+    iterator = iter(lines)
+    try:
+        for line in iterator:
+            yield line
+            if time.monotonic() > deadline:
+                return
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()

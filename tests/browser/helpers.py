@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import re
 import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from playwright.sync_api import Locator, Page
 
 from backend.db import PROJECT_ROOT
@@ -77,3 +81,23 @@ def plot_points(page: Page, elem_id: str) -> int:
                    return g && g.data && g.data.length && g.data[0].x ? g.data[0].x.length : 0 }""",
         elem_id,
     )
+
+
+def browser_state(page: Page, storage_key: str, secret: str) -> object:
+    """A `gr.BrowserState`'s value as this browser keeps it (None: nothing kept). Gradio stores it encrypted with
+    CryptoJS: AES-256-CBC, its key and IV derived OpenSSL-style (MD5, a random salt) from the secret's SHA-256 hex.
+    A test reads it to wait for the browser to have kept a choice before it reloads the page."""
+    stored = page.evaluate("key => window.localStorage.getItem(key)", storage_key)
+    if not stored:
+        return None
+    raw = base64.b64decode(stored.split(":", 1)[1])
+    assert raw[:8] == b"Salted__", "not CryptoJS's OpenSSL format"
+    salt, body = raw[8:16], raw[16:]
+    password = hashlib.sha256(secret.encode()).hexdigest().encode()
+    derived, block = b"", b""
+    while len(derived) < 48:
+        block = hashlib.md5(block + password + salt).digest()
+        derived += block
+    decryptor = Cipher(algorithms.AES(derived[:32]), modes.CBC(derived[32:48])).decryptor()
+    padded = decryptor.update(body) + decryptor.finalize()
+    return json.loads(padded[: -padded[-1]])

@@ -16,10 +16,12 @@ import pytest
 from playwright.sync_api import Browser, Locator, Page, expect
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
+from app.pages.monitor import CHART_STORAGE_KEY
 from tests.browser.helpers import (
     TIMEOUT_MS,
     RunningPanel,
     browser_errors,
+    browser_state,
     fill,
     open_tab,
     plot_points,
@@ -283,6 +285,10 @@ def _change_the_chart_options(page: Page) -> None:
         f"() => {{ const g = {more_plot}; return g && g.data && g.data.length === 2 && g.layout.yaxis.type === 'log' }}"
     )
     page.wait_for_function(shown)  # one trace each (smoothing 1: raw only), on the log scale
+    # A tick may draw both before the second pick's own answer, which keeps the choice, arrives (Gradio sends that
+    # event only once the first one's answer is in): reloaded before, the page would forget the second metric.
+    kept = lambda: browser_state(page, CHART_STORAGE_KEY, CHART_STORAGE_KEY) or {}  # noqa: E731
+    wait_until(lambda: kept().get("more_metrics") == ["grad_norm", "loss"], 30, 0.2, what="both metrics kept")
     page.reload()
     open_tab(page, "Monitor")
     open_tab(page, "Training")
@@ -290,8 +296,7 @@ def _change_the_chart_options(page: Page) -> None:
     expect(page.locator("#chart-log input")).to_be_checked()
     expect(page.locator("#chart-x-axis").get_by_label("wall time")).to_be_checked()
     expect(page.locator("#more-metrics")).to_contain_text("grad_norm")
-    # The controls restored from the browser may arrive after the first drawing: the Monitor's timer redraws then.
-    # (This wait failed twice in six CI runs: the Launch tab's answer to the page load turned that timer off.)
+    expect(page.locator("#more-metrics")).to_contain_text("loss")
     page.wait_for_function(shown)
 
 

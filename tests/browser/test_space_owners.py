@@ -156,18 +156,20 @@ def test_each_signed_in_user_sees_only_their_own_runs_and_a_visitor_none(browser
     expect(rows(alice, "runs-table", ALICE_RUN)).to_have_count(1)
     expect(rows(alice, "runs-table", BOB_RUN)).to_have_count(0)
     open_tab(alice, "Adapters")
-    assert any(ALICE_RUN in option for option in _dropdown_options(alice, "adapters-run"))
+    # The tab's answer brings the run list and the run it opens together: wait for it, then read the list.
     expect(alice.locator("#adapters-run input")).to_have_value(re.compile(ALICE_RUN))  # her only run, opened
+    assert any(ALICE_RUN in option for option in _dropdown_options(alice, "adapters-run"))
     expect(rows(alice, "versions-table").nth(2)).to_be_visible()  # a header and her two versions
 
     bob = _page(browser, space_panel, BOB)
     open_tab(bob, "Runs")
     expect(rows(bob, "runs-table", BOB_RUN)).to_have_count(1)
     expect(rows(bob, "runs-table", ALICE_RUN)).to_have_count(0)
-    open_tab(bob, "Adapters")
-    assert not any(ALICE_RUN in option for option in _dropdown_options(bob, "adapters-run"))
-    open_tab(bob, "Monitor")
-    assert not any(ALICE_RUN in option for option in _dropdown_options(bob, "monitor-run"))
+    for tab, elem_id in (("Adapters", "adapters-run"), ("Monitor", "monitor-run")):
+        open_tab(bob, tab)
+        expect(bob.locator(f"#{elem_id} input")).to_have_value(re.compile(BOB_RUN))  # the list has come: his run
+        options = _dropdown_options(bob, elem_id)
+        assert any(BOB_RUN in option for option in options) and not any(ALICE_RUN in o for o in options), options
 
     visitor = _page(browser, space_panel, None)
     open_tab(visitor, "Runs")

@@ -30,7 +30,8 @@ Constructor (all keyword arguments optional):
 
 Switches (attributes, settable per test): `scheduling_delay` (above); `cancel_finished_status` (default 400: a cancel
 of a job that has ended is refused with this status and "Job ... is not running"; None accepts it); `label_filters`
-(False: `?label=` filters are ignored and the whole namespace is listed).
+(False: `?label=` filters are ignored and the whole namespace is listed); `log_clock_skew` (seconds added to each log
+line's timestamp: the job's machine's clock against the API server's).
 
 Endpoints. Every known route demands `Authorization: Bearer <token>` (else 401 with `{"error": ...}` and
 `X-Error-Message`, as the Hub answers; the client raises `HfHubHTTPError`):
@@ -111,7 +112,7 @@ import time
 from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from secrets import token_hex
@@ -391,7 +392,7 @@ class EmulatedJob:
 
     def _append(self, text: str) -> None:
         with self._cond:
-            self._events.append((_now(), text))
+            self._events.append((_now() + timedelta(seconds=self._emulator.log_clock_skew), text))
             self._cond.notify_all()
 
     def _finish(self, stage: str, message: str | None) -> None:
@@ -495,6 +496,10 @@ class HubEmulator:
         # The answer to cancelling a job that has ended (None: accept it, as if it were running). Whether the real Hub
         # refuses is undocumented: refusing is the harsher guess, so it is the default.
         self.cancel_finished_status: int | None = 400
+        # Seconds added to each log line's timestamp. The lines are stamped by the job's machine, the `Date` of the
+        # answer by the API server: a machine behind the server's clock means a non-follow read of a job that logs
+        # often never meets a line newer than the Date, which is where huggingface_hub ends it.
+        self.log_clock_skew = 0.0
         # Whether `?label=k=v` filters the job list. The filter is undocumented server behaviour: with it off, a
         # client that trusts it mistakes any job for the one it looks for.
         self.label_filters = True
