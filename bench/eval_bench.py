@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 NOUNS = (
     "apple", "river", "stone", "cloud", "forest", "window", "garden", "candle", "bridge", "lamp",
@@ -63,7 +66,7 @@ def main() -> None:
     run = follow_to_end(Poller(ctx), runs, spec.run_id, timeout=1800)
     assert run.status == "finished", run.status_message
     evaluation = EvaluationService(ctx, "local")
-    print(f"{len(args.versions)} versions (v{', v'.join(map(str, args.versions))}), k=4, a CPU engine started for each")
+    print(f"{len(args.versions)} versions (v{', v'.join(map(str, args.versions))}), k=4, one CPU engine started for each evaluation")
     print("| prompts | wall | CPU | cached | held-out reward of the last |")
     print("|---:|---:|---:|---|---:|")
     for prompts in (32, 128, 128):
