@@ -66,7 +66,8 @@ def main() -> None:
     run = follow_to_end(Poller(ctx), runs, spec.run_id, timeout=1800)
     assert run.status == "finished", run.status_message
     evaluation = EvaluationService(ctx, "local")
-    print(f"{len(args.versions)} versions (v{', v'.join(map(str, args.versions))}), k=4, one CPU engine started for each evaluation")
+    versions = ", ".join(f"v{version}" for version in args.versions)
+    print(f"{len(args.versions)} versions ({versions}), k=4, one CPU engine started for each evaluation")
     print("| prompts | wall | CPU | cached | held-out reward of the last |")
     print("|---:|---:|---:|---|---:|")
     for prompts in (32, 128, 128):
