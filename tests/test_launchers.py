@@ -165,7 +165,11 @@ def test_a_trainer_failing_mid_run_cancels_the_replicas(hub_panel, emulator, mot
     service = RunService(ctx, OWNER)
     service.create(parse_spec(data), store_credential_id=keys_id, hf_credential_id=hf_id)
     service.launch("hub-trainfail", wait=True)
-    run = follow_to_end(Poller(ctx), service, "hub-trainfail", 600, 2)
+    try:
+        run = follow_to_end(Poller(ctx), service, "hub-trainfail", 450, 2)
+    except TimeoutError:  # say why: where each job is and what it last said
+        jobs = [(j.spec["labels"]["grpo-role"], j.stage, j.lines[-12:]) for j in emulator.jobs.values()]
+        raise AssertionError(f"the run did not end: {service.get('hub-trainfail').status}; jobs: {jobs}") from None
     assert run.status == "failed" and "broken" in run.status_message
     wait_until(lambda: all(j.stage != "RUNNING" for j in emulator.jobs.values()), 60)
     stages = {j.spec["labels"]["grpo-role"]: j.stage for j in emulator.jobs.values()}
