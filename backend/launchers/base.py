@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 Stage = Literal["scheduling", "running", "completed", "error", "canceled"]
 TERMINAL: frozenset[str] = frozenset({"completed", "error", "canceled"})
 REPLICA_PORT = 8000
+CANCEL_WAIT_S = 120.0  # how long a cancelled job may take to end before the panel says where to cancel it by hand
 SMOKE_ROLE = "smoke"  # the one job of a smoke test (backend/services/smoke.py): a replica's image, port and flavor
 # `evaluator-<request id>`: an evaluation of a run's stored versions (jobs/evaluation/after_run.py), a replica's image
 # and flavor, no port.
@@ -73,6 +74,11 @@ class JobState:
     message: str = ""
     started_at: float | None = None
     finished_at: float | None = None
+
+    @property
+    def ran_seconds(self) -> float:
+        """How long the job ran (0 until it has started and ended)."""
+        return self.finished_at - self.started_at if self.started_at and self.finished_at else 0.0
 
 
 class LaunchInterrupted(BaseException):
@@ -212,6 +218,26 @@ class Launcher(ABC):
     def price_per_hour(self, flavor: str) -> float | None:
         """$/hour of `flavor` on this backend, None if it has no such flavor."""
         return 0.0  # local processes cost nothing
+
+    def cost_usd(self, flavor: str, state: JobState) -> float | None:
+        """What a job of `flavor` that ran as `state` says cost (queueing is not billed); None without a price."""
+        price = self.price_per_hour(flavor)
+        return price * state.ran_seconds / 3600 if price is not None else None
+
+    def end(self, job: JobHandle, wait: float = CANCEL_WAIT_S) -> JobState:
+        """Cancel `job` unless it has ended, and wait until the backend says it has: nothing is left billing."""
+        state = self.state(job)
+        if state.stage in TERMINAL:
+            return state
+        self.cancel(job)
+        deadline = time.monotonic() + wait
+        while (state := self.state(job)).stage not in TERMINAL:
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"the {job.role} job did not end {wait:.0f}s after its cancel; cancel it at {job.url}"
+                )
+            time.sleep(self.poll_interval)
+        return state
 
     def endpoint(self, job: JobHandle) -> str | None:
         """The replica's base URL once the backend exposes it."""

@@ -14,12 +14,10 @@ from dataclasses import dataclass
 from secrets import token_hex
 
 from backend.context import PanelContext
-from backend.launchers.base import EVALUATOR_ROLE, TERMINAL, JobHandle, JobState, Launcher, LaunchError
+from backend.launchers.base import EVALUATOR_ROLE, TERMINAL, JobHandle, JobState, Launcher
 from backend.models import Run
 from jobs.contract import RunSpec, duration, layout, timeout_seconds
 from jobs.store import ObjectStore, StoreError
-
-CANCEL_WAIT_S = 120.0
 
 
 class EvaluationJobError(RuntimeError):
@@ -67,10 +65,10 @@ def run_evaluation_job(
     try:
         state = _wait_for_end(launcher, job, spec, on_progress, cancelled)
     finally:
-        _end(launcher, job)
+        launcher.end(job)
         _delete(store, key)
-    ran = state.finished_at - state.started_at if state.started_at and state.finished_at else 0.0
-    report = EvaluationJobReport(job.url, spec.compute.replica_flavor, ran, price * ran / 3600 if price else None)
+    flavor = spec.compute.replica_flavor
+    report = EvaluationJobReport(job.url, flavor, state.ran_seconds, launcher.cost_usd(flavor, state))
     if state.stage != "completed":
         tail = " | ".join(launcher.logs(job, 5))
         raise EvaluationJobError(
@@ -105,20 +103,6 @@ def _wait_for_end(
             on_progress(f"evaluator job {stage} ({duration(time.monotonic() - started)} since it was submitted)")
         time.sleep(launcher.poll_interval)
     return state
-
-
-def _end(launcher: Launcher, job: JobHandle) -> None:
-    """Cancel the job unless it has ended, and wait until the Hub says it has: nothing is left billing."""
-    if launcher.state(job).stage in TERMINAL:
-        return
-    launcher.cancel(job)
-    deadline = time.monotonic() + CANCEL_WAIT_S
-    while launcher.state(job).stage not in TERMINAL:
-        if time.monotonic() > deadline:
-            raise LaunchError(
-                f"the evaluator job did not end {CANCEL_WAIT_S:.0f}s after its cancel; cancel it at {job.url}"
-            )
-        time.sleep(launcher.poll_interval)
 
 
 def _delete(store: ObjectStore, key: str) -> None:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import requests
 
 from backend.context import PanelContext
-from backend.launchers.base import SMOKE_ROLE, TERMINAL, JobHandle, JobStart, Launcher, LaunchError, RunSecrets
+from backend.launchers.base import SMOKE_ROLE, JobHandle, JobStart, Launcher, LaunchError, RunSecrets
 from backend.services.runs import run_row
 from jobs.contract import RunSpec, duration, layout
 from jobs.smoke import Step
@@ -29,7 +29,6 @@ from jobs.store import ObjectStore, StoreError
 log = logging.getLogger(__name__)
 SMOKE_FLAVOR = "cpu-basic"
 SMOKE_TIMEOUT = "10m"  # the shortest timeout HF Jobs takes; the job also ends by itself after `jobs.smoke --serve-for`
-CANCEL_WAIT_S = 120.0
 T = TypeVar("T")
 
 
@@ -123,18 +122,9 @@ class SmokeTest:
 
     def _cancel(self, report: SmokeReport, launcher: Launcher, job: JobHandle) -> None:
         def cancel() -> str:
-            launcher.cancel(job)
-            deadline = time.monotonic() + CANCEL_WAIT_S
-            while (state := launcher.state(job)).stage not in TERMINAL:
-                if time.monotonic() > deadline:
-                    raise LaunchError(
-                        f"the job did not end {CANCEL_WAIT_S:.0f}s after its cancel; cancel it at {job.url}"
-                    )
-                time.sleep(launcher.poll_interval)
-            ran = state.finished_at - state.started_at if state.started_at and state.finished_at else 0.0
-            price = launcher.price_per_hour(SMOKE_FLAVOR)
-            report.cost_usd = price * ran / 3600 if price is not None else None
-            return f"{state.stage} after running {duration(ran)}"
+            state = launcher.end(job)
+            report.cost_usd = launcher.cost_usd(SMOKE_FLAVOR, state)
+            return f"{state.stage} after running {duration(state.ran_seconds)}"
 
         try:
             self._step(report, "cancel the job", cancel)

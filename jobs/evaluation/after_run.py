@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 from jobs.contract import RunSpec, layout, parse_spec
-from jobs.evaluation.during_run import Scorer
+from jobs.evaluation.during_run import scoring
 from jobs.evaluation.engine import local_engine
-from jobs.evaluation.heldout import eval_prompts, held_out
-from jobs.evaluation.results import result_key, score_names, scored_functions
+from jobs.evaluation.heldout import held_out
+from jobs.evaluation.results import result_key
 from jobs.evaluation.sampling import Sampling
 from jobs.evaluation.versions import evaluate_versions
 from jobs.runtime import add_run_arguments, open_run, setup_logging
@@ -31,20 +31,14 @@ ENGINE_START_S = 1800.0  # vLLM pulls and loads a large model before it answers
 
 def evaluate_request(spec: RunSpec, versions: list[int], store: ObjectStore) -> str:
     """Evaluate `versions` of the run with `spec`'s eval settings; the key the results are stored under."""
-    from transformers import AutoTokenizer
-
-    from jobs.models import eos_token_ids, resolve_model
+    from jobs.models import resolve_model
     from jobs.replica.engine_command import choose_engine
-    from jobs.trainer.rewards import build_rewards
 
     held = held_out(spec, store)
     sampling = Sampling.of(spec)
     key = result_key(spec, held, sampling)
     model_path = resolve_model(spec.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
-    prompts = eval_prompts(spec, held, tokenizer)
-    eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
-    scorer = Scorer(score_names(spec), list(build_rewards(scored_functions(spec), eos)))
+    prompts, scorer = scoring(spec, held, model_path)
     engine = choose_engine(spec.compute.engine)
     log.info("evaluating %s on %d held-out prompts with %s", versions, len(prompts.records), engine)
     with local_engine(spec, model_path, engine, ENGINE_START_S) as url, tempfile.TemporaryDirectory() as folder:

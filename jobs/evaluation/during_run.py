@@ -36,7 +36,7 @@ import requests
 
 from jobs.contract import RunSpec, derived, layout
 from jobs.contract.control import STOP, StopRequest
-from jobs.evaluation.heldout import EvalPrompts, eval_prompts, held_out
+from jobs.evaluation.heldout import EvalPrompts, HeldOut, eval_prompts, held_out
 from jobs.evaluation.results import (
     TOTAL,
     VersionEval,
@@ -314,20 +314,27 @@ def _final_version(path: Path) -> int | None:
         return None
 
 
+def scoring(spec: RunSpec, held: HeldOut, model_path: str) -> tuple[EvalPrompts, Scorer]:
+    """The held-out prompts as token ids, and the run's rewards and metrics as the trainer builds them (its EOS ids
+    too): what an evaluator in a job scores with, beside the run or after it (jobs/evaluation/after_run.py)."""
+    from transformers import AutoTokenizer
+
+    from jobs.models import eos_token_ids
+    from jobs.trainer.rewards import build_rewards
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
+    eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
+    scorer = Scorer(score_names(spec), list(build_rewards(scored_functions(spec), eos)))
+    return eval_prompts(spec, held, tokenizer), scorer
+
+
 def prepare(spec: RunSpec, store: ObjectStore, proxy_url: str) -> RunEvaluator:
     """Everything an evaluation needs that does not change during the run: the held-out prompts as token ids, the
     rewards, the key results are stored under."""
-    from transformers import AutoTokenizer
-
-    from jobs.models import eos_token_ids, resolve_model
-    from jobs.trainer.rewards import build_rewards
+    from jobs.models import resolve_model
 
     held = held_out(spec, store)
-    model_path = resolve_model(spec.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
-    prompts = eval_prompts(spec, held, tokenizer)
-    eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
-    scorer = Scorer(score_names(spec), list(build_rewards(scored_functions(spec), eos)))
+    prompts, scorer = scoring(spec, held, resolve_model(spec.model))
     return RunEvaluator(spec, store, proxy_url, prompts, scorer, result_key(spec, held, Sampling.of(spec)))
 
 
