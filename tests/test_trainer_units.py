@@ -492,16 +492,16 @@ def test_the_rollout_worker_holds_no_more_scored_groups_than_the_window_leaves_r
     samples went stale. The trainer builds its worker with the derived count, and it is still TRL's worker."""
     import importlib
 
-    from jobs.trainer.rollout_worker import TRL_TRAINER_MODULE, limit_scored_groups
+    from jobs.trainer.rollout_worker import TRL_TRAINER_MODULE, use_job_rollout_worker
 
     cpu_compat.apply_cpu_patches(force=True)  # TRL's worker refuses to be built without vLLM unless patched
     trainer = importlib.import_module(TRL_TRAINER_MODULE)
     monkeypatch.setattr(trainer, "AsyncRolloutWorker", trainer.AsyncRolloutWorker)  # put back after the test
     original = trainer.AsyncRolloutWorker
-    limit_scored_groups(2)
-    limit_scored_groups(1)  # a second call replaces the first rather than stacking on it
+    use_job_rollout_worker(2)
+    use_job_rollout_worker(1)  # a second call replaces the first rather than stacking on it
     worker = trainer.AsyncRolloutWorker(queue_maxsize=24, num_generations=8)
-    assert isinstance(worker, original) and trainer.AsyncRolloutWorker.__mro__[1] is original
+    assert isinstance(worker, original) and trainer.AsyncRolloutWorker.__bases__[-1] is original
     assert worker._loop_kwargs["score_queue_maxsize"] == 1 and worker._loop_kwargs["queue_maxsize"] == 24
     spec = demo_spec("demo-groups", "file:///tmp/store")
     assert derived.rollout_limits(spec) == (32, 24, 1)  # in flight, queued, scored groups: 64, the window

@@ -60,7 +60,7 @@ from jobs.trainer.proxy_process import (
 from jobs.trainer.replicas import read_replica_jobs, stop_replicas
 from jobs.trainer.reporting import install_reporting_packages, report_environment
 from jobs.trainer.rewards import build_rewards
-from jobs.trainer.rollout_worker import limit_scored_groups
+from jobs.trainer.rollout_worker import use_job_rollout_worker
 from jobs.trainer.stale_drops import summarise_stale_drops
 from jobs.trainer.telemetry import (
     RecordingQueue,
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-        limit_scored_groups(derived.rollout_limits(spec).scored_groups)
+        use_job_rollout_worker(derived.rollout_limits(spec).scored_groups)
 
         model_path = resolve_model(spec.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
@@ -313,14 +313,13 @@ def choose_sharding(spec, model_path: str, cuda: bool) -> str:
 def watch_trainer(
     trainer, tokenizer, ctx: RunContext, proxy: ProxyProcess, telemetry, cuda: bool, stop: GracefulStop, sharding: str
 ) -> PolicyAudit | None:
-    """What the job adds to TRL's trainer: on the main process sample recording and a prompt rollout-worker stop;
-    policy audits (a replica failing one is ejected through the proxy; one failing them again and again stops the
-    run) on the main process, and on every rank under FSDP, whose forward needs them all."""
+    """What the job adds to TRL's trainer: on the main process sample recording; policy audits (a replica failing
+    one is ejected through the proxy; one failing them again and again stops the run) on the main process, and on
+    every rank under FSDP, whose forward needs them all."""
     spec = ctx.spec
     collective = sharding == "fsdp"
     if ranks.is_main_process():
         trainer.rollout_queue = RecordingQueue(trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness)
-        _drain_queues_on_stop(trainer.rollout_worker)
     elif not collective:
         return None
     audit = PolicyAudit(
@@ -392,44 +391,3 @@ def disk_full(errors: list[BaseException], workdir: Path | None) -> str | None:
         "(checkpoints and adapter versions are written there before they go to the store); free space or give the "
         "trainer a larger disk (GRPO_TRAINER_WORKDIR, --output-dir)"
     )
-
-
-def _drain_queues_on_stop(worker) -> None:
-    """Let TRL's rollout child exit promptly when training ends.
-
-    The child cannot exit while its multiprocessing queues hold unread samples and metrics, so TRL's stop usually
-    waits its full 15 s and then kills it. Draining both queues while TRL joins the child lets it exit in ~2 s.
-    """
-    import queue
-    import threading
-
-    if worker is None:
-        return
-    original_stop = worker.stop
-
-    def stop_draining() -> None:
-        process = worker._process
-        if process is not None and process._popen is not None and not process.is_alive():
-            # The child already died (e.g. a reward kept failing). TRL's stop would set an mp.Event the dead child
-            # was waiting on, and mp.Event.set waits for that sleeper to wake: forever. Nothing is left to stop.
-            worker._process = None
-            return
-        done = threading.Event()
-
-        def drain() -> None:
-            while not done.is_set():
-                for source in (worker.rollout_buffer, worker.metrics_queue):
-                    try:
-                        source.get(timeout=0.05)
-                    except (queue.Empty, OSError, ValueError):
-                        pass
-
-        thread = threading.Thread(target=drain, daemon=True)
-        thread.start()
-        try:
-            original_stop()
-        finally:
-            done.set()
-            thread.join(timeout=5)
-
-    worker.stop = stop_draining
