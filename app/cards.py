@@ -19,6 +19,7 @@ from backend.services.evaluation import Evaluation
 from backend.services.queries import HeldOutScore, SampleUse
 from backend.services.smoke import SmokeReport
 from jobs.contract import RunSpec
+from jobs.evaluation.results import VersionEval
 from jobs.evaluation.statistics import Paired
 
 STATUS_TONE = {
@@ -104,7 +105,6 @@ def held_out_comparison(evaluation: Evaluation, paired: Paired) -> str:
     """Two versions on the held-out prompts: each one's mean reward with its 95 % interval, their difference prompt
     by prompt, and how many prompts each won."""
     a, b = evaluation.results
-    held, sampling = evaluation.held_out, evaluation.sampling
     avg_a, avg_b = (result.summary("reward").avg for result in (a, b))
     d = paired.difference
     figures = [
@@ -114,11 +114,28 @@ def held_out_comparison(evaluation: Evaluation, paired: Paired) -> str:
         (f"prompts v{b.version} higher / equal / lower", f"{paired.wins} / {paired.ties} / {paired.losses}"),
     ]
     cells = "".join(f"<div><span>{escape(label)}</span><b>{escape(value)}</b></div>" for label, value in figures)
+    return f'<div class="gp-stats">{cells}</div>' + note(_held_out_how(evaluation))
+
+
+def held_out_evaluation(evaluation: Evaluation, best: VersionEval) -> str:
+    """Versions scored on the held-out prompts: which scored best, and how they were scored."""
+    avg = best.summary("reward").avg
+    figures = [
+        ("versions evaluated", str(len(evaluation.results))),
+        ("best by held-out reward", f"v{best.version}: {avg.mean:.3f} ± {avg.half_width:.3f}"),
+        ("read back from the bucket", str(sum(evaluation.cached))),
+    ]
+    cells = "".join(f"<div><span>{escape(label)}</span><b>{escape(value)}</b></div>" for label, value in figures)
+    return f'<div class="gp-stats">{cells}</div>' + note(_held_out_how(evaluation))
+
+
+def _held_out_how(evaluation: Evaluation) -> str:
+    held, sampling = evaluation.held_out, evaluation.sampling
     dropped = f"; {held.shared} shared with training left out" if held.shared else ""
     cached = " (read back from the bucket)" if all(evaluation.cached) else ""
     how = f"{len(held.rows)} held-out prompts ({held.source}{dropped}), {sampling.k} samples each{cached}; ± is the "
     job = f" Evaluated on HF Jobs: {evaluation.job.summary()}." if evaluation.job is not None else ""
-    return f'<div class="gp-stats">{cells}</div>' + note(how + "95 % interval over prompts." + job)
+    return how + "95 % interval over prompts." + job
 
 
 def json_block(data: Any) -> str:

@@ -196,9 +196,10 @@ class PublicApi:
         self, run_id: str, versions: str = "0 last", request: gr.Request = None, profile: gr.OAuthProfile | None = None
     ) -> dict:
         """Score versions on the run's held-out prompts (never trained on), as `python -m backend eval` does:
-        `versions` holds numbers (0: the base model), `last` or `all`, separated by spaces. Per version, each score's
-        mean with its 95 % interval; for two versions, their difference prompt by prompt. Results are kept in the
-        run's bucket: asked again, they are read back."""
+        `versions` holds numbers (0: the base model), `last`, `all`, `every:N` (every Nth version and the last) or
+        `best-reward` (the highest training reward), separated by spaces. Per version, each score's mean with its
+        95 % interval; for two versions, their difference prompt by prompt. Results are kept in the run's bucket:
+        asked again, they are read back."""
         evaluation = self._services(request, profile).evaluation
         numbers = _found(lambda: evaluation.versions_named(run_id, versions.split()))
         return evaluation.report(_found(lambda: evaluation.evaluate(run_id, numbers)))

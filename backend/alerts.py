@@ -95,7 +95,7 @@ def evaluate(db: Database, run_id: str) -> None:
         _set_alert(session, run, "stalled", run.status == "stalled", run.status_message or "no telemetry", "warning")
         lag = _replica_lag(session, run)
         _set_alert(session, run, "replica_lag", bool(lag), lag, "warning")
-        _update_aliases(session, run)
+        update_best_version(session, run)
         session.add(run)
         session.commit()
 
@@ -122,7 +122,7 @@ def _replica_lag(session: Session, run: Run) -> str:
     return f"replicas lag the live adapter versions: {'; '.join(lagging)}" if lagging else ""
 
 
-def _update_aliases(session: Session, run: Run) -> None:
+def update_best_version(session: Session, run: Run) -> None:
     """The `best` alias: the adapter version with the highest held-out reward once versions are evaluated (prompts the
     run never trained on), else the highest training reward around its step."""
     versions = list(session.exec(select(AdapterVersion).where(AdapterVersion.run_id == run.id)).all())

@@ -520,11 +520,17 @@ def _build_parser() -> argparse.ArgumentParser:
         "also compared prompt by prompt. Results are kept in the run's bucket: asking again reads them back",
         "eval my-run 0 last",
         "eval my-run all --k 8",
+        "eval my-run 0 every:10 best-reward",
         "eval my-run 20 40 --split test --greedy",
         "eval my-run last --metric exact.py:exact_match",
     )
     eval_parser.add_argument("run")
-    eval_parser.add_argument("versions", nargs="+", help="version numbers (0: the base model), last, or all")
+    eval_parser.add_argument(
+        "versions",
+        nargs="+",
+        help="version numbers (0: the base model), last, all, every:N (every Nth version and the last) or best-reward "
+        "(the highest training reward)",
+    )
     eval_parser.add_argument("--split", help="a held-out split of the run's dataset (default: the run's eval settings)")
     eval_parser.add_argument("--prompts", type=int, help="how many held-out prompts (default: the run's, 128)")
     eval_parser.add_argument("--k", type=int, help="completions per prompt (default: the run's, 4)")

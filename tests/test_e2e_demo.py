@@ -552,6 +552,44 @@ def test_held_out_evaluation_during_the_run_scores_the_base_model_every_tenth_ve
     assert snapshot["adapters"]["evaluating"] == []  # every evaluation's adapter unloaded after it
 
 
+def test_versions_named_every_nth_or_best_training_reward_are_evaluated_from_the_adapters_page_and_join_its_scores(
+    finished_demo,
+):
+    """Issue 29: Evaluate on the Adapters page scores the versions its words name (every:20: v21 and v41, the last;
+    best-reward: the highest training reward) on the run's own held-out settings. Those scored during the run are
+    read back; the others join the run's scores, each once: the versions table's held-out column and the `best`
+    alias then go by all of them."""
+    import gradio as gr
+
+    from app.pages.adapters import HELD_OUT_COLUMN, AdaptersPage
+    from app.panel import Panel
+    from backend.services.adapters import AdapterService
+
+    ctx = finished_demo[0]
+    versions = AdapterService(ctx, OWNER).versions("demo-e2e")
+    top = max((v for v in versions if v.reward is not None), key=lambda v: (v.reward, v.version)).version
+    named = list(dict.fromkeys([21, 41, versions[-1].version, top]))
+    before = {score.version for score in QueryService(ctx, OWNER).held_out_series("demo-e2e")}
+    page = AdaptersPage(Panel(ctx, space=False))
+    with gr.Blocks():
+        page.build()
+    shown = page.evaluate_versions("demo-e2e", "every:20 best-reward")
+    table = shown[page.evaluated_table].value
+    assert table["headers"][0] == "version" and table["headers"][-1] == "scored"
+    scored = {int(row[0].split()[0].lstrip("v")): row[-1] for row in table["data"]}
+    assert list(scored) == named, table
+    assert all(scored[v] == "read back" for v in named if v in before)
+    assert all(scored[v].startswith("in ") for v in named if v not in before)
+    assert "best by held-out reward" in shown[page.evaluated_summary]
+    series = QueryService(ctx, OWNER).held_out_series("demo-e2e")
+    assert [score.version for score in series] == sorted(before | set(named))  # each once, beside the run's own
+    best = max((score for score in series if score.version), key=lambda score: (score.mean, -score.version))
+    assert RunService(ctx, OWNER).get("demo-e2e").best_version == best.version
+    listed = page.show_run("demo-e2e")[page.table]
+    held_out = dict(zip(listed["version"], listed[HELD_OUT_COLUMN], strict=True))
+    assert all(held_out[f"v{version}"] != "—" for version in named)
+
+
 def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path, monkeypatch, capsys):
     """`python -m backend publish` uploads the version with the panel's model card, using the run's HF token; the card
     carries the version's held-out evaluation (issue 29), as text and as the `model-index` the Hub reads."""

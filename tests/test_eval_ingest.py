@@ -4,6 +4,7 @@ version and as the best version, and shown on the Monitor (its own chart, the he
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,3 +248,32 @@ def test_the_versions_table_shows_held_out_rewards_and_the_best_by_eval_is_offer
         session.add(ended)
         session.commit()
     assert page.show_run(RUN)[page.version].value == 2
+
+
+def test_versions_to_evaluate_are_named_by_number_last_all_every_nth_or_best_training_reward(panel: Panel) -> None:
+    """Issue 29: the Adapters page, the command line and the API take the same words for the versions to evaluate;
+    `every:N` picks as the run's own evaluation does (v1, the base model's weights, left out) and adds the last."""
+    from backend.services.evaluation import EvaluationError, EvaluationService
+
+    service = EvaluationService(panel.ctx, "local")
+    with pytest.raises(EvaluationError, match="has no version yet; 'last' names none"):
+        service.versions_named(RUN, ["last"])
+    assert service.versions_named(RUN, ["0"]) == [0]
+    rewards = {version: (0.9 if version == 17 else version / 100) for version in range(1, 26)}
+    with panel.ctx.db.session() as session:
+        session.add_all(
+            AdapterVersion(run_id=RUN, owner="local", version=v, step=v - 1, created_at=time.time(), reward=reward)
+            for v, reward in rewards.items()
+        )
+        session.commit()
+    assert service.versions_named(RUN, ["every:10"]) == [11, 21, 25]
+    assert service.versions_named(RUN, ["0", "every:10", "best-reward", "last", "11"]) == [0, 11, 21, 25, 17]
+    assert service.versions_named(RUN, ["all"]) == list(range(26))
+    for words, said in [
+        (["every:0"], "'every:0' needs a whole number of versions from 1 up"),
+        (["every:x"], "'every:x' needs a whole number"),
+        (["best"], "'best' is not a version; give numbers (0: the base model), last, all, every:N or best-reward"),
+        ([], "name at least one version"),
+    ]:
+        with pytest.raises(EvaluationError, match=re.escape(said)):
+            service.versions_named(RUN, words)

@@ -24,9 +24,10 @@ from backend.api import PanelServices
 from backend.ingest import VERSION_REWARD_STEPS
 from backend.models import AdapterVersion, Run
 from backend.services.adapters import Comparison
-from backend.services.evaluation import PromptDifference
+from backend.services.evaluation import Evaluation, PromptDifference
 from backend.services.queries import HeldOutScore
 from backend.services.runs import TERMINAL_STATUSES, RunStateError, propose_run_id
+from jobs.evaluation.results import TOTAL
 
 REFRESH_SECONDS = 5.0
 PICK_FIRST = "Pick a run and a version first (click a row of the table)."
@@ -110,6 +111,25 @@ def differences_table(rows: list[PromptDifference], a: int, b: int) -> pd.DataFr
             f"v{b} says": [row.completion_b for row in rows],
         }
     )
+
+
+def evaluated_table(evaluation: Evaluation, steps: dict[int, int | None], best: int) -> pd.DataFrame:
+    """One row per evaluated version, in the order asked: each score as mean ± half its 95 % interval (pass@k too
+    where every score is 0 or 1), whether it was read back, and the best by held-out reward marked."""
+    rows = []
+    for result, cached in zip(evaluation.results, evaluation.cached, strict=True):
+        row: dict[str, object] = {
+            "version": f"v{result.version}" + (" ★ best" if result.version == best else ""),
+            "step": 0 if result.version == 0 else steps.get(result.version),
+        }
+        for name in result.scores:
+            summary = result.summary(name)
+            row[name] = f"{summary.avg.mean:.3f} ± {summary.avg.half_width:.3f}"
+            if summary.pass_at_k is not None:
+                row[f"{name} pass@{result.k}"] = round(summary.pass_at_k, 3)
+        row["scored"] = "read back" if cached else f"in {result.seconds:.0f} s"
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def _picked_version(event: gr.SelectData) -> int:
@@ -198,6 +218,29 @@ class AdaptersPage:
             label="Where they differ most (first sample of each)",
             elem_id="held-out-differences",
         )
+        gr.Markdown("### Evaluate versions on held-out prompts", elem_classes="gp-section-title")
+        with gr.Row(elem_classes="gp-align-end"):
+            self.evaluated_words = gr.Textbox(
+                "0 best-reward last",
+                label="Versions",
+                info="numbers (0: the base model), last, all, every:N (every Nth and the last), best-reward (the "
+                "highest training reward)",
+                elem_id="evaluate-versions-words",
+                scale=4,
+            )
+            self.evaluate_button = gr.Button(
+                "Evaluate", elem_id="evaluate-versions", variant="primary", scale=0, min_width=160
+            )
+            self.evaluate_cancel = gr.Button("Cancel", elem_id="cancel-evaluate", scale=0, min_width=100)
+        self.evaluated_summary = gr.HTML("", elem_id="evaluated-summary", padding=False)
+        self.evaluated_table = gr.Dataframe(
+            visible=False,
+            interactive=False,
+            wrap=True,
+            label="Held-out scores, mean ± half the 95 % interval (under the run's own eval settings they also fill "
+            "the versions table)",
+            elem_id="evaluated-versions",
+        )
         self.generations = gr.Dataframe(
             visible=False,
             interactive=False,
@@ -234,6 +277,14 @@ class AdaptersPage:
             concurrency_id="generate",
         )
         self.held_out_cancel.click(self.cancel_held_out, [self.run], None)
+        self.evaluate_button.click(
+            self.evaluate_versions,
+            [self.run, self.evaluated_words],
+            [self.evaluated_summary, self.evaluated_table],
+            concurrency_limit=1,
+            concurrency_id="generate",
+        ).then(self.refresh, [self.run, self.listed], self._listing_outputs(), show_progress="hidden")
+        self.evaluate_cancel.click(self.cancel_held_out, [self.run], None)
         self.generate_button.click(
             self.generate,
             [self.run, self.version_a, self.version_b, self.prompts],
@@ -408,6 +459,38 @@ class AdaptersPage:
             self.held_out_table: gr.Dataframe(
                 differences_table(services.evaluation.differences(evaluation, a, b), a, b), visible=True
             ),
+        }
+
+    def evaluate_versions(
+        self,
+        run_id: str | None,
+        words: str,
+        profile: gr.OAuthProfile | None = None,
+        progress: gr.Progress = gr.Progress(),
+    ) -> dict:
+        """The versions named by `words` scored on the run's held-out prompts, the best marked. A run on HF Jobs is
+        evaluated by one job there; how it goes is shown as progress, and Cancel ends it."""
+        services = self.panel.services(profile)
+        hidden = gr.Dataframe(visible=False)
+        if not run_id:
+            return {self.evaluated_summary: cards.note("Pick a run first.", "warn"), self.evaluated_table: hidden}
+        asked = (services.owner, run_id)
+        self._cancelled.discard(asked)
+        try:
+            versions = services.evaluation.versions_named(run_id, (words or "").split())
+            evaluation = services.evaluation.evaluate(
+                run_id,
+                versions,
+                on_progress=lambda message: progress(None, desc=message),
+                cancelled=lambda: asked in self._cancelled,
+            )
+        except ValueError as error:  # a word that names no version, no held-out prompts, an engine that failed
+            return {self.evaluated_summary: cards.note(f"Not evaluated: {error}", "bad"), self.evaluated_table: hidden}
+        best = max(evaluation.results, key=lambda result: result.summary(TOTAL).avg.mean)
+        steps = {version.version: version.step for version in services.adapters.versions(run_id)}
+        return {
+            self.evaluated_summary: cards.held_out_evaluation(evaluation, best),
+            self.evaluated_table: gr.Dataframe(evaluated_table(evaluation, steps, best.version), visible=True),
         }
 
     def generate(

@@ -14,14 +14,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from backend.alerts import update_best_version
 from backend.context import PanelContext
+from backend.ingest import ingest_eval
 from backend.launchers.base import LaunchError
-from backend.models import Run
+from backend.models import AdapterVersion, Run
 from backend.sandbox import SandboxError, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService, ensure_generates_here
 from backend.services.evaluation_job import EvaluationJobError, EvaluationJobReport, run_evaluation_job
 from backend.services.runs import RunService
-from jobs.contract import EvalSpec, RunSpec, SpecError, parse_spec
+from jobs.contract import EvalSpec, RunSpec, SpecError, derived, parse_spec
 from jobs.evaluation.engine import EngineError, local_engine
 from jobs.evaluation.heldout import HeldOut, eval_prompts, held_out
 from jobs.evaluation.results import (
@@ -40,6 +42,7 @@ from jobs.evaluation.sampling import Completion, Sampling, SamplingError
 from jobs.evaluation.statistics import Paired, paired
 from jobs.evaluation.versions import evaluate_versions
 
+VERSION_WORDS = "numbers (0: the base model), last, all, every:N or best-reward"
 # The reward sandbox's time for one scoring call grows with the completions it scores (start-up aside).
 SANDBOX_SECONDS_PER_COMPLETION = 0.05
 
@@ -108,7 +111,23 @@ class EvaluationService:
         except (EngineError, SamplingError, SandboxError, EvaluationJobError, LaunchError) as error:
             raise EvaluationError(f"the evaluation of run {run_id} failed: {error}") from None  # said, no traceback
         results = [found[version] or fresh[version] for version in versions]
+        if not changes:
+            self._keep_scores(run, results)
         return Evaluation(held, sampling, results, [found[version] is not None for version in versions], job)
+
+    def _keep_scores(self, run: Run, results: list[VersionEval]) -> None:
+        """Scores under the run's own eval settings join those of its evaluation during the run (the versions table's
+        held-out column, the `best` alias), each once; under other settings they are not comparable and are not
+        kept."""
+        steps = {version.version: version.step for version in self.adapters.versions(run.id)}
+        records = [result.record(steps.get(result.version) or 0) for result in results]
+        with self.ctx.db.session(write_lock=True) as session:
+            ingest_eval(session, run.id, run.owner, records)
+            current = session.get(Run, run.id)
+            if current is not None:
+                update_best_version(session, current)
+                session.add(current)
+            session.commit()
 
     @staticmethod
     def _stored(
@@ -122,24 +141,29 @@ class EvaluationService:
         return {version: result for version, result in results.items() if result is not None}
 
     def versions_named(self, run_id: str, words: list[str]) -> list[int]:
-        """Version numbers from words: numbers (0: the base model), `last`, or `all`; each once, in order."""
-        stored = [version.version for version in self.adapters.versions(run_id)]
+        """Version numbers from words, each once, in order: numbers (0: the base model), `last`, `all`, `every:N`
+        (every Nth version, as the run's own evaluation picks them, and the last) or `best-reward` (the version with
+        the highest training reward)."""
+        stored = self.adapters.versions(run_id)
         numbers: list[int] = []
         for word in words:
-            if word == "all":
-                numbers += [0, *stored]
-            elif word == "last":
-                if not stored:
-                    raise EvaluationError(f"versions: run {run_id} has no version yet; `last` names none")
-                numbers.append(stored[-1])
-            elif word.isdigit():
+            if word.isdigit():
                 numbers.append(int(word))
+                continue
+            if word in ("last", "best-reward") or word.startswith("every:"):
+                _need_versions(run_id, stored, word)
+            if word == "all":
+                numbers += [0, *(version.version for version in stored)]
+            elif word == "last":
+                numbers.append(stored[-1].version)
+            elif word.startswith("every:"):
+                numbers += _every(word, [version.version for version in stored])
+            elif word == "best-reward":
+                numbers.append(_best_by_training_reward(run_id, stored))
             else:
-                raise EvaluationError(
-                    f"versions: {word!r} is not a version; give numbers (0: the base model), last or all"
-                )
+                raise EvaluationError(f"versions: {word!r} is not a version; give {VERSION_WORDS}")
         if not numbers:
-            raise EvaluationError("versions: name at least one version (0: the base model), last or all")
+            raise EvaluationError(f"versions: name at least one version; give {VERSION_WORDS}")
         return list(dict.fromkeys(numbers))
 
     def report(self, evaluation: Evaluation) -> dict[str, Any]:
@@ -254,6 +278,27 @@ def _score(
         if trial.error:
             raise EvaluationError(f"{field_name}: {trial.name} failed on a held-out completion: {trial.error}")
     return score_table(score_names(spec), [trial.scores for trial in trials], k)
+
+
+def _need_versions(run_id: str, stored: list[AdapterVersion], word: str) -> None:
+    if not stored:
+        raise EvaluationError(f"versions: run {run_id} has no version yet; {word!r} names none")
+
+
+def _every(word: str, stored: list[int]) -> list[int]:
+    """`every:N`: the versions the run's own evaluation would pick at interval N (`derived.version_due`), and the
+    last."""
+    interval = word.split(":", 1)[1]
+    if not interval.isdigit() or int(interval) < 1:
+        raise EvaluationError(f"versions: {word!r} needs a whole number of versions from 1 up, e.g. every:10")
+    return [version for version in stored if derived.version_due(version, int(interval))] + stored[-1:]
+
+
+def _best_by_training_reward(run_id: str, stored: list[AdapterVersion]) -> int:
+    rewarded = [version for version in stored if version.reward is not None]
+    if not rewarded:
+        raise EvaluationError(f"versions: no version of run {run_id} has a training reward yet; best-reward names none")
+    return max(rewarded, key=lambda version: (version.reward or 0.0, version.version)).version
 
 
 def _held_out_words(settings: EvalSpec) -> str:

@@ -45,7 +45,6 @@ from jobs.evaluation.results import (
     score_table,
     scored_functions,
     stored_result,
-    summary_json,
 )
 from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
 from jobs.evaluation.statistics import Interval, stalled
@@ -285,20 +284,9 @@ class RunEvaluator:
 
 
 def telemetry_record(result: VersionEval, step: int, tokens: int) -> dict[str, Any]:
-    """What the panel ingests of a result: each score's avg@k with its 95 % interval, pass@k for 0/1 scores, and the
-    tokens generated for it (what evaluation costs beside the rollouts)."""
-    scores = {name: summary_json(result.summary(name)) for name in result.scores}
-    return {
-        "time": time.time(),
-        "version": result.version,
-        "step": step,
-        "key": result.key,
-        "prompts": len(result.prompts),
-        "k": result.k,
-        "seconds": result.seconds,
-        "tokens": tokens,
-        "scores": scores,
-    }
+    """What the panel ingests of a result (`VersionEval.record`), and the tokens generated for it (what evaluation
+    costs beside the rollouts)."""
+    return {**result.record(step), "tokens": tokens}
 
 
 def notice(level: str, message: str, kind: str = "evaluation") -> None:

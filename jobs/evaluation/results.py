@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,6 +53,20 @@ class VersionEval:
         if is_binary(scores):
             passed = sum(pass_at_k(len(p), int(sum(p)), len(p)) for p in scores) / len(scores)
         return ScoreSummary(means, interval(means), passed)
+
+    def record(self, step: int) -> dict[str, Any]:
+        """What the panel keeps of the result (a `VersionScore` row per score): each score's avg@k with its 95 %
+        interval and pass@k for 0/1 scores, placed by version, the optimizer step it holds, and settings key."""
+        return {
+            "time": time.time(),
+            "version": self.version,
+            "step": step,
+            "key": self.key,
+            "prompts": len(self.prompts),
+            "k": self.k,
+            "seconds": self.seconds,
+            "scores": {name: summary_json(self.summary(name)) for name in self.scores},
+        }
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

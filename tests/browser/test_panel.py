@@ -464,6 +464,16 @@ def test_adapters_download_compare_and_branch(page: Page, demo_run: str, tmp_pat
     page.locator("#compare-held-out").click()  # asked again: read back from the bucket
     expect(summary).to_contain_text("read back from the bucket", timeout=60_000)
     screenshot(page, "adapters-compare")
+    # Every version evaluated on the run's own held-out settings: listed with the best marked, and each one's score
+    # in the versions table's held-out column.
+    fill(page, "evaluate-versions-words", "all")
+    page.locator("#evaluate-versions").click()
+    expect(page.locator("#evaluated-summary")).to_contain_text("best by held-out reward", timeout=180_000)
+    listed = rows(page, "versions-table").count() - 1
+    expect(rows(page, "evaluated-versions")).to_have_count(listed + 2)  # a header, v0 and every version
+    expect(rows(page, "evaluated-versions", "★ best")).to_have_count(1)
+    scored = re.compile(r"\d\.\d{3} ± (\d\.\d{3}|∞)")
+    expect(rows(page, "versions-table", scored)).to_have_count(listed, timeout=30_000)
 
     older = rows(page, "versions-table").nth(2).locator("[role=gridcell]").first  # an older version: roll back
     number = older.inner_text().strip().lstrip("v")
