@@ -79,6 +79,21 @@ def test_an_evaluator_that_fell_behind_evaluates_the_newest_due_version_and_says
     assert capsys.readouterr().out == ""  # each skip said once
 
 
+def test_a_branch_is_also_evaluated_at_its_starting_point_the_parent_version_it_was_branched_from(tmp_path):
+    """A branch's v1 holds its parent version's weights, not the base model's: that is what the branch has to beat,
+    so it is evaluated too (and counted in what evaluation costs); on a run from the base model it never is."""
+    trunk = spec(tmp_path, every=10)
+    branch = trunk.model_copy(update={"parent": {"run_id": "trunk", "version": 17}})
+    branch = type(trunk).model_validate(branch.model_dump())
+    assert derived.eval_cost(branch, 32).evaluations == derived.eval_cost(trunk, 32).evaluations + 1
+    store = LocalStore(tmp_path / "store")
+    for run, first_due in ((branch, 1), (trunk, None)):
+        evaluator = RunEvaluator(run, store, "http://127.0.0.1:9", prompts(2), Scorer([], []), "a" * 16)
+        assert evaluator.due(1) == first_due
+        assert evaluator.due(11) == 11  # then every tenth, as on any run
+        assert evaluator.due(11) is None
+
+
 def test_held_out_completions_are_scored_by_the_runs_rewards_with_their_weights_as_in_training():
     """The total is the sum of the weighted rewards, as TRL's `reward`; each reward as it weighs in training; an eval
     metric is reported beside them and never counted in the total (it is not trained on)."""

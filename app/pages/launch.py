@@ -828,9 +828,10 @@ def check_status(result: Preflight) -> str:
             notes += f" Scored beside the rewards, never trained on: {', '.join(metrics)}."
         if result.spec is not None and result.spec.eval.during_run:
             cost = derived.eval_cost(result.spec, len(held.rows))
+            start = ", the parent version it starts from (v1)" if result.spec.parent is not None else ""
             notes += (
-                f" During the run: the base model, every {cost.every} versions and the last ({cost.evaluations} "
-                f"evaluations, {cost.token_share:.0%} of the rollout tokens at most)."
+                f" During the run: the base model{start}, every {cost.every} versions and the last "
+                f"({cost.evaluations} evaluations, {cost.token_share:.0%} of the rollout tokens at most)."
             )
     if not result.unchecked:
         return cards.note(f"All checks passed: {', '.join(CHECKED)}. Launch is enabled.{notes}", "good")

@@ -157,7 +157,8 @@ class EvaluationService:
             elif word == "last":
                 numbers.append(stored[-1].version)
             elif word.startswith("every:"):
-                numbers += _every(word, [version.version for version in stored])
+                branch = self.runs.get(run_id).parent_run_id is not None
+                numbers += _every(word, [version.version for version in stored], branch)
             elif word == "best-reward":
                 numbers.append(_best_by_training_reward(run_id, stored))
             else:
@@ -285,13 +286,13 @@ def _need_versions(run_id: str, stored: list[AdapterVersion], word: str) -> None
         raise EvaluationError(f"versions: run {run_id} has no version yet; {word!r} names none")
 
 
-def _every(word: str, stored: list[int]) -> list[int]:
-    """`every:N`: the versions the run's own evaluation would pick at interval N (`derived.version_due`), and the
-    last."""
+def _every(word: str, stored: list[int], branch: bool) -> list[int]:
+    """`every:N`: the versions the run's own evaluation would pick at interval N (`derived.version_due`: on a
+    branch, v1, its starting point), and the last."""
     interval = word.split(":", 1)[1]
     if not interval.isdigit() or int(interval) < 1:
         raise EvaluationError(f"versions: {word!r} needs a whole number of versions from 1 up, e.g. every:10")
-    return [version for version in stored if derived.version_due(version, int(interval))] + stored[-1:]
+    return [version for version in stored if derived.version_due(version, int(interval), branch)] + stored[-1:]
 
 
 def _best_by_training_reward(run_id: str, stored: list[AdapterVersion]) -> int:

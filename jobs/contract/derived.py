@@ -200,25 +200,31 @@ class EvalCost(NamedTuple):
 
 
 def eval_cost(spec: RunSpec, prompts: int | None = None) -> EvalCost:
-    """The interval `eval.every`, or the smallest one that keeps evaluation (the base model and the last version
-    included) within `EVAL_TOKEN_SHARE` of the rollout tokens, for `prompts` held-out prompts (at most
-    `eval.prompts`: the plan knows only that bound). When even those two exceed it, none is evaluated in between."""
+    """The interval `eval.every`, or the smallest one that keeps evaluation (the base model, the last version and a
+    branch's starting point included) within `EVAL_TOKEN_SHARE` of the rollout tokens, for `prompts` held-out prompts
+    (at most `eval.prompts`: the plan knows only that bound). When even those exceed it, none is evaluated in
+    between."""
     grpo, settings = spec.grpo, spec.eval
     per_evaluation = min(prompts or settings.prompts, settings.prompts) * settings.k * grpo.max_completion_length
     rollout_tokens = grpo.max_steps * grpo.completions_per_step * grpo.max_completion_length
     # v1 holds the weights before the first step; a last partial interval is published at the end as one more.
     last = -(-grpo.max_steps // grpo.weight_sync_steps) + 1
+    branch = spec.parent is not None
+    always = 2 + branch  # the base model, the last version, and a branch's v1
     if settings.every:
         every = settings.every
     else:
-        affordable = int(EVAL_TOKEN_SHARE * rollout_tokens // per_evaluation) - 2  # beside the base and the last
+        affordable = int(EVAL_TOKEN_SHARE * rollout_tokens // per_evaluation) - always
         # v2 .. v(last - 1) hold (last - 2) // every due versions: the smallest interval within what is affordable.
         every = (last - 2) // (affordable + 1) + 1 if affordable > 0 else last
-    evaluations = 2 + sum(1 for version in range(2, last) if version_due(version, every))
+    evaluations = always + sum(1 for version in range(2, last) if version_due(version, every))
     return EvalCost(every, evaluations, evaluations * per_evaluation / rollout_tokens)
 
 
-def version_due(version: int, every: int) -> bool:
-    """Whether version `version` is one of the every-Nth evaluated during the run. v1 is left out: it holds the
-    weights before the first step, the base model's (evaluated once as v0)."""
+def version_due(version: int, every: int, branch: bool = False) -> bool:
+    """Whether version `version` is one of those evaluated during the run besides the base model (v0) and the last.
+    v1 holds the weights before the first step: the base model's, evaluated as v0 already; on a branch, the parent
+    version's it starts from, which is what the branch has to beat, and is evaluated too."""
+    if version == 1:
+        return branch
     return version > 1 and (version - 1) % every == 0

@@ -106,7 +106,7 @@ class RunEvaluator:
         self.every = derived.eval_cost(spec, len(prompts.records)).every
         self.stream = ChunkWriter(store, spec.run_id, "eval")
         self.history = self._stored_history()  # (version, held-out reward) in the order evaluated
-        self.reached = max((version for version, _ in self.history), default=1)  # due versions up to it: done
+        self.reached = max((version for version, _ in self.history), default=0)  # due versions up to it: done
         # What an evaluator before this one (restarted) already said and did.
         self.alerted = stalled(self.history, spec.eval.patience) is not None
         self.stopped = self.alerted and spec.eval.stop_on_regression
@@ -114,7 +114,8 @@ class RunEvaluator:
     def due(self, published: int) -> int | None:
         """The version to evaluate next once `published` is the newest: the newest every-Nth one past those already
         reached. Older ones passed over meanwhile are skipped, said once: the evaluator catches up, never lags."""
-        due = [v for v in range(published, self.reached, -1) if derived.version_due(v, self.every)]
+        branch = self.spec.parent is not None
+        due = [v for v in range(published, self.reached, -1) if derived.version_due(v, self.every, branch)]
         if not due:
             return None
         self.reached = due[0]
