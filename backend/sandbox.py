@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend import landlock
-from backend.confinement import UNCONFINABLE_EXIT, Confinement
 from backend.db import PROJECT_ROOT
 from backend.hosting import on_space
+from jobs.confinement import landlock
+from jobs.confinement.confine import UNCONFINABLE_EXIT, Confinement
 from jobs.contract import RewardSpec
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")

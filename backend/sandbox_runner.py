@@ -2,7 +2,7 @@
 
     python -I sandbox_runner.py <project root> <request.json> <result.json>
 
-Before any user code runs, the runner confines itself (backend/confinement.py: namespaces, limits, Landlock,
+Before any user code runs, the runner confines itself (jobs/confinement/confine.py: namespaces, limits, Landlock,
 seccomp), in its one thread, after exec; then an audit hook refuses network access, subprocesses and signals to other
 processes with a clear message (the hook cannot be removed from Python; the OS layers hold past it).
 """
@@ -59,7 +59,13 @@ def main(root, request_path, result_path):
     sys.path.insert(0, root)
     with open(request_path) as handle:
         request = json.load(handle)
-    from backend.confinement import UNCONFINABLE_EXIT, Confinement, ConfinementUnavailable, confine, enter_namespaces
+    from jobs.confinement.confine import (
+        UNCONFINABLE_EXIT,
+        Confinement,
+        ConfinementUnavailable,
+        confine,
+        enter_namespaces,
+    )
 
     enter_namespaces()  # first: the kernel refuses a new user namespace once a library has started a thread
     from jobs.contract import RewardSpec

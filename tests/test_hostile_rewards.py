@@ -3,8 +3,8 @@ clear message, and nothing leaks: no file written or read outside the scratch fo
 no signal.
 
 Each row goes through the whole sandbox (backend/sandbox.py: the runner's audit hook, then the OS layers of
-backend/confinement.py). Routes the audit hook does not see (`_posixsubprocess.fork_exec`, reading a file) show the OS
-layers at work; tests/test_security.py also runs code that skips the hook entirely.
+jobs/confinement/confine.py). Routes the audit hook does not see (`_posixsubprocess.fork_exec`, reading a file) show
+the OS layers at work; tests/test_security.py also runs code that skips the hook entirely.
 """
 
 from __future__ import annotations
@@ -169,8 +169,8 @@ def test_a_hostile_reward_is_refused_or_stopped_and_nothing_leaks(name, targets)
 def test_a_shared_panel_runs_no_user_code_where_a_layer_is_missing(tmp_path):
     """Strict confinement refuses to go on without seccomp (here: no library for it), naming the layer; the runner
     then exits without running any reward and the panel says code rewards are off on this server."""
-    from backend.confinement import UNCONFINABLE_EXIT
     from backend.sandbox import _explain_exit, confinement
+    from jobs.confinement.confine import UNCONFINABLE_EXIT
 
     rules = confinement(SandboxLimits(), tmp_path, strict=True).to_json()
     script = textwrap.dedent(
@@ -178,7 +178,7 @@ def test_a_shared_panel_runs_no_user_code_where_a_layer_is_missing(tmp_path):
         import sys
         sys.path.insert(0, {str(REPO)!r})
         sys.modules["pyseccomp"] = None  # as on a system without libseccomp
-        from backend.confinement import Confinement, ConfinementUnavailable, confine
+        from jobs.confinement.confine import Confinement, ConfinementUnavailable, confine
         try:
             confine(Confinement.from_json({rules!r}))
         except ConfinementUnavailable as error:
@@ -205,7 +205,7 @@ def test_without_a_space_a_missing_layer_is_skipped_and_the_others_hold(tmp_path
         import json, sys
         sys.path.insert(0, {str(REPO)!r})
         sys.modules["pyseccomp"] = None
-        from backend.confinement import Confinement, confine
+        from jobs.confinement.confine import Confinement, confine
         applied = confine(Confinement.from_json({rules!r}))
         try:
             open({str(REPO / "README.md")!r}).read()

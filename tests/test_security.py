@@ -49,7 +49,6 @@ from app.pages.runs import RunsPage
 from app.panel import Panel, SignInRequired
 from app.public_api import PUBLIC_ENDPOINTS, PublicApi, make_private
 from app.ui import build_app
-from backend import landlock
 from backend import settings as backend_settings
 from backend.api import PanelServices
 from backend.context import PanelContext
@@ -65,6 +64,7 @@ from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
 from backend.vault import CredentialError
 from jobs import settings
+from jobs.confinement import landlock
 from jobs.contract import RewardSpec, RunSpec, layout
 from jobs.contract.control import STOP
 from jobs.demo.preset import demo_spec
@@ -885,7 +885,7 @@ def past_the_audit_hook(code: str, tmp_path: Path, confined: bool = True) -> dic
         rules = sandbox_confinement(SandboxLimits(seconds=10), scratch, strict=True).to_json()
         prelude = (
             f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
-            "from backend.confinement import Confinement, confine, enter_namespaces\n"
+            "from jobs.confinement.confine import Confinement, confine, enter_namespaces\n"
             f"enter_namespaces(); confine(Confinement.from_json({rules!r}))\n"
         )
     done = subprocess.run(

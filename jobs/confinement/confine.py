@@ -1,4 +1,5 @@
-"""Confinement of untrusted reward code, applied by the sandboxed process to itself (backend/sandbox_runner.py).
+"""Confinement of untrusted code, applied by the sandboxed process to itself (the panel's reward sandbox runner,
+backend/sandbox_runner.py).
 
 The runner applies it after exec, in its one thread, before any user code exists: nothing is done in a child forked
 from the threaded panel, where loading a library could deadlock on a lock another thread held at the fork. Layers:
@@ -7,7 +8,8 @@ from the threaded panel, where loading a library could deadlock on a lock anothe
    no abstract socket of the panel's namespace. Entered first, while no library has started a thread (the kernel
    refuses a new user namespace to a threaded process).
 2. Resource limits: CPU time, address space, file size (what it prints), no core dumps.
-3. Landlock: read Python and the job code, write the scratch folder; nothing else exists for it (backend/landlock.py).
+3. Landlock: read Python and the job code, write the scratch folder; nothing else exists for it
+   (jobs/confinement/landlock.py).
 4. A seccomp filter: no new process (fork, vfork, clone without CLONE_THREAD; clone3 answers ENOSYS so libc falls
    back to clone, whose flags the filter can read), no program executed, no socket, no signal to another process,
    no namespace, mount, ptrace, io_uring (its operations would bypass the filter), bpf or keyring call.
@@ -25,7 +27,7 @@ import resource
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from backend import landlock
+from jobs.confinement import landlock
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
