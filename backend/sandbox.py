@@ -6,7 +6,7 @@ User code runs in a separate Python process with:
 - a memory limit (RLIMIT_AS) and an output limit (RLIMIT_FSIZE on its stdout/stderr files: printing megabytes ends
   the run with a clear message);
 - no network, no process, no file outside its folder: the process confines itself before user code is imported
-  (backend/confinement.py: its own user and network namespace, Landlock, a seccomp filter), and an audit hook
+  (jobs/confinement/confine.py: its own user and network namespace, Landlock, a seccomp filter), and an audit hook
   refuses sockets, subprocesses and signals with a clear message.
 
 The result is per reward and per row: a score, or the error with the offending row.
@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from jobs.confinement.confine import UNCONFINABLE_EXIT, Confinement
 from jobs.contract import RewardSpec
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
+WALL_LIMIT_FACTOR = 4  # a reward still computing past its wall-clock deadline is given this many times its limit
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ def run_rewards(
             try:
                 code = process.wait(timeout=limits.seconds + 5)  # start-up (imports) is not the reward's time
             except subprocess.TimeoutExpired:
+                code = _wait_while_computing(process, limits)
+            if code is None:
                 burned = _cpu_seconds(process.pid)
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
@@ -163,6 +167,29 @@ def _cpu_exceeded(limits: SandboxLimits) -> str:
         f"the rewards used more than {limits.seconds:.0f}s of CPU and were stopped; make the reward faster "
         "(it runs for every group during training)"
     )
+
+
+def _wait_while_computing(process: subprocess.Popen[bytes], limits: SandboxLimits) -> int | None:
+    """Past the wall-clock deadline, wait on while the rewards compute (their CPU limit will stop them if they go on),
+    up to `WALL_LIMIT_FACTOR` times their limit; None once they wait on something else, or past that.
+
+    On a busy machine a reward computing gets only a share of a core: under a load of 13 on two cores, one spinning
+    in a loop had used under 2 s of CPU at the 7 s deadline and was called slow rather than CPU-bound."""
+    deadline = time.monotonic() + limits.seconds * (WALL_LIMIT_FACTOR - 1)
+    while _state(process.pid) == "R" and time.monotonic() < deadline:
+        try:
+            return process.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            continue
+    return process.poll()
+
+
+def _state(pid: int) -> str:
+    """A process's scheduler state (R: running or runnable, S: sleeping, ...), "" if it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def _cpu_seconds(pid: int) -> float:
