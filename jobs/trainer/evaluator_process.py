@@ -24,6 +24,7 @@ CHECK_EVERY_S = 5.0
 # How long the trainer waits, with its replicas still up, for the last version's evaluation: a few hundred held-out
 # completions, on replicas that no longer train.
 FINISH_TIMEOUT_S = 300.0
+FORWARD_END_S = 10.0  # how long the evaluator's last lines may take to be read once it has exited
 
 
 class Events(Protocol):
@@ -56,6 +57,7 @@ class EvaluatorProcess:
         self.command, self.final_file, self.events, self.check_every = command, final_file, events, check_every
         self.on_scores = on_scores
         self.process: subprocess.Popen[str] | None = None
+        self._forwarder: threading.Thread | None = None  # reads the running evaluator's notices
         self.restarts = 0
         self._finishing = threading.Event()
         self._lock = threading.Lock()  # a restart and a stop never cross: no evaluator outlives the trainer
@@ -69,7 +71,8 @@ class EvaluatorProcess:
 
     def _spawn(self) -> None:
         self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, text=True)
-        threading.Thread(target=self._forward, args=(self.process.stdout,), daemon=True).start()
+        self._forwarder = threading.Thread(target=self._forward, args=(self.process.stdout,), daemon=True)
+        self._forwarder.start()
 
     def _forward(self, stdout: IO[str] | None) -> None:
         """The evaluator's notices as events of the run (read to the end: a full pipe would block the evaluator)."""
@@ -124,7 +127,8 @@ class EvaluatorProcess:
         self, last_version: int, timeout: float = FINISH_TIMEOUT_S, cancelled: Callable[[], bool] = lambda: False
     ) -> None:
         """Let the evaluator score `last_version` within `timeout` seconds (less if the job is `cancelled`
-        meanwhile), then end it."""
+        meanwhile), then end it. Returns once what it said is forwarded: the last version's scores, which the trainer
+        reports next, are among its last lines."""
         with self._lock:
             self._finishing.set()
             process = self.process
@@ -143,14 +147,16 @@ class EvaluatorProcess:
         self.stop()
 
     def stop(self) -> None:
+        """End the evaluator, and read what it said to the end."""
         with self._lock:
             self._finishing.set()
-            process = self.process
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            process, forwarder = self.process, self._forwarder
+        if process is not None and process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if forwarder is not None:
+            forwarder.join(timeout=FORWARD_END_S)  # at the end of its output: at once, unless a child holds the pipe
