@@ -269,7 +269,7 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
         elif spec.compute.backend == "hf_jobs":
             result.errors["model.id"] = "HF Jobs cannot see this machine's folders; use a Hub model id"
         else:
-            _check_chat_template(chat_template_in(model), model, result)
+            _check_chat_template(chat_template_in(model), spec, result)
         return
     from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
@@ -297,7 +297,7 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
         if spec.compute.backend == "local":
             result.errors["model.id"] = f"{reason}; {_LOCAL_JOBS_NEED_THE_HUB}, or give a model folder on this machine"
     else:
-        _check_chat_template(template, model, result)
+        _check_chat_template(template, spec, result)
         if info.safetensors is not None and spec.compute.backend == "hf_jobs":
             result.parameters = info.safetensors.total
             _check_trainer_memory(info.safetensors.total, spec, result)
@@ -348,9 +348,9 @@ def _check_trainer_memory(parameters: int, spec: RunSpec, result: Preflight) -> 
     )
 
 
-def _check_chat_template(template: str | dict | None, model: str, result: Preflight) -> None:
+def _check_chat_template(template: str | dict | None, spec: RunSpec, result: Preflight) -> None:
     try:
-        response_template(template, model)
+        response_template(template, spec.model.id, tools=spec.environment.enabled)
     except ChatTemplateError as error:
         result.errors["model.id"] = str(error).removeprefix("model.id: ")
 

@@ -35,9 +35,10 @@ class ChatTemplateError(ValueError):
     """The model's chat template cannot be used for training; the message names the field and the fix."""
 
 
-def response_template(chat_template: str | dict | None, model_id: str) -> dict[str, Any] | None:
+def response_template(chat_template: str | dict | None, model_id: str, tools: bool = False) -> dict[str, Any] | None:
     """None when TRL recognises `chat_template` itself, the ChatML response template for another ChatML template;
-    ChatTemplateError for any other template (or none)."""
+    ChatTemplateError for any other template (or none). With `tools` (an agent run), only a template TRL recognises
+    will do: the ChatML response template reads a reply's text, never its tool calls."""
     if not chat_template:
         raise ChatTemplateError(
             f"model.id: {model_id} has no chat template, and the trainer sends prompts as chat messages; use an "
@@ -50,6 +51,12 @@ def response_template(chat_template: str | dict | None, model_id: str) -> dict[s
         )
     if _recognised_by_trl(chat_template):
         return None
+    if tools:
+        raise ChatTemplateError(
+            f"model.id: TRL 1.16 cannot read tool calls in {model_id}'s chat template (it reads them in the templates "
+            "of Qwen2.5/Qwen3, Llama 3.1/3.2, Gemma 4 and a few others); use such a model, or set environment.kind "
+            "to none"
+        )
     if "<|im_start|>" in chat_template and "<|im_end|>" in chat_template:
         return CHATML_RESPONSE_TEMPLATE
     raise ChatTemplateError(
@@ -93,9 +100,9 @@ def chat_template_in(folder: str | Path) -> str | dict | None:
     return template
 
 
-def fit_tokenizer(tokenizer, model_id: str) -> None:
+def fit_tokenizer(tokenizer, model_id: str, tools: bool = False) -> None:
     """Give `tokenizer` the response template TRL's rollout worker needs for it, if TRL has none of its own; raise
     ChatTemplateError when its replies cannot be read at all (preflight refuses such a model before launch)."""
-    template = response_template(tokenizer.chat_template, model_id)
+    template = response_template(tokenizer.chat_template, model_id, tools)
     if template is not None:
         tokenizer.response_template = template

@@ -573,7 +573,7 @@ def test_versions_named_every_nth_or_best_training_reward_are_evaluated_from_the
     page = AdaptersPage(Panel(ctx, space=False))
     with gr.Blocks():
         page.build()
-    shown = page.evaluate_versions("demo-e2e", "every:20 best-reward")
+    shown = page.evaluate_named("demo-e2e", "every:20 best-reward")
     table = shown[page.evaluated_table].value
     assert table["headers"][0] == "version" and table["headers"][-1] == "scored"
     scored = {int(row[0].split()[0].lstrip("v")): row[-1] for row in table["data"]}
@@ -692,6 +692,33 @@ def test_the_command_line_rolls_back_and_branches_and_says_what_is_wrong(finishe
     assert "999" in errors[0] and "taken" in errors[1]
     assert main(["make-current", "demo-e2e", str(before)]) == 0  # as the other tests of this module left it
     RunService(ctx, OWNER).delete("demo-e2e-cli")
+
+
+def test_an_agent_run_offers_the_calculator_over_several_turns_and_its_tool_metrics_reach_the_panel(tmp_path):
+    """Issue 31 (its first part): with the built-in calculator, TRL's trainer gets the tool and its turn cap, renders
+    the tool's schema into every prompt (the demo model's context raised to hold it), runs each episode through its
+    tool-calling loop, and its tool metrics reach the panel. The tiny model never calls the tool yet: that needs the
+    warm start the issue asks for."""
+    run_id = "agent-e2e"
+    ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
+    spec = demo_spec(
+        run_id,
+        f"file://{tmp_path / 'store'}",
+        model={"max_model_len": 1024},
+        grpo={"max_steps": 3, "seed": 0},
+        eval={"split": None},
+        environment={"kind": "builtin", "name": "calculator", "max_turns": 2},
+    )
+    service = RunService(ctx, OWNER)
+    service.create(spec)
+    service.launch(run_id, wait=True)
+    assert follow(ctx, Poller(ctx, stall_after=120), run_id, 600) == "finished"
+    queries = QueryService(ctx, OWNER)
+    # Logged by TRL only when the model is offered tools.
+    exhausted = queries.metric_series(run_id, "tools/loop_exhausted_frac", max_points=None)
+    turns = queries.metric_series(run_id, "rollout/turns_mean", max_points=None)
+    assert len(exhausted) == 3 and len(turns) == 3, (exhausted, turns)
+    assert all(1 <= value <= 3 for _, value in turns)  # the first turn, and at most max_turns tool turns after it
 
 
 def test_a_panel_that_lost_its_database_mid_run_comes_back_from_its_snapshot(demo_run):

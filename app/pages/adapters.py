@@ -278,7 +278,7 @@ class AdaptersPage:
         )
         self.held_out_cancel.click(self.cancel_held_out, [self.run], None)
         self.evaluate_button.click(
-            self.evaluate_versions,
+            self.evaluate_named,
             [self.run, self.evaluated_words],
             [self.evaluated_summary, self.evaluated_table],
             concurrency_limit=1,
@@ -461,7 +461,7 @@ class AdaptersPage:
             ),
         }
 
-    def evaluate_versions(
+    def evaluate_named(
         self,
         run_id: str | None,
         words: str,

@@ -55,7 +55,19 @@ PLACED_BY_HAND = frozenset(
     }
 )  # fmt: skip
 # The order of generated fields across the spec's sections: the training loop's settings before the adapter's.
-_SPEC_ORDER = ("run_id", "name", "model", "dataset", "eval", "grpo", "lora", "compute", "storage", "reporting")
+_SPEC_ORDER = (
+    "run_id",
+    "name",
+    "model",
+    "dataset",
+    "eval",
+    "grpo",
+    "environment",
+    "lora",
+    "compute",
+    "storage",
+    "reporting",
+)
 FIELDS_PER_ROW = 5
 # Shown only when the jobs run on HF Jobs.
 _HUB_ONLY = ("compute.namespace", "compute.trainer_flavor", "compute.replica_flavor", "compute.queue_timeout")

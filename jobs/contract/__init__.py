@@ -3,6 +3,7 @@
 from jobs.contract import derived, layout
 from jobs.contract.durations import duration, timeout_seconds
 from jobs.contract.spec import (
+    BUILTIN_ENVIRONMENTS,
     BUILTIN_REWARDS,
     DEMO_DATASET_ID,
     DEMO_MODEL_ID,
@@ -10,6 +11,7 @@ from jobs.contract.spec import (
     VLLM_LORA_RANKS,
     ComputeSpec,
     DatasetSpec,
+    EnvironmentSpec,
     EvalSpec,
     GrpoSpec,
     LoraSpec,
@@ -24,6 +26,7 @@ from jobs.contract.spec import (
 from jobs.contract.storage_uri import StorageLocation, parse_storage_uri
 
 __all__ = [
+    "BUILTIN_ENVIRONMENTS",
     "BUILTIN_REWARDS",
     "DEMO_DATASET_ID",
     "DEMO_MODEL_ID",
@@ -31,6 +34,7 @@ __all__ = [
     "VLLM_LORA_RANKS",
     "ComputeSpec",
     "DatasetSpec",
+    "EnvironmentSpec",
     "EvalSpec",
     "GrpoSpec",
     "LoraSpec",

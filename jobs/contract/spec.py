@@ -56,6 +56,11 @@ BUILTIN_REWARDS: dict[str, frozenset[str]] = {
     "digit_frac": frozenset(),
 }
 MAX_REWARD_SOURCE_BYTES = 200_000
+# Environments an agent run can use without code of its own (jobs/environments): each one's tools.
+BUILTIN_ENVIRONMENTS: dict[str, str] = {
+    "calculator": "calculate(expression): the value of an arithmetic expression",
+}
+MAX_TURNS = 32  # tool-calling turns per episode: each re-sends the whole conversation
 # Upper bounds on form values that are otherwise accepted and only fail once jobs run (or when the run is recorded).
 MAX_DATASET_ROWS = 1_000_000_000
 MAX_SYSTEM_PROMPT_CHARS = 100_000  # sent with every prompt: beyond this it crowds out any model's context
@@ -627,6 +632,65 @@ class EvalSpec(_Section):
         return self.split is not None or self.holdout is not None
 
 
+class EnvironmentSpec(_Section):
+    """Tools the model may call during an episode, for multi-turn GRPO (TRL's `tools` / `environment_factory`).
+
+    They run where TRL's rollout child runs: on the trainer's CPU, beside the proxy. `none` keeps today's single-turn
+    runs. Code defines module-level tool functions (typed, with a docstring TRL turns into the tool's schema) or one
+    environment class (`reset(**row)`, its public methods the tools, an optional `get_reward()`), named by
+    `entry_point`: the class, or the functions separated by commas. How many episodes run at once is
+    `grpo.max_inflight`: each in-flight task is a whole episode, its tools included.
+    """
+
+    kind: Annotated[
+        Literal["none", "builtin", "code"],
+        shown(
+            "Tools",
+            "training",
+            "tools the model may call over several turns",
+            choices={"none": "none (single turn)", "builtin": "a built-in environment", "code": "my code"},
+        ),
+    ] = "none"
+    name: Annotated[
+        str, shown("Environment", "training", f"built-in: {', '.join(BUILTIN_ENVIRONMENTS)}", advanced=True)
+    ] = "calculator"
+    source: Annotated[str | None, Field(title="Environment code")] = None
+    entry_point: Annotated[str | None, Field(title="Environment class or tools")] = None
+    max_turns: Annotated[
+        int,
+        Field(ge=1, le=MAX_TURNS),
+        shown("Max tool turns", "training", "tool-calling turns per episode (TRL's max_tool_calling_iterations)"),
+    ] = 4
+
+    @model_validator(mode="after")
+    def _environment(self) -> EnvironmentSpec:
+        if self.kind == "builtin" and self.name not in BUILTIN_ENVIRONMENTS:
+            known = ", ".join(BUILTIN_ENVIRONMENTS)
+            raise ValueError(f"name: unknown built-in environment {self.name!r}; use one of {known}, or kind 'code'")
+        if self.kind != "code":
+            if self.source is not None or self.entry_point is not None:
+                raise ValueError("source: only for kind 'code'; remove it and entry_point, or set kind to 'code'")
+            return self
+        if not self.source or not self.source.strip():
+            raise ValueError("source: kind 'code' needs Python code defining the tools or the environment class")
+        if len(self.source.encode()) > MAX_REWARD_SOURCE_BYTES:
+            raise ValueError(f"source: larger than {MAX_REWARD_SOURCE_BYTES // 1000} kB; keep environments small")
+        names = self.entry_points
+        if not names or not all(name.isidentifier() for name in names):
+            raise ValueError(
+                "entry_point: name the environment class, or the tool functions separated by commas, defined in source"
+            )
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+    @property
+    def entry_points(self) -> list[str]:
+        return [name.strip() for name in (self.entry_point or "").split(",") if name.strip()]
+
+
 class ParentSpec(_Section):
     run_id: Annotated[str, Field(title="Parent run id")]
     version: Annotated[int, Field(ge=1, title="Parent version")]
@@ -647,6 +711,7 @@ class RunSpec(_Section):
     storage: Annotated[StorageSpec, shown("Bucket", "storage")] = Field(default_factory=StorageSpec)
     reporting: Annotated[ReportingSpec, shown("Reporting", "reporting")] = Field(default_factory=ReportingSpec)
     eval: Annotated[EvalSpec, shown("Evaluation", "dataset")] = Field(default_factory=EvalSpec)
+    environment: Annotated[EnvironmentSpec, shown("Tools", "training")] = Field(default_factory=EnvironmentSpec)
     parent: Annotated[ParentSpec | None, Field(title="Parent run")] = None
 
     @model_validator(mode="before")
@@ -697,6 +762,12 @@ class RunSpec(_Section):
                 raise ValueError(
                     "eval.split: a file in the bucket has no other split; carve held-out rows off it instead"
                 )
+        if self.environment.enabled and self.eval.enabled:
+            raise ValueError(
+                "eval.split: held-out evaluation scores single answers, and this run's episodes use tools over several "
+                "turns; evaluating agents is not supported yet: empty eval.split and eval.holdout, or set "
+                "environment.kind to none"
+            )
         if self.parent is not None and self.parent.run_id == self.run_id:
             raise ValueError("parent.run_id: must name another run; a branch gets its own run id")
         from jobs.contract.derived import trainer_processes  # derived values build on this module

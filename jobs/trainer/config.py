@@ -60,6 +60,7 @@ def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | No
         top_k=grpo.top_k,
         vllm_server_base_url=server_url,
         request_timeout=REQUEST_TIMEOUT_S,
+        max_tool_calling_iterations=spec.environment.max_turns if spec.environment.enabled else None,
         # Optimisation
         learning_rate=grpo.learning_rate,
         adam_beta2=grpo.adam_beta2,

@@ -132,17 +132,20 @@ def to_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, str]]:
     return messages
 
 
-def prompt_token_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """The token ids TRL sends for `messages`: the chat template with the generation prompt appended."""
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def prompt_token_ids(tokenizer, messages: list[dict[str, str]], tools: list | None = None) -> list[int]:
+    """The token ids TRL sends for `messages`: the chat template with the generation prompt appended, and the tools'
+    schemas where the model may call tools."""
+    offered = {"tools": tools} if tools else {}  # a run without tools renders exactly as it always did
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **offered)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: int | None = None):
+def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: int | None = None, tools=None):
     """The dataset TRL trains on: `prompt` (messages) and `answer` (the gold answer as text), plus every column of the
     dataset under its own name — structs and lists included — as TRL hands them to reward functions.
 
-    With a tokenizer and `max_prompt_tokens`, prompts that would leave no room for a full completion are dropped.
+    With a tokenizer and `max_prompt_tokens`, prompts that would leave no room for a full completion are dropped,
+    counted with the schemas of the `tools` the model may call (TRL renders them into every prompt).
     """
     import datasets
 
@@ -152,7 +155,7 @@ def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: in
     for row in rows:
         messages = to_messages(row[spec.prompt_column], spec.system_prompt)
         limited = tokenizer is not None and max_prompt_tokens is not None
-        if limited and len(prompt_token_ids(tokenizer, messages)) > max_prompt_tokens:
+        if limited and len(prompt_token_ids(tokenizer, messages, tools)) > max_prompt_tokens:
             dropped += 1
             continue
         answer = "" if spec.answer_column is None else str(column_value(row, spec.answer_column))
@@ -164,8 +167,9 @@ def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: in
             "dropped %d prompts longer than %d tokens (no room left for a completion)", dropped, max_prompt_tokens
         )
     if not records:
+        schemas = " with the tools' schemas" if tools else ""
         raise DatasetError(
-            f"dataset: every prompt is longer than {max_prompt_tokens} tokens; raise model.max_model_len or lower "
-            "grpo.max_completion_length"
+            f"dataset: every prompt{schemas} is longer than {max_prompt_tokens} tokens; raise model.max_model_len or "
+            "lower grpo.max_completion_length"
         )
     return datasets.Dataset.from_list(records)

@@ -28,6 +28,7 @@ import torch
 from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
+from jobs.environments.loading import offered_tools, trainer_arguments
 from jobs.evaluation.heldout import training_rows
 from jobs.models import eos_token_ids, parameter_count, resolve_model
 from jobs.ports import free_port
@@ -168,11 +169,13 @@ def main(argv: list[str] | None = None) -> int:
 
         model_path = resolve_model(spec.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
-        fit_tokenizer(tokenizer, spec.model.id)  # e.g. Qwen2.5-Math: TRL reads its replies with the recipe's template
+        # e.g. Qwen2.5-Math: TRL reads its replies with the recipe's template
+        fit_tokenizer(tokenizer, spec.model.id, tools=spec.environment.enabled)
         max_prompt = spec.model.max_model_len - spec.grpo.max_completion_length
         # Rows carved off for held-out evaluation are never trained on (jobs/evaluation/heldout.py).
         rows = training_rows(load_rows(spec.dataset, store), spec.eval)
-        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt)
+        environment = trainer_arguments(spec.environment, workdir / "environment")
+        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, offered_tools(environment))
         if spec.eval.holdout is not None:
             log.info("%d rows held out for evaluation; training on the other %d", spec.eval.holdout, len(rows))
         error_log = workdir / "reward_errors.jsonl"
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             processing_class=tokenizer,
             callbacks=callbacks,
             peft_config=lora_config(spec),
+            **environment,
         )
         continue_versions.trainer = trainer
         if reports is not None and evaluator is not None:

@@ -1,0 +1,154 @@
+"""The run's environment as TRL's trainer takes it, checked the way TRL will use it before anything trains.
+
+TRL builds each tool's schema from its name, type hints and Google-style docstring, and pickles the tools (or the
+environment class) to its spawned rollout child, which imports them by module and name. A user's code is therefore
+written to a module of its own in a folder put on `sys.path` (the spawned child inherits it), and every tool is
+given to transformers' schema builder here, so a missing docstring or type hint is said with the tool's name rather
+than raised in the child after the replicas started billing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from jobs.contract import EnvironmentSpec
+
+CODE_MODULE = "run_environment"  # the module a user's environment code is written to
+NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that TRL does not offer as tools
+
+
+class EnvironmentCodeError(ValueError):
+    """The environment cannot be used as written; the message names the field, the tool and the fix."""
+
+
+def trainer_arguments(spec: EnvironmentSpec, folder: Path) -> dict[str, Any]:
+    """`tools=` or `environment_factory=` for `AsyncGRPOTrainer`, checked; none for a single-turn run. A user's code
+    is written under `folder`."""
+    if not spec.enabled:
+        return {}
+    if spec.kind == "builtin":
+        module = importlib.import_module(f"jobs.environments.{spec.name}")
+        return {"tools": checked_tools(list(module.TOOLS))}
+    loaded = load_code(spec.source or "", spec.entry_points, folder)
+    if len(loaded) == 1 and inspect.isclass(loaded[0]):
+        return {"environment_factory": checked_environment(loaded[0])}
+    return {"tools": checked_tools(loaded)}
+
+
+def offered_tools(arguments: dict[str, Any]) -> list[Callable[..., Any]]:
+    """The tools the model is offered under `trainer_arguments`' result: the tool functions, or an environment's."""
+    factory = arguments.get("environment_factory")
+    return environment_tools(factory()) if factory is not None else list(arguments.get("tools", []))
+
+
+def load_code(source: str, names: list[str], folder: Path) -> list[Any]:
+    """The objects `names` in the user's environment `source`, imported from a module of their own."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{CODE_MODULE}.py").write_text(source)
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    sys.modules.pop(CODE_MODULE, None)
+    try:
+        module = importlib.import_module(CODE_MODULE)
+    except Exception as error:
+        raise EnvironmentCodeError(
+            f"environment.source: the code failed when imported: {type(error).__name__}: {error}"
+        ) from None
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        raise EnvironmentCodeError(
+            f"environment.entry_point: {', '.join(missing)} not defined in the code; name the environment class, or "
+            "the tool functions separated by commas"
+        )
+    loaded = [getattr(module, name) for name in names]
+    classes = [item for item in loaded if inspect.isclass(item)]
+    if classes and len(loaded) > 1:
+        raise EnvironmentCodeError(
+            "environment.entry_point: name one environment class, or only tool functions, not both"
+        )
+    return loaded
+
+
+def checked_tools(tools: list[Callable[..., Any]]) -> list[Callable[..., Any]]:
+    """`tools`, once each has a schema TRL can build and pickles as TRL sends it."""
+    if not tools:
+        raise EnvironmentCodeError("environment.entry_point: name at least one tool function")
+    for tool in tools:
+        if not inspect.isfunction(tool):
+            raise EnvironmentCodeError(
+                f"environment.entry_point: {getattr(tool, '__name__', tool)!r} is not a function; tools are "
+                "module-level functions (or name one environment class)"
+            )
+        if not tool.__name__.isidentifier():
+            raise EnvironmentCodeError(
+                f"environment.entry_point: a {tool.__name__} is no tool; TRL registers each tool under its function's "
+                "name and sends it to its rollout process by that name: define it with def at module level"
+            )
+        tool_schema(tool)
+        _pickles(tool, tool.__name__)
+    return tools
+
+
+def checked_environment(factory: type) -> type:
+    """An environment class, once it builds, has `reset`, offers at least one tool with a schema, and pickles."""
+    name = factory.__name__
+    try:
+        instance = factory()
+    except Exception as error:
+        raise EnvironmentCodeError(
+            f"environment.source: {name}() failed: {type(error).__name__}: {error}; TRL builds one per episode "
+            "with no arguments, and passes the dataset row to reset"
+        ) from None
+    if not callable(getattr(instance, "reset", None)):
+        raise EnvironmentCodeError(
+            f"environment.source: {name} has no reset method; define reset(self, **row) to start an episode from a "
+            "dataset row"
+        )
+    tools = environment_tools(instance)
+    if not tools:
+        raise EnvironmentCodeError(
+            f"environment.source: {name} has no public method besides reset and get_reward; its public methods are "
+            "the tools"
+        )
+    for tool in tools:
+        tool_schema(tool)
+    _pickles(factory, name)
+    return factory
+
+
+def environment_tools(instance: object) -> list[Callable[..., Any]]:
+    """The tools an environment offers, as TRL finds them: its public methods but reset and get_reward."""
+    return [
+        getattr(instance, name)
+        for name in dir(instance)
+        if not name.startswith("_") and name not in NOT_TOOLS and inspect.ismethod(getattr(instance, name))
+    ]
+
+
+def tool_schema(tool: Callable[..., Any]) -> dict[str, Any]:
+    """The schema the model is shown for `tool`, as TRL builds it (transformers' `get_json_schema`)."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return dict(get_json_schema(tool))
+    except Exception as error:
+        raise EnvironmentCodeError(
+            f"environment.source: tool {tool.__name__}: {error}; give every parameter a type hint and the tool a "
+            "Google-style docstring with an Args: section describing each parameter (the model is shown them)"
+        ) from None
+
+
+def _pickles(item: object, name: str) -> None:
+    try:
+        pickle.dumps(item)
+    except Exception as error:
+        raise EnvironmentCodeError(
+            f"environment.source: {name} cannot be sent to TRL's rollout process ({type(error).__name__}: {error}); "
+            "define tools and the environment class at module level, not as lambdas or closures"
+        ) from None

@@ -1,0 +1,195 @@
+"""Agent runs' environments (issue 31): the spec section, the built-in calculator, and the user's tools or
+environment class checked as TRL will use them, before anything trains."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.chat_templates import ChatTemplateError, response_template
+from jobs.contract import SpecError
+from jobs.demo.preset import demo_spec
+from jobs.environments.calculator import calculate
+from jobs.environments.loading import EnvironmentCodeError, trainer_arguments
+
+TOOLS = '''
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def shout(text: str) -> str:
+    """Say it louder.
+
+    Args:
+        text: what to say
+    """
+    return text.upper()
+'''
+
+ENVIRONMENT = '''
+class Counter:
+    def reset(self, **row):
+        self.count = 0
+        return "Count to three."
+
+    def increment(self, by: int) -> int:
+        """Add to the count.
+
+        Args:
+            by: how much to add
+        """
+        self.count += by
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count == 3)
+'''
+
+
+def spec(**environment: Any) -> Any:
+    return demo_spec("agent-run", "file:///unused", environment=environment, eval={"split": None})
+
+
+def code(source: str, entry_point: str) -> dict[str, Any]:
+    return {"kind": "code", "source": source, "entry_point": entry_point}
+
+
+@pytest.mark.parametrize(
+    ("environment", "said"),
+    [
+        ({"kind": "builtin", "name": "abacus"}, "environment.name: unknown built-in environment 'abacus'; use one of"),
+        ({"kind": "code"}, "environment.source: kind 'code' needs Python code defining the tools"),
+        (code(TOOLS, "add; shout"), "environment.entry_point: name the environment class, or the tool functions"),
+        ({"kind": "builtin", "source": TOOLS}, "environment.source: only for kind 'code'"),
+        ({"kind": "builtin", "max_turns": 0}, "environment.max_turns"),
+        ({"kind": "builtin", "max_turns": 33}, "environment.max_turns"),
+    ],
+)
+def test_environment_settings_that_cannot_work_are_named(environment: dict[str, Any], said: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(said)):
+        spec(**environment)
+    with pytest.raises(SpecError, match="eval.split: held-out evaluation scores single answers"):
+        demo_spec("agent-run", "file:///unused", environment={"kind": "builtin"})  # the demo evaluates on `test`
+
+
+def test_a_run_without_tools_passes_nothing_to_the_trainer(tmp_path: Path) -> None:
+    assert trainer_arguments(spec().environment, tmp_path) == {}
+
+
+def test_the_calculator_works_out_arithmetic_and_nothing_else() -> None:
+    assert [calculate(e) for e in ("(3 + 4) * 12", "7 / 2", "-2 ** 3", "17 // 5", "2 ** 0.5")] == [
+        "84",
+        "3.5",
+        "-8",
+        "3",
+        "1.41421",
+    ]
+    assert calculate("1 / 0") == "error: division by zero"
+    for hostile in ('__import__("os").system("id")', "open('/etc/passwd')", "[1] * 10**9", "x + 1"):
+        assert calculate(hostile).startswith("error: only numbers"), hostile
+    assert calculate("9 ** 9 ** 9") == "error: the power is too large to work out"  # would take minutes of CPU
+
+
+def test_the_built_in_calculator_is_given_to_the_trainer_as_a_tool_with_its_schema(tmp_path: Path) -> None:
+    from transformers.utils import get_json_schema
+
+    arguments = trainer_arguments(spec(kind="builtin", name="calculator").environment, tmp_path)
+    assert arguments == {"tools": [calculate]}
+    schema = get_json_schema(calculate)["function"]
+    assert schema["name"] == "calculate" and schema["parameters"]["required"] == ["expression"]
+
+
+def test_tool_functions_and_an_environment_class_in_the_users_code_are_loaded_as_trl_takes_them(
+    tmp_path: Path,
+) -> None:
+    import pickle
+
+    tools = trainer_arguments(spec(**code(TOOLS, "add, shout")).environment, tmp_path / "tools")["tools"]
+    assert [tool.__name__ for tool in tools] == ["add", "shout"] and tools[0](2, 3) == 5
+    assert pickle.loads(pickle.dumps(tools[1]))("hi") == "HI"  # by module and name, as TRL's child imports them
+    factory = trainer_arguments(spec(**code(ENVIRONMENT, "Counter")).environment, tmp_path / "env")[
+        "environment_factory"
+    ]
+    episode = factory()
+    assert episode.reset(prompt="count") == "Count to three." and episode.increment(3) == 3
+    assert episode.get_reward() == 1.0
+
+
+NO_DOCSTRING = "def add(a: int, b: int) -> int:\n    return a + b\n"
+NO_HINT = 'def add(a, b):\n    """Add.\n\n    Args:\n        a: one\n        b: two\n    """\n    return a + b\n'
+LAMBDA = "add = lambda a, b: a + b\n"
+NO_RESET = ENVIRONMENT.replace("def reset(self, **row)", "def start(self, **row)")
+ONLY_RESET = "class Empty:\n    def reset(self, **row):\n        return None\n"
+
+
+@pytest.mark.parametrize(
+    ("source", "entry_point", "said"),
+    [
+        ("import nonexistent_package\n", "add", "environment.source: the code failed when imported: ModuleNotFound"),
+        (TOOLS, "add, multiply", "environment.entry_point: multiply not defined in the code"),
+        (NO_DOCSTRING, "add", "environment.source: tool add: Cannot generate JSON schema for add because it has no "),
+        (NO_HINT, "add", "environment.source: tool add: "),
+        (LAMBDA, "add", "environment.entry_point: a <lambda> is no tool; TRL registers each tool under its function"),
+        (TOOLS + "shout = 'loud'\n", "shout", "environment.entry_point: 'loud' is not a function"),
+        (NO_RESET, "Counter", "environment.source: Counter has no reset method; define reset(self, **row)"),
+        (ONLY_RESET, "Empty", "environment.source: Empty has no public method besides reset and get_reward"),
+        (ENVIRONMENT + TOOLS, "Counter, add", "environment.entry_point: name one environment class, or only tool"),
+    ],
+)
+def test_environment_code_that_trl_could_not_use_is_refused_naming_the_tool_and_the_fix(
+    tmp_path: Path, source: str, entry_point: str, said: str
+) -> None:
+    with pytest.raises(EnvironmentCodeError, match=re.escape(said)):
+        trainer_arguments(spec(**code(source, entry_point)).environment, tmp_path)
+
+
+def test_an_agent_run_needs_a_chat_template_trl_reads_tool_calls_in() -> None:
+    from trl.chat_template_utils import qwen3_instruct_2507_chat_template
+
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    assert response_template(chatml, "org/chatml-model") is not None  # text replies: read with the recipe's template
+    with pytest.raises(ChatTemplateError, match="cannot read tool calls in org/chatml-model's chat template"):
+        response_template(chatml, "org/chatml-model", tools=True)
+    assert response_template(qwen3_instruct_2507_chat_template, "demo", tools=True) is None  # the demo model's
+
+
+def test_the_trainer_is_told_how_many_tool_turns_an_episode_may_take(tmp_path: Path) -> None:
+    from jobs.trainer.config import grpo_config
+
+    agent = grpo_config(spec(kind="builtin", max_turns=3), str(tmp_path), "http://127.0.0.1:9", cuda=False)
+    assert agent.max_tool_calling_iterations == 3
+    single = grpo_config(spec(), str(tmp_path), "http://127.0.0.1:9", cuda=False)
+    assert single.max_tool_calling_iterations is None
+
+
+def test_prompts_are_measured_with_the_tools_schemas_trl_renders_into_them() -> None:
+    """The calculator's schema takes the demo's prompts from ~30 tokens to ~660: at the demo's 512-token context
+    every one is too long, which the replicas refused with a bare 400 on every request until the rollout child gave
+    up. The trainer drops such prompts and, when none is left, says so before training."""
+    from transformers import AutoTokenizer
+
+    from jobs.chat_templates import fit_tokenizer
+    from jobs.models import resolve_model
+    from jobs.trainer.dataset import DatasetError, build_prompts, load_rows, prompt_token_ids
+
+    run = spec(kind="builtin", name="calculator")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(run.model))
+    fit_tokenizer(tokenizer, run.model.id, tools=True)
+    rows = load_rows(run.dataset, limit=4)
+    messages = [{"role": "user", "content": "Write some numbers. apple"}]
+    alone, offered = prompt_token_ids(tokenizer, messages), prompt_token_ids(tokenizer, messages, [calculate])
+    assert len(offered) > len(alone) + 300
+    room = run.model.max_model_len - run.grpo.max_completion_length
+    assert len(build_prompts(run.dataset, rows, tokenizer, room)) == len(rows)  # without tools, all fit
+    with pytest.raises(DatasetError, match=f"every prompt with the tools' schemas is longer than {room} tokens"):
+        build_prompts(run.dataset, rows, tokenizer, room, [calculate])
+    assert len(build_prompts(run.dataset, rows, tokenizer, 1024 - 16, [calculate])) == len(rows)
