@@ -23,7 +23,7 @@ from backend.images import check_images
 from backend.launchers.base import LaunchError
 from backend.launchers.hf_jobs import bound_hub_calls
 from backend.models import Run
-from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, run_rewards
+from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, rehearse_environment, run_rewards
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting, run_id_taken
 from backend.vault import CredentialError
@@ -114,6 +114,7 @@ def run_preflight(
     rows = _check_dataset(spec, store, result, sample_rows) if hub_online or not _hub_dataset(spec) else []
     if rows:
         _check_rewards(spec, rows, result, sandbox)
+        _check_environment(spec, rows, result, sandbox)
         _check_held_out(spec, store, result)
     if not result.errors:
         result.plan = ctx.plan(probe, result.parameters).to_json()
@@ -388,6 +389,19 @@ def _check_held_out(spec: RunSpec, store, result: Preflight) -> None:
             f"{held.shared} of the {held.candidates} held-out prompts ({held.source}) also occur in the training rows "
             f"and are left out of evaluation; {len(held.rows)} are evaluated"
         )
+
+
+def _check_environment(spec: RunSpec, rows: list[dict[str, Any]], result: Preflight, limits: SandboxLimits) -> None:
+    """The user's environment code, loaded and tried in the sandbox on the sample rows as TRL would use it."""
+    if spec.environment.kind != "code":
+        return  # none, or a built-in: ours, tested with the code
+    try:
+        rehearse_environment(spec.environment, rows, limits)
+    except SandboxError as error:
+        field_name, _, message = str(error).partition(": ")
+        if not field_name.startswith("environment."):  # the sandbox's own words: a limit, a refusal
+            field_name, message = "environment.source", str(error)
+        result.errors[field_name] = message
 
 
 def _check_rewards(spec: RunSpec, rows: list[dict[str, Any]], result: Preflight, limits: SandboxLimits) -> None:

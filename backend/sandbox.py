@@ -29,7 +29,7 @@ from backend.db import PROJECT_ROOT
 from backend.hosting import on_space
 from jobs.confinement import landlock
 from jobs.confinement.confine import UNCONFINABLE_EXIT, Confinement
-from jobs.contract import RewardSpec
+from jobs.contract import EnvironmentSpec, RewardSpec
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 WALL_LIMIT_FACTOR = 4  # a reward still computing past its wall-clock deadline is given this many times its limit
@@ -40,6 +40,18 @@ class SandboxLimits:
     seconds: float = 10.0
     memory_bytes: int = 1 << 30
     output_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True)
+class Subject:
+    """What ran in the sandbox, in the words its limits' messages use: who was stopped, and what to do."""
+
+    name: str
+    fix: str
+
+
+REWARDS = Subject("the rewards", "make the reward faster (it runs for every group during training)")
+TOOLS = Subject("the environment's sample calls", "make the tools faster (they run on every turn during training)")
 
 
 @dataclass
@@ -104,6 +116,28 @@ def run_rewards(
         "columns": {key: values for key, values in columns.items() if len(values) == len(rows)},
         "eos_token_ids": eos_token_ids or [],
     }
+    result = _sandboxed(request, limits, len(rows))
+    trials = []
+    for reward in rewards:
+        entry = result["rewards"].get(reward.name, {"error": "the reward did not run"})
+        error = _explain_error(entry.get("error"), limits)
+        trials.append(RewardTrial(reward.name, entry.get("scores") or [], error, entry.get("row")))
+    return trials
+
+
+def rehearse_environment(environment: EnvironmentSpec, rows: list[dict[str, Any]], limits: SandboxLimits) -> list[str]:
+    """Load the user's environment code in the sandbox, check its tools as TRL will use them, start an episode from
+    each sample row and call every tool once (jobs/environments/loading.py's `rehearse`); the calls made, or
+    SandboxError naming the field and the fix."""
+    request = {"environment": environment.model_dump(), "rows": rows}
+    result = _sandboxed(request, limits, len(rows), TOOLS)
+    if result.get("error"):
+        raise SandboxError(_explain_error(str(result["error"]), limits) or "")
+    return [str(call) for call in result.get("calls", [])]
+
+
+def _sandboxed(request: dict[str, Any], limits: SandboxLimits, rows: int, subject: Subject = REWARDS) -> dict[str, Any]:
+    """Run the runner on `request` in a fresh scratch folder, confined; its result, or SandboxError saying why none."""
     with tempfile.TemporaryDirectory(prefix="reward-sandbox-") as folder:
         scratch = Path(folder)
         request["confinement"] = confinement(limits, scratch, strict=on_space()).to_json()
@@ -127,17 +161,11 @@ def run_rewards(
                 burned = _cpu_seconds(process.pid)
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-                raise SandboxError(stopped_by_the_clock(burned, limits, len(rows))) from None
+                raise SandboxError(stopped_by_the_clock(burned, limits, rows, subject)) from None
         result_path = scratch / "result.json"
         if code != 0 or not result_path.exists():
-            raise SandboxError(_explain_exit(code, scratch / "stdout", limits))
-        result = json.loads(result_path.read_text())
-    trials = []
-    for reward in rewards:
-        entry = result["rewards"].get(reward.name, {"error": "the reward did not run"})
-        error = _explain_error(entry.get("error"), limits)
-        trials.append(RewardTrial(reward.name, entry.get("scores") or [], error, entry.get("row")))
-    return trials
+            raise SandboxError(_explain_exit(code, scratch / "stdout", limits, subject))
+        return dict(json.loads(result_path.read_text()))
 
 
 def _explain_error(error: str | None, limits: SandboxLimits) -> str | None:
@@ -151,22 +179,16 @@ def _explain_error(error: str | None, limits: SandboxLimits) -> str | None:
     return error
 
 
-def stopped_by_the_clock(cpu_seconds: float, limits: SandboxLimits, rows: int) -> str:
+def stopped_by_the_clock(cpu_seconds: float, limits: SandboxLimits, rows: int, subject: Subject = REWARDS) -> str:
     """Why rewards the wall-clock deadline stopped were stopped: a reward that had burned its CPU allowance is named
     as such (the deadline came first only because the machine was busy), any other was slow or waiting."""
     if cpu_seconds >= limits.seconds:
-        return _cpu_exceeded(limits)
-    return (
-        f"the rewards took longer than {limits.seconds:.0f}s on {rows} rows and were stopped; make the reward faster "
-        "(it runs for every group during training)"
-    )
+        return _cpu_exceeded(limits, subject)
+    return f"{subject.name} took longer than {limits.seconds:.0f}s on {rows} rows and were stopped; {subject.fix}"
 
 
-def _cpu_exceeded(limits: SandboxLimits) -> str:
-    return (
-        f"the rewards used more than {limits.seconds:.0f}s of CPU and were stopped; make the reward faster "
-        "(it runs for every group during training)"
-    )
+def _cpu_exceeded(limits: SandboxLimits, subject: Subject = REWARDS) -> str:
+    return f"{subject.name} used more than {limits.seconds:.0f}s of CPU and were stopped; {subject.fix}"
 
 
 def _wait_while_computing(process: subprocess.Popen[bytes], limits: SandboxLimits) -> int | None:
@@ -205,7 +227,7 @@ def _cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-def _explain_exit(code: int, output: Path, limits: SandboxLimits) -> str:
+def _explain_exit(code: int, output: Path, limits: SandboxLimits, subject: Subject = REWARDS) -> str:
     tail = output.read_bytes()[-1500:].decode(errors="replace").strip()
     if code == UNCONFINABLE_EXIT:
         return (
@@ -215,7 +237,7 @@ def _explain_exit(code: int, output: Path, limits: SandboxLimits) -> str:
     if code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ) or output.stat().st_size >= limits.output_bytes:
         return f"the reward printed more than {limits.output_bytes // 1024} kB; remove the prints from the reward"
     if code in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU):
-        return _cpu_exceeded(limits)
+        return _cpu_exceeded(limits, subject)
     if "MemoryError" in tail or code == -signal.SIGSEGV:
         return f"the rewards needed more than {limits.memory_bytes >> 20} MB of memory"
     return f"the reward sandbox failed (exit code {code}): {tail[-600:]}"

@@ -71,13 +71,21 @@ def main(root, request_path, result_path):
     from jobs.contract import RewardSpec
     from jobs.trainer.rewards import build_rewards, import_builtin_dependencies
 
-    import_builtin_dependencies([spec["name"] for spec in request["rewards"]])
+    import_builtin_dependencies([spec["name"] for spec in request.get("rewards", [])])
+    if "environment" in request:
+        _load_schema_builder()
     try:
         confine(Confinement.from_json(request["confinement"]))
     except ConfinementUnavailable as error:
         print(error, flush=True)
         sys.exit(UNCONFINABLE_EXIT)
     sys.addaudithook(_guard)  # after our own built-ins' libraries loaded the C code (ctypes) user code may not
+    if "environment" in request:
+        result = _rehearse_environment(request)
+        sys.stdout.flush()
+        with open(result_path, "w") as handle:
+            json.dump(result, handle)
+        return
     completions = [[{"role": "assistant", "content": text}] for text in request["completions"]]
     columns = request["columns"]
     result = {"rewards": {}}
@@ -100,6 +108,37 @@ def main(root, request_path, result_path):
     sys.stdout.flush()
     with open(result_path, "w") as handle:
         json.dump(result, handle)
+
+
+def _load_schema_builder():
+    """Build one tool schema before the audit hook: transformers loads what it needs (ctypes among it) on first use,
+    which the hook would then refuse as if the user's tool had asked for it."""
+    from transformers.utils import get_json_schema
+
+    def probe(text: str) -> str:
+        """Probe.
+
+        Args:
+            text: any text
+        """
+        return text
+
+    get_json_schema(probe)
+
+
+def _rehearse_environment(request):
+    """The user's environment checked and tried on the sample rows (jobs/environments/loading.py), written to and
+    imported from the scratch folder."""
+    from pathlib import Path
+
+    from jobs.contract import EnvironmentSpec
+    from jobs.environments.loading import rehearse, trainer_arguments
+
+    try:
+        arguments = trainer_arguments(EnvironmentSpec.model_validate(request["environment"]), Path.cwd())
+        return {"calls": rehearse(arguments, request["rows"])}
+    except BaseException as error:  # SystemExit and KeyboardInterrupt from user code are errors too
+        return {"error": str(error) if isinstance(error, ValueError) else _explain(error)[:2000]}
 
 
 if __name__ == "__main__":

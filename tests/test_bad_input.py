@@ -441,6 +441,58 @@ def test_an_eval_metric_that_fails_on_sample_rows(gate, refused, body, fix):
     refused(gate.spec(eval={"split": "test", "metrics": [metric]}), "eval.metrics.0", fix)
 
 
+# --- agents' environments (issue 31) ------------------------------------------------------------------------------
+
+TOOL = 'def {name}({parameter}) -> str:\n    """{doc}\n\n    Args:\n        key: what to use\n    """\n{body}'
+RAISES = TOOL.format(name="look", parameter="key: str", doc="Look a key up.", body="    return {'a': '1'}[key]\n")
+HANGS = TOOL.format(name="wait", parameter="key: str", doc="Wait for it.", body="    while True:\n        pass\n")
+NETWORK = "import socket\n" + TOOL.format(
+    name="fetch", parameter="key: str", doc="Fetch it.", body="    socket.create_connection((key, 80))\n"
+)
+UNTYPED = TOOL.format(name="look", parameter="key", doc="Look a key up.", body="    return key\n")
+NO_RESET = (
+    "class Game:\n"
+    "    def start(self, **row):\n"
+    "        return None\n\n"
+    "    def move(self, key: str) -> str:\n"
+    '        """Move.\n\n        Args:\n            key: where to\n        """\n'
+    "        return key\n"
+)
+
+
+@row("environment code TRL could not use, or that fails on its sample calls")
+@pytest.mark.parametrize(
+    ("source", "entry_point", "field", "fix"),
+    [
+        ("import no_such_module\n", "look", "environment.source", "the code failed when imported: ModuleNotFound"),
+        (RAISES, "look", "environment.source", "tool look(key='1') raised KeyError: '1'; a tool should return what"),
+        (UNTYPED, "look", "environment.source", "give every parameter a type hint"),
+        (NO_RESET, "Game", "environment.source", "Game has no reset method; define reset(self, **row)"),
+        (RAISES, "lookup", "environment.entry_point", "lookup not defined in the code"),
+        (HANGS, "wait", "environment.source", "make the tools faster (they run on every turn during training)"),
+        (NETWORK, "fetch", "environment.source", "may not resolve host names (socket.getaddrinfo) in the sandbox"),
+    ],
+    ids=["import", "raises", "untyped", "no-reset", "entry-point", "hangs", "network"],
+)
+def test_environment_code_is_tried_in_the_sandbox_before_anything_starts(
+    gate, refused, source, entry_point, field, fix
+):
+    """The user's tools or environment class are loaded in the reward sandbox, checked as TRL will use them, and
+    each tool called once with arguments made from its schema; a hostile tool meets the sandbox's refusals."""
+    environment = {"kind": "code", "source": source, "entry_point": entry_point}
+    refused(gate.spec(environment=environment, eval={"split": None}, model={"max_model_len": 1024}), field, fix)
+
+
+def test_environment_code_that_trl_can_use_passes_the_gate(gate):
+    """The control: a typed, documented tool whose sample call answers passes, and nothing else is said about it."""
+    good = TOOL.format(
+        name="look", parameter="key: str", doc="Look a key up.", body="    return {'a': '1'}.get(key, 'none')\n"
+    )
+    environment = {"kind": "code", "source": good, "entry_point": "look"}
+    result = gate.check(gate.spec(environment=environment, eval={"split": None}, model={"max_model_len": 1024}))
+    assert not any(key.startswith("environment") for key in result.errors), result.errors
+
+
 # --- rewards ----------------------------------------------------------------------------------------------------
 
 

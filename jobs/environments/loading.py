@@ -41,6 +41,59 @@ def trainer_arguments(spec: EnvironmentSpec, folder: Path) -> dict[str, Any]:
     return {"tools": checked_tools(loaded)}
 
 
+SAMPLE_ARGUMENTS: dict[str, Any] = {
+    "string": "1",
+    "integer": 1,
+    "number": 1.0,
+    "boolean": True,
+    "array": [],
+    "object": {},
+}
+
+
+def rehearse(arguments: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """Start an episode from each sample row (an environment's `reset(**row)`) and call every tool once with
+    arguments made from its schema, as a model would; returns the calls made, in words. A tool may answer a made-up
+    argument with an error (the model is shown it), but must not raise, which would end the episode."""
+    factory = arguments.get("environment_factory")
+    said: list[str] = []
+    if factory is not None:
+        instance = factory()
+        said += _start_episodes(factory.__name__, instance, rows)
+    tools = environment_tools(instance) if factory is not None else list(arguments.get("tools", []))
+    for tool in tools:
+        parameters = tool_schema(tool)["function"].get("parameters", {})
+        sample = {
+            name: SAMPLE_ARGUMENTS.get(str(field.get("type")), "1")
+            for name, field in parameters.get("properties", {}).items()
+        }
+        try:
+            answer = tool(**sample)
+        except Exception as error:
+            raise EnvironmentCodeError(
+                f"environment.source: tool {tool.__name__}({_call(sample)}) raised {type(error).__name__}: {error}; "
+                "a tool should return what went wrong as text the model can read"
+            ) from None
+        said.append(f"{tool.__name__}({_call(sample)}) -> {str(answer)[:80]!r}")
+    return said
+
+
+def _start_episodes(name: str, instance: Any, rows: list[dict[str, Any]]) -> list[str]:
+    """`reset(**row)` on each sample row, as TRL starts an episode (the `environment` column is TRL's, not reset's)."""
+    for row in rows:
+        try:
+            instance.reset(**{key: value for key, value in row.items() if key != "environment"})
+        except Exception as error:
+            raise EnvironmentCodeError(
+                f"environment.source: {name}.reset failed on a sample row: {type(error).__name__}: {error}"
+            ) from None
+    return [f"{name}.reset(row) on {len(rows)} sample rows"]
+
+
+def _call(arguments: dict[str, Any]) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in arguments.items())
+
+
 def offered_tools(arguments: dict[str, Any]) -> list[Callable[..., Any]]:
     """The tools the model is offered under `trainer_arguments`' result: the tool functions, or an environment's."""
     factory = arguments.get("environment_factory")
@@ -49,7 +102,8 @@ def offered_tools(arguments: dict[str, Any]) -> list[Callable[..., Any]]:
 
 def load_code(source: str, names: list[str], folder: Path) -> list[Any]:
     """The objects `names` in the user's environment `source`, imported from a module of their own."""
-    folder.mkdir(parents=True, exist_ok=True)
+    if not folder.is_dir():  # the reward sandbox gives its scratch folder, where no folder may be made
+        folder.mkdir(parents=True)
     (folder / f"{CODE_MODULE}.py").write_text(source)
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
