@@ -20,19 +20,17 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from backend.db import PROJECT_ROOT
 from backend.hosting import on_space
-from jobs.confinement import landlock
+from jobs.confinement import cpu_seconds, landlock, python_paths, wait_confined
 from jobs.confinement.confine import UNCONFINABLE_EXIT, Confinement
 from jobs.contract import EnvironmentSpec, RewardSpec
 
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
-WALL_LIMIT_FACTOR = 4  # a reward still computing past its wall-clock deadline is given this many times its limit
 
 
 @dataclass(frozen=True)
@@ -71,22 +69,7 @@ class SandboxError(RuntimeError):
 def confinement(limits: SandboxLimits, scratch: Path, strict: bool) -> Confinement:
     """What the sandboxed interpreter may use: its limits, and the paths it may touch (read Python and the job code,
     write its scratch folder). `strict` (a shared panel): refuse to run user code where it cannot be confined."""
-    read = landlock.READ_FILE | landlock.READ_DIR
-    paths = {
-        os.path.realpath(sys.executable): landlock.EXECUTE | landlock.READ_FILE,
-        os.path.realpath("/lib64/ld-linux-x86-64.so.2"): landlock.EXECUTE | landlock.READ_FILE,
-        os.path.realpath("/lib/ld-linux-aarch64.so.1"): landlock.EXECUTE | landlock.READ_FILE,
-        "/usr/lib": read,
-        "/usr/lib64": read,
-        "/etc/ld.so.cache": landlock.READ_FILE,
-        "/dev/null": landlock.READ_FILE | landlock.WRITE_FILE,
-        sys.base_prefix: read,
-        sys.prefix: read,
-        str(PROJECT_ROOT): landlock.READ_DIR,  # names only: imports list the folder; files below stay unreadable
-        str(PROJECT_ROOT / "jobs"): read,
-        str(RUNNER): landlock.READ_FILE,
-        str(scratch): read | landlock.WRITE_FILE | landlock.MAKE_REG | landlock.TRUNCATE | landlock.REMOVE_FILE,
-    }
+    paths = python_paths(scratch) | {str(RUNNER): landlock.READ_FILE}
     return Confinement(limits.seconds, limits.memory_bytes, limits.output_bytes, paths, strict)
 
 
@@ -153,12 +136,9 @@ def _sandboxed(request: dict[str, Any], limits: SandboxLimits, rows: int, subjec
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
-            try:
-                code = process.wait(timeout=limits.seconds + 5)  # start-up (imports) is not the reward's time
-            except subprocess.TimeoutExpired:
-                code = _wait_while_computing(process, limits)
+            code = wait_confined(process, limits.seconds)
             if code is None:
-                burned = _cpu_seconds(process.pid)
+                burned = cpu_seconds(process.pid)
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
                 raise SandboxError(stopped_by_the_clock(burned, limits, rows, subject)) from None
@@ -189,42 +169,6 @@ def stopped_by_the_clock(cpu_seconds: float, limits: SandboxLimits, rows: int, s
 
 def _cpu_exceeded(limits: SandboxLimits, subject: Subject = REWARDS) -> str:
     return f"{subject.name} used more than {limits.seconds:.0f}s of CPU and were stopped; {subject.fix}"
-
-
-def _wait_while_computing(process: subprocess.Popen[bytes], limits: SandboxLimits) -> int | None:
-    """Past the wall-clock deadline, wait on while the rewards compute (their CPU limit will stop them if they go on),
-    up to `WALL_LIMIT_FACTOR` times their limit; None once they wait on something else, or past that.
-
-    On a busy machine a reward computing gets only a share of a core: under a load of 13 on two cores, one spinning
-    in a loop had used under 2 s of CPU at the 7 s deadline and was called slow rather than CPU-bound."""
-    deadline = time.monotonic() + limits.seconds * (WALL_LIMIT_FACTOR - 1)
-    while _state(process.pid) == "R" and time.monotonic() < deadline:
-        try:
-            return process.wait(timeout=0.2)
-        except subprocess.TimeoutExpired:
-            continue
-    return process.poll()
-
-
-def _state(pid: int) -> str:
-    """A process's scheduler state (R: running or runnable, S: sleeping, ...), "" if it cannot be read."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _cpu_seconds(pid: int) -> float:
-    """CPU time a live process has used so far (user + system), 0 if it cannot be read.
-
-    Which limit stopped a reward depends on the load: RLIMIT_CPU counts its own CPU, the wall clock everything else's
-    too. Under two busy workers a reward spinning in a loop reached the wall deadline first, and was reported as slow
-    rather than as burning CPU; its CPU time says which it was."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 def _explain_exit(code: int, output: Path, limits: SandboxLimits, subject: Subject = REWARDS) -> str:

@@ -13,34 +13,6 @@ import os
 import sys
 import traceback
 
-_BLOCKED = {
-    "socket.connect": "open network connections",
-    "socket.bind": "open network sockets",
-    "socket.sendto": "send network packets",
-    "socket.getaddrinfo": "resolve host names",
-    "subprocess.Popen": "start processes",
-    "os.system": "run shell commands",
-    "os.exec": "run programs",
-    "os.posix_spawn": "start processes",
-    "os.spawn": "start processes",
-    "os.fork": "fork",
-    "os.forkpty": "fork",
-    "os.kill": "signal processes",
-    "os.killpg": "signal processes",
-    "ctypes.dlopen": "load C libraries",
-    "ctypes.dlsym": "call C functions",
-    "ctypes.call_function": "call C functions",
-}
-
-
-class SandboxViolation(RuntimeError):
-    pass
-
-
-def _guard(event, _args):
-    if event in _BLOCKED:
-        raise SandboxViolation(f"reward code may not {_BLOCKED[event]} ({event}) in the sandbox")
-
 
 def _explain(error):
     """The error a reward raised, as the user should read it: what the OS refused is the sandbox's doing."""
@@ -68,6 +40,7 @@ def main(root, request_path, result_path):
     )
 
     enter_namespaces()  # first: the kernel refuses a new user namespace once a library has started a thread
+    from jobs.confinement import audit
     from jobs.contract import RewardSpec
     from jobs.trainer.rewards import build_rewards, import_builtin_dependencies
 
@@ -79,7 +52,7 @@ def main(root, request_path, result_path):
     except ConfinementUnavailable as error:
         print(error, flush=True)
         sys.exit(UNCONFINABLE_EXIT)
-    sys.addaudithook(_guard)  # after our own built-ins' libraries loaded the C code (ctypes) user code may not
+    audit.install("reward code")  # after our own built-ins' libraries loaded the C code (ctypes) user code may not
     if "environment" in request:
         result = _rehearse_environment(request)
         sys.stdout.flush()

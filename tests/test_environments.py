@@ -193,3 +193,38 @@ def test_prompts_are_measured_with_the_tools_schemas_trl_renders_into_them() -> 
     with pytest.raises(DatasetError, match=f"every prompt with the tools' schemas is longer than {room} tokens"):
         build_prompts(run.dataset, rows, tokenizer, room, [calculate])
     assert len(build_prompts(run.dataset, rows, tokenizer, 1024 - 16, [calculate])) == len(rows)
+
+
+HOSTILE_PROGRAMS = {  # what the model's program tries -> what the Python tool answers
+    "open a connection": ("import socket\nsocket.create_connection(('example.com', 80))", "may not resolve host names"),
+    "start a process": ("import subprocess\nsubprocess.run(['id'])", "may not start processes"),
+    "fork": ("import os\nos.fork()", "may not fork"),
+    "call libc through ctypes": ("import ctypes\nctypes.CDLL(None).fork()", "may not load C libraries"),
+    "read a file outside its folder": ("print(open('/etc/passwd').read())", "PermissionError"),
+    "write a file outside its folder": ("open('/tmp/escaped.txt', 'w').write('x')", "PermissionError"),
+    "exhaust the CPU": ("while True:\n    pass", "used more than 5 s of CPU and was stopped"),
+    "exhaust memory": ("x = bytearray(2 ** 31)", "MemoryError"),
+    "exit": ("raise SystemExit(3)", "error: SystemExit: 3"),
+}
+
+
+@pytest.mark.parametrize("attempt", list(HOSTILE_PROGRAMS))
+def test_the_python_tool_runs_the_models_program_confined_and_answers_in_text(attempt: str) -> None:
+    """Issue 31: the `python` built-in runs what the model wrote under the reward sandbox's confinement (one copy,
+    jobs/confinement); every attempt the hostile-reward table makes is refused or stopped, and said as text the model
+    reads on its next turn, never raised into the episode."""
+    from jobs.environments.python import run_python
+
+    program, answer = HOSTILE_PROGRAMS[attempt]
+    assert answer in run_python(program)
+    assert not Path("/tmp/escaped.txt").exists()
+
+
+def test_the_python_tool_returns_what_the_program_prints_and_keeps_its_own_folder() -> None:
+    from jobs.environments.python import MAX_OUTPUT_CHARS, run_python
+
+    assert run_python("print(sum(range(10)))") == "45"
+    assert run_python("open('notes.txt', 'w').write('kept')\nprint(open('notes.txt').read())") == "kept"
+    assert run_python("x = 1") == "(the program printed nothing)"
+    assert run_python("print(1)\n1 / 0") == "1\nerror: ZeroDivisionError: division by zero"
+    assert len(run_python("print('x' * 100_000)")) == MAX_OUTPUT_CHARS  # the model's next prompt stays short

@@ -226,7 +226,8 @@ def test_without_a_space_a_missing_layer_is_skipped_and_the_others_hold(tmp_path
 def test_a_reward_burning_cpu_is_named_so_even_when_the_clock_stops_it_first():
     """Seen in CI under load: a reward spinning in a loop got a third of a core, so the wall-clock deadline stopped
     it before its CPU limit did, and it was reported as slow. Its CPU time, read before it is killed, says which."""
-    from backend.sandbox import _cpu_seconds, stopped_by_the_clock
+    from backend.sandbox import stopped_by_the_clock
+    from jobs.confinement import cpu_seconds
 
     limits = SandboxLimits(seconds=2)
     assert "used more than 2s of CPU" in stopped_by_the_clock(2.3, limits, rows=2)
@@ -235,10 +236,10 @@ def test_a_reward_burning_cpu_is_named_so_even_when_the_clock_stops_it_first():
                                 "while time.process_time() < end: pass\ntime.sleep(60)"])  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while _cpu_seconds(spinner.pid) < 1.2 and time.monotonic() < deadline:
+        while cpu_seconds(spinner.pid) < 1.2 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert 1.2 <= _cpu_seconds(spinner.pid) < 5  # its own CPU time, not the wall clock's
+        assert 1.2 <= cpu_seconds(spinner.pid) < 5  # its own CPU time, not the wall clock's
     finally:
         spinner.kill()
         spinner.wait()
-    assert _cpu_seconds(spinner.pid) == 0.0  # gone: nothing to read
+    assert cpu_seconds(spinner.pid) == 0.0  # gone: nothing to read

@@ -59,6 +59,7 @@ MAX_REWARD_SOURCE_BYTES = 200_000
 # Environments an agent run can use without code of its own (jobs/environments): each one's tools.
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "calculator": "calculate(expression): the value of an arithmetic expression",
+    "python": "run_python(code): what a Python program prints, run confined (no network, no processes)",
 }
 MAX_TURNS = 32  # tool-calling turns per episode: each re-sends the whole conversation
 # Upper bounds on form values that are otherwise accepted and only fail once jobs run (or when the run is recorded).
