@@ -228,3 +228,23 @@ def test_the_python_tool_returns_what_the_program_prints_and_keeps_its_own_folde
     assert run_python("x = 1") == "(the program printed nothing)"
     assert run_python("print(1)\n1 / 0") == "1\nerror: ZeroDivisionError: division by zero"
     assert len(run_python("print('x' * 100_000)")) == MAX_OUTPUT_CHARS  # the model's next prompt stays short
+
+
+def test_an_episode_is_recorded_turn_by_turn_for_the_sample_browser() -> None:
+    """What TRL hands over for an agent's episode (one message list: replies, tool calls, tool answers) is recorded as
+    readable turns, so the sample browser shows and searches each; a single-turn reply stays its text."""
+    from jobs.trainer.telemetry import episode_text
+
+    episode = [
+        {
+            "role": "assistant",
+            "content": "Let me work it out.",
+            "tool_calls": [{"type": "function", "function": {"name": "calculate", "arguments": {"expression": "6*7"}}}],
+        },
+        {"role": "tool", "name": "calculate", "content": "42"},
+        {"role": "assistant", "content": "The answer is 42."},
+    ]
+    assert episode_text(episode) == (
+        "Let me work it out.\n→ calculate(expression='6*7')\n← calculate: 42\nThe answer is 42."
+    )
+    assert episode_text([{"role": "assistant", "content": "just 42"}]) == "just 42"

@@ -33,6 +33,31 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def episode_text(completion: Any) -> str:
+    """A completion as the sample browser shows it: the reply's text, or for an agent's episode each turn in order —
+    what the model said, each tool call with its arguments (→), each tool's answer (←) — so a search finds any of
+    them. TRL hands the whole episode over as one message list."""
+    if isinstance(completion, str) or not any(_is_tool_turn(message) for message in completion):
+        return completion_text(completion)
+    lines = []
+    for message in completion:
+        if message.get("role") == "tool":
+            lines.append(f"← {message.get('name', 'tool')}: {message.get('content') or ''}")
+            continue
+        if message.get("content"):
+            lines.append(str(message["content"]))
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call)
+            arguments = function.get("arguments", {})
+            shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
+            lines.append(f"→ {function.get('name', '?')}({shown})")
+    return "\n".join(lines)
+
+
+def _is_tool_turn(message: dict[str, Any]) -> bool:
+    return message.get("role") == "tool" or bool(message.get("tool_calls"))
+
+
 def _text(messages: Any) -> str:
     if isinstance(messages, list):
         return "\n".join(f"{m.get('role', '')}: {m.get('content') or ''}" for m in messages)[:MAX_TEXT_CHARS]
@@ -175,7 +200,7 @@ class RecordingQueue:
                 "dropped": staleness > self.max_staleness,
                 "group_id": int(sample.group_id),
                 "prompt": _text(sample.prompt),
-                "completion": completion_text(sample.completion)[:MAX_TEXT_CHARS],
+                "completion": episode_text(sample.completion)[:MAX_TEXT_CHARS],
                 "reward": _finite(metrics.get("reward")),
                 "rewards": {k[len("rewards/") :]: _finite(v) for k, v in metrics.items() if k.startswith("rewards/")},
                 "advantage": _finite(float(sample.advantage)),
