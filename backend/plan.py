@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.contract import RunSpec, derived
+from jobs.contract import BUILTIN_ENVIRONMENTS, RunSpec, derived
 from jobs.contract.flavors import flavor
 from jobs.replica.engine_command import GPU_MEMORY_UTILIZATION
 
@@ -119,6 +119,24 @@ def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = N
             "expected_trained_share": _expected_trained_share(limits, grpo.num_generations, window),
         },
         "evaluation": _evaluation(spec),
+        "tools": _tools(spec, limits),
+    }
+
+
+def _tools(spec: RunSpec, limits: derived.RolloutLimits) -> dict[str, Any] | None:
+    """What an agent run offers the model (jobs/environments): its tools, its turn cap, and how many episodes (and
+    their tools) run at once on the trainer's CPU."""
+    environment = spec.environment
+    if not environment.enabled:
+        return None
+    offered = (
+        BUILTIN_ENVIRONMENTS[environment.name] if environment.kind == "builtin" else ", ".join(environment.entry_points)
+    )
+    return {
+        "environment": environment.name if environment.kind == "builtin" else "code",
+        "offers": offered,
+        "max_turns": environment.max_turns,
+        "episodes_in_flight": limits.inflight,
     }
 
 

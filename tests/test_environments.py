@@ -248,3 +248,16 @@ def test_an_episode_is_recorded_turn_by_turn_for_the_sample_browser() -> None:
         "Let me work it out.\n→ calculate(expression='6*7')\n← calculate: 42\nThe answer is 42."
     )
     assert episode_text([{"role": "assistant", "content": "just 42"}]) == "just 42"
+
+
+def test_the_plan_says_what_an_agent_run_offers_and_how_many_episodes_run_at_once(tmp_path: Path) -> None:
+    from backend.plan import derived_values
+
+    agent = derived_values(spec(kind="builtin", name="python", max_turns=3), trainer_cuda=False)["tools"]
+    assert agent == {
+        "environment": "python",
+        "offers": "run_python(code): what a Python program prints, run confined (no network, no processes)",
+        "max_turns": 3,
+        "episodes_in_flight": 32,
+    }
+    assert derived_values(spec(), trainer_cuda=False)["tools"] is None
