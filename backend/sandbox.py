@@ -15,18 +15,14 @@ The result is per reward and per row: a score, or the error with the offending r
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.db import PROJECT_ROOT
 from backend.hosting import on_space
-from jobs.confinement import cpu_seconds, landlock, python_paths, wait_confined
+from jobs.confinement import landlock, python_paths, run_confined
 from jobs.confinement.confine import UNCONFINABLE_EXIT, Confinement
 from jobs.contract import EnvironmentSpec, RewardSpec
 
@@ -124,24 +120,10 @@ def _sandboxed(request: dict[str, Any], limits: SandboxLimits, rows: int, subjec
     with tempfile.TemporaryDirectory(prefix="reward-sandbox-") as folder:
         scratch = Path(folder)
         request["confinement"] = confinement(limits, scratch, strict=on_space()).to_json()
-        (scratch / "request.json").write_text(json.dumps(request, default=str))
         with open(scratch / "stdout", "wb") as out:
-            # No preexec_fn: the child confines itself after exec (a fork of this threaded process must not run Python).
-            process = subprocess.Popen(
-                [sys.executable, "-I", str(RUNNER), str(PROJECT_ROOT), "request.json", "result.json"],
-                cwd=scratch,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-            code = wait_confined(process, limits.seconds)
-            if code is None:
-                burned = cpu_seconds(process.pid)
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                raise SandboxError(stopped_by_the_clock(burned, limits, rows, subject)) from None
+            code, burned = run_confined(RUNNER, scratch, request, limits.seconds, out)
+        if code is None:
+            raise SandboxError(stopped_by_the_clock(burned, limits, rows, subject))
         result_path = scratch / "result.json"
         if code != 0 or not result_path.exists():
             raise SandboxError(_explain_exit(code, scratch / "stdout", limits, subject))

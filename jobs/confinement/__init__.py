@@ -4,11 +4,14 @@ a seccomp filter to the calling process; the jobs import nothing from the panel,
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO, Any
 
 from jobs.confinement import landlock
 
@@ -76,3 +79,31 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return ""
+
+
+def run_confined(
+    runner: Path, scratch: Path, request: dict[str, Any], seconds: float, output: IO[bytes] | int
+) -> tuple[int | None, float]:
+    """Run `runner` on `request` in a fresh interpreter that confines itself, in `scratch`; its exit code (None when
+    the clock stopped it, then killed with what it started) and the CPU seconds it had used by then.
+
+    The runner gets the project root, `request.json` and `result.json` (in `scratch`, its working folder) and an
+    empty environment. No preexec_fn: the child confines itself after exec (a fork of a threaded process must not
+    run Python)."""
+    (scratch / "request.json").write_text(json.dumps(request, default=str))
+    process = subprocess.Popen(
+        [sys.executable, "-I", str(runner), str(PROJECT_ROOT), "request.json", "result.json"],
+        cwd=scratch,
+        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
+        stdout=output,
+        stderr=subprocess.STDOUT if output != subprocess.DEVNULL else subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    code = wait_confined(process, seconds)
+    if code is not None:
+        return code, 0.0
+    burned = cpu_seconds(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    return None, burned

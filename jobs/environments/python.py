@@ -8,14 +8,12 @@ folder, limits on CPU, memory and output), with a wall-clock deadline here. What
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-from jobs.confinement import PROJECT_ROOT, cpu_seconds, landlock, python_paths, wait_confined
+from jobs.confinement import landlock, python_paths, run_confined
 from jobs.confinement.confine import Confinement
 
 RUNNER = Path(__file__).resolve().parent.parent / "confinement" / "execute.py"
@@ -35,26 +33,11 @@ def run_python(code: str) -> str:
         paths = python_paths(scratch) | {str(RUNNER): landlock.READ_FILE}
         confinement = Confinement(SECONDS, MEMORY_BYTES, MAX_OUTPUT_CHARS * 8, paths, strict=False)
         request = {"code": code, "max_chars": MAX_OUTPUT_CHARS, "confinement": confinement.to_json()}
-        (scratch / "request.json").write_text(json.dumps(request))
-        process = subprocess.Popen(
-            [sys.executable, "-I", str(RUNNER), str(PROJECT_ROOT), "request.json", "result.json"],
-            cwd=scratch,
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": str(scratch)},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        code_exit = wait_confined(process, SECONDS)
+        code_exit, burned = run_confined(RUNNER, scratch, request, SECONDS, subprocess.DEVNULL)
         if code_exit is None:
-            burned = cpu_seconds(process.pid)
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return (
-                _died(-signal.SIGXCPU)
-                if burned >= SECONDS
-                else f"error: the program ran longer than {SECONDS:.0f} s and was stopped"
-            )
+            if burned >= SECONDS:
+                return _died(-signal.SIGXCPU)
+            return f"error: the program ran longer than {SECONDS:.0f} s and was stopped"
         result_path = scratch / "result.json"
         if not result_path.exists():
             return _died(code_exit)
