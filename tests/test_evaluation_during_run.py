@@ -83,8 +83,7 @@ def test_a_branch_is_also_evaluated_at_its_starting_point_the_parent_version_it_
     """A branch's v1 holds its parent version's weights, not the base model's: that is what the branch has to beat,
     so it is evaluated too (and counted in what evaluation costs); on a run from the base model it never is."""
     trunk = spec(tmp_path, every=10)
-    branch = trunk.model_copy(update={"parent": {"run_id": "trunk", "version": 17}})
-    branch = type(trunk).model_validate(branch.model_dump())
+    branch = type(trunk).model_validate({**trunk.model_dump(), "parent": {"run_id": "trunk", "version": 17}})
     assert derived.eval_cost(branch, 32).evaluations == derived.eval_cost(trunk, 32).evaluations + 1
     store = LocalStore(tmp_path / "store")
     for run, first_due in ((branch, 1), (trunk, None)):
