@@ -122,6 +122,12 @@ def _replica_lag(session: Session, run: Run) -> str:
     return f"replicas lag the live adapter versions: {'; '.join(lagging)}" if lagging else ""
 
 
+def best_by_training_reward(versions: list[AdapterVersion]) -> AdapterVersion | None:
+    """The version with the highest training reward around its step, the later one of a tie; None if none has one."""
+    rewarded = [version for version in versions if version.reward is not None]
+    return max(rewarded, key=lambda version: (version.reward or 0.0, version.version)) if rewarded else None
+
+
 def update_best_version(session: Session, run: Run) -> None:
     """The `best` alias: the adapter version with the highest held-out reward once versions are evaluated (prompts the
     run never trained on), else the highest training reward around its step."""
@@ -131,8 +137,8 @@ def update_best_version(session: Session, run: Run) -> None:
             version.reward = version_reward(session, run.id, version.step)
             session.add(version)
     held_out = best_held_out(session, run.id, adapters_only=True)
-    scored = [v for v in versions if v.reward is not None]
     if held_out is not None:
         run.best_version = held_out.version
     else:
-        run.best_version = max(scored, key=lambda v: (v.reward, v.version)).version if scored else None
+        best = best_by_training_reward(versions)
+        run.best_version = best.version if best is not None else None

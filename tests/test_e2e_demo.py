@@ -568,16 +568,18 @@ def test_versions_named_every_nth_or_best_training_reward_are_evaluated_from_the
     ctx = finished_demo[0]
     versions = AdapterService(ctx, OWNER).versions("demo-e2e")
     top = max((v for v in versions if v.reward is not None), key=lambda v: (v.reward, v.version)).version
-    named = list(dict.fromkeys([21, 41, versions[-1].version, top]))
+    named = list(dict.fromkeys([0, 21, 41, versions[-1].version, top]))
     before = {score.version for score in QueryService(ctx, OWNER).held_out_series("demo-e2e")}
     page = AdaptersPage(Panel(ctx, space=False))
     with gr.Blocks():
         page.build()
-    shown = page.evaluate_named("demo-e2e", "every:20 best-reward")
+    shown = page.evaluate_named("demo-e2e", "0 every:20 best-reward")
     table = shown[page.evaluated_table].value
     assert table["headers"][0] == "version" and table["headers"][-1] == "scored"
     scored = {int(row[0].split()[0].lstrip("v")): row[-1] for row in table["data"]}
     assert list(scored) == named, table
+    marked = [row[0] for row in table["data"] if "★ best" in row[0]]
+    assert len(marked) == 1 and not marked[0].startswith("v0 "), table  # as the alias: the base model is not kept
     assert all(scored[v] == "read back" for v in named if v in before)
     assert all(scored[v].startswith("in ") for v in named if v not in before)
     assert "best by held-out reward" in shown[page.evaluated_summary]
@@ -587,7 +589,7 @@ def test_versions_named_every_nth_or_best_training_reward_are_evaluated_from_the
     assert RunService(ctx, OWNER).get("demo-e2e").best_version == best.version
     listed = page.show_run("demo-e2e")[page.table]
     held_out = dict(zip(listed["version"], listed[HELD_OUT_COLUMN], strict=True))
-    assert all(held_out[f"v{version}"] != "—" for version in named)
+    assert all(held_out[f"v{version}"] != "—" for version in named if version)  # v0 is no adapter version
 
 
 def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, tmp_path, monkeypatch, capsys):

@@ -277,3 +277,17 @@ def test_versions_to_evaluate_are_named_by_number_last_all_every_nth_or_best_tra
     ]:
         with pytest.raises(EvaluationError, match=re.escape(said)):
             service.versions_named(RUN, words)
+
+
+def test_the_best_of_an_evaluation_is_an_adapter_version_as_the_alias_is() -> None:
+    """The base model often scores well on a shaped reward early on; it is marked best only when nothing else was
+    evaluated, as the `best` alias never names it."""
+    from app.pages.adapters import best_evaluated
+    from jobs.evaluation.results import VersionEval
+
+    def result(version: int, score: float) -> VersionEval:
+        scores = {"reward": [[score, score]]}
+        return VersionEval(RUN, version, KEY, "split 'test'", {}, 2, ["p"], [["a", "b"]], scores, 1.0)
+
+    assert best_evaluated([result(0, 0.9), result(3, 0.2), result(5, 0.4)]).version == 5
+    assert best_evaluated([result(0, 0.9)]).version == 0

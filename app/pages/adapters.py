@@ -27,7 +27,7 @@ from backend.services.adapters import Comparison
 from backend.services.evaluation import Evaluation, PromptDifference
 from backend.services.queries import HeldOutScore
 from backend.services.runs import TERMINAL_STATUSES, RunStateError, propose_run_id
-from jobs.evaluation.results import TOTAL
+from jobs.evaluation.results import TOTAL, VersionEval
 
 REFRESH_SECONDS = 5.0
 PICK_FIRST = "Pick a run and a version first (click a row of the table)."
@@ -111,6 +111,13 @@ def differences_table(rows: list[PromptDifference], a: int, b: int) -> pd.DataFr
             f"v{b} says": [row.completion_b for row in rows],
         }
     )
+
+
+def best_evaluated(results: list[VersionEval]) -> VersionEval:
+    """The highest held-out reward, as the `best` alias goes: the base model (v0) is no version to keep, unless it is
+    all that was evaluated."""
+    kept = [result for result in results if result.version] or results
+    return max(kept, key=lambda result: result.summary(TOTAL).avg.mean)
 
 
 def evaluated_table(evaluation: Evaluation, steps: dict[int, int | None], best: int) -> pd.DataFrame:
@@ -486,7 +493,7 @@ class AdaptersPage:
             )
         except ValueError as error:  # a word that names no version, no held-out prompts, an engine that failed
             return {self.evaluated_summary: cards.note(f"Not evaluated: {error}", "bad"), self.evaluated_table: hidden}
-        best = max(evaluation.results, key=lambda result: result.summary(TOTAL).avg.mean)
+        best = best_evaluated(evaluation.results)
         steps = {version.version: version.step for version in services.adapters.versions(run_id)}
         return {
             self.evaluated_summary: cards.held_out_evaluation(evaluation, best),

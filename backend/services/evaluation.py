@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.alerts import update_best_version
+from backend.alerts import best_by_training_reward, update_best_version
 from backend.context import PanelContext
 from backend.ingest import ingest_eval
 from backend.launchers.base import LaunchError
@@ -296,10 +296,10 @@ def _every(word: str, stored: list[int], branch: bool) -> list[int]:
 
 
 def _best_by_training_reward(run_id: str, stored: list[AdapterVersion]) -> int:
-    rewarded = [version for version in stored if version.reward is not None]
-    if not rewarded:
+    best = best_by_training_reward(stored)
+    if best is None:
         raise EvaluationError(f"versions: no version of run {run_id} has a training reward yet; best-reward names none")
-    return max(rewarded, key=lambda version: (version.reward or 0.0, version.version)).version
+    return best.version
 
 
 def _held_out_words(settings: EvalSpec) -> str:
