@@ -26,6 +26,7 @@ import hashlib
 import json
 import threading
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import gradio as gr
@@ -34,6 +35,7 @@ from gradio.data_classes import FileData
 
 from app.panel import Panel, SignInRequired
 from backend.api import PanelServices
+from backend.episodes import read_turns
 from backend.limits import LimitReached
 from backend.services.runs import RunStateError
 from backend.vault import RunCredentials
@@ -173,7 +175,8 @@ class PublicApi:
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         """Rollout samples newest step first (prompt, completion, reward, per-reward scores, advantage, policy
-        version, staleness), `limit` (at most 1000) from `offset`; `next_offset` is null on the last page."""
+        version, staleness; an agent's episode turn by turn in `turns`, null for a single reply), `limit` (at most
+        1000) from `offset`; `next_offset` is null on the last page."""
         queries = self._services(request, profile).queries
         limit = max(1, min(limit, MAX_PAGE))
         rows = _found(lambda: queries.samples(run_id, limit=limit + 1, offset=max(0, offset)))
@@ -241,4 +244,9 @@ def _version(row) -> dict:
 
 def _sample(row) -> dict:
     columns = ("step", "policy_version", "staleness", "group_id", "prompt", "completion", "reward", "advantage")
-    return {**_pick(row, *columns, "dropped"), "rewards": json.loads(row.rewards_json or "{}")}
+    turns = read_turns(row.turns_json)
+    return {
+        **_pick(row, *columns, "dropped"),
+        "rewards": json.loads(row.rewards_json or "{}"),
+        "turns": None if turns is None else [asdict(turn) for turn in turns],
+    }

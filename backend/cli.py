@@ -76,11 +76,11 @@ def follow(ctx: PanelContext, run_id: str, poller: Poller, out=sys.stdout, inter
 
 
 def demo(args: argparse.Namespace) -> int:
-    from jobs.demo.preset import demo_spec
+    from jobs.demo.preset import agent_demo_spec, demo_spec
 
     ctx = PanelContext()
-    run_id = args.run_id or time.strftime("demo-%Y%m%d-%H%M%S")
-    spec = demo_spec(
+    run_id = args.run_id or time.strftime(f"{'agent' if args.agent else 'demo'}-%Y%m%d-%H%M%S")
+    spec = (agent_demo_spec if args.agent else demo_spec)(
         run_id,
         f"file://{ctx.folder / 'store'}",
         grpo={"max_steps": args.steps, "seed": args.seed},
@@ -164,7 +164,7 @@ def _spec_from_args(args: argparse.Namespace, ctx: PanelContext) -> RunSpec | No
     elif args.preset == "math":
         data = presets.math_recipe(args.run_id, args.namespace, args.bucket)
     else:
-        data = presets.demo(args.run_id, f"file://{ctx.folder / 'store'}")
+        data = presets.LOCAL[args.preset or "demo"](args.run_id, f"file://{ctx.folder / 'store'}")
     for assignment in args.set:
         _assign(data, assignment)
     try:
@@ -410,7 +410,7 @@ def _positive_int(text: str) -> int:
 def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--spec", help="a spec JSON file")
-    source.add_argument("--preset", choices=("demo", "math"), help="a launch form preset")
+    source.add_argument("--preset", choices=("demo", "agent", "math"), help="a launch form preset")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE")
     parser.add_argument("--run-id", default="plan-preview", help="for a preset")
     parser.add_argument("--namespace", default="your-username", help="for the math preset")
@@ -453,6 +453,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--replicas", type=int, default=2, help="inference replicas, each a local process (default: %(default)s)"
     )
     demo_parser.add_argument("--seed", type=int, default=42, help="the training seed (default: %(default)s)")
+    demo_parser.add_argument(
+        "--agent",
+        action="store_true",
+        help="the agent demo: a model warm-started to call a tool learns that looking the answer up pays",
+    )
     demo_parser.add_argument(
         "--trainer-processes",
         type=int,

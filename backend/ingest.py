@@ -17,6 +17,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col, select
 from sqlmodel.sql.expression import SelectOfScalar
 
+from backend.episodes import stored_turns
 from backend.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample, VersionScore
 
 # Columns every metric record carries that are not metrics.
@@ -51,6 +52,7 @@ def metric_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[
 
 
 def sample_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per sample; an agent's episode keeps its `turns` too, checked and cut to size (backend/episodes.py)."""
     return [
         {
             "run_id": run_id,
@@ -67,6 +69,7 @@ def sample_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[
             "dropped": bool(record.get("dropped", False)),
             "time": record.get("time"),
             "attempt": int(record.get("attempt", 1)),
+            "turns_json": stored_turns(record.get("turns")),
         }
         for record in records
     ]

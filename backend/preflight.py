@@ -28,7 +28,7 @@ from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting, run_id_taken
 from backend.vault import CredentialError
 from jobs.chat_templates import ADDITIONAL_TEMPLATES_DIR, ChatTemplateError, chat_template_in, response_template
-from jobs.contract import DEMO_MODEL_ID, RunSpec, SpecError, derived, parse_spec
+from jobs.contract import BUILTIN_MODELS, RunSpec, SpecError, derived, parse_spec
 from jobs.contract.flavors import flavor
 from jobs.evaluation.heldout import HeldOut, held_out
 from jobs.evaluation.results import function_fields, scored_functions
@@ -145,7 +145,7 @@ def _check_reporting(
 
 
 def _on_hub(model: str) -> bool:
-    return model != DEMO_MODEL_ID and not model.startswith("/")
+    return model not in BUILTIN_MODELS and not model.startswith("/")
 
 
 def _hub_dataset(spec: RunSpec) -> bool:
@@ -262,7 +262,7 @@ def _check_model(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) 
     """The model exists where it is said to be, and TRL can read replies in its chat template
     (jobs/chat_templates.py)."""
     model = spec.model.id
-    if model == DEMO_MODEL_ID:
+    if model in BUILTIN_MODELS:
         return
     if model.startswith("/"):
         if not os.path.isfile(os.path.join(model, "config.json")):

@@ -1,19 +1,28 @@
-"""Starting points for the launch form: the embedded demo, and the public recipe's math sanity run on HF Jobs."""
+"""Starting points for the launch form: the embedded demo, its agent twin, and the public recipe's math sanity run
+on HF Jobs."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from jobs.demo.preset import demo_spec
+from jobs.demo.preset import agent_demo_spec, demo_spec
 
 # A completion each preset's rewards can be tried on before a run: the demo's dataset has no reference answers, so
 # scoring them gave a newcomer's first reward test nothing but zeros. The math recipe's rows carry their own.
-SAMPLE_COMPLETIONS = {"demo": "4 8 15 16 23 42 and 7", "math": ""}
+SAMPLE_COMPLETIONS = {"demo": "4 8 15 16 23 42 and 7", "agent": "7", "math": ""}
 
 
 def demo(run_id: str, storage_uri: str) -> dict[str, Any]:
     """Runs on this machine with no account: tiny built-in model, 2 CPU replicas, a local folder as the bucket."""
     return demo_spec(run_id, storage_uri).model_dump()
+
+
+def agent(run_id: str, storage_uri: str) -> dict[str, Any]:
+    """The demo as an agent: a tiny model warm-started to call a tool learns that looking the answer up pays."""
+    return agent_demo_spec(run_id, storage_uri).model_dump()
+
+
+LOCAL = {"demo": demo, "agent": agent}  # the presets that run on this machine, by name
 
 
 def math_recipe(run_id: str, namespace: str, bucket: str) -> dict[str, Any]:

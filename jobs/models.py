@@ -7,18 +7,27 @@ import logging
 import struct
 from pathlib import Path
 
-from jobs.contract import DEMO_MODEL_ID, ModelSpec
+from jobs.contract import AGENT_DEMO_MODEL_ID, BUILTIN_MODELS, ModelSpec
 
 log = logging.getLogger(__name__)
 
 
 def resolve_model(model: ModelSpec) -> str:
-    """A local folder for the built-in demo model (built on first use), otherwise the Hub id or path as given."""
-    if model.id == DEMO_MODEL_ID:
-        from jobs.demo.tiny_model import ensure_tiny_model
-
-        return str(ensure_tiny_model())
+    """A local folder for a built-in demo model (built on first use), otherwise the Hub id or path as given."""
+    if model.id in BUILTIN_MODELS:
+        return str(builtin_model_folder(model.id))
     return model.id
+
+
+def builtin_model_folder(model_id: str) -> Path:
+    """The folder of one of the built-in demo models (`BUILTIN_MODELS`), built on first use."""
+    if model_id == AGENT_DEMO_MODEL_ID:
+        from jobs.demo.agent_model import ensure_agent_model
+
+        return ensure_agent_model()
+    from jobs.demo.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model()
 
 
 def eos_token_ids(model_path: str, tokenizer_eos: int | None, revision: str | None = None) -> list[int]:

@@ -172,7 +172,8 @@ def test_following_a_finished_run_prints_its_own_pace(panel):
     ("model", "says"),
     [
         ("Qwen/Qwen2.5-0.5B-Instruct", ["base_model: Qwen/Qwen2.5-0.5B-Instruct", "AutoPeftModelForCausalLM"]),
-        ("builtin:tiny-qwen2", ["no Hub id", "ensure_tiny_model"]),
+        ("builtin:tiny-qwen2", ["no Hub id", 'builtin_model_folder("builtin:tiny-qwen2")']),
+        ("builtin:tiny-agent", ["no Hub id", 'builtin_model_folder("builtin:tiny-agent")']),
         ("/models/my-model", ["local folder, `/models/my-model`, not a Hub id"]),
     ],
 )
@@ -561,13 +562,13 @@ def test_the_monitor_charts_any_logged_metric_and_a_reload_keeps_the_choice(pane
     page = MonitorPage(panel)
     with gr.Blocks():
         page.build()
-    shown = page.refresh("demo-more", "training", {}, 1, True, "", "", "", "", False, 1, 1, True, "step", ["loss"])
+    shown = page.refresh("demo-more", "training", {}, 1, True, "", "", "", "", False, 1, "", 1, True, "step", ["loss"])
     assert {"loss", "grad_norm", "entropy"} <= set(dict(shown[page.more_metrics].choices))
     figure = shown[page.more_plot]
     assert len(figure.data) == 1 and list(figure.data[0].y) == [step * 0.1 for step in range(1, 9)]
     assert figure.layout.yaxis.type == "log" and figure.layout.yaxis.title.text == "loss"
     two = page.refresh(
-        "demo-more", "training", {}, 1, True, "", "", "", "", False, 1, 3, False, "step", ["loss", "grad_norm"]
+        "demo-more", "training", {}, 1, True, "", "", "", "", False, 1, "", 3, False, "step", ["loss", "grad_norm"]
     )
     assert len(two[page.more_plot].data) == 4  # each metric per step and its rolling mean, in its own chart
     assert two[page.more_plot].layout.yaxis2.title.text == "grad_norm"

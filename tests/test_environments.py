@@ -108,6 +108,29 @@ def test_the_built_in_calculator_is_given_to_the_trainer_as_a_tool_with_its_sche
     assert schema["name"] == "calculate" and schema["parameters"]["required"] == ["expression"]
 
 
+def test_the_codebook_answers_only_about_the_thing_its_row_asks_about(tmp_path: Path) -> None:
+    """The agent demo's environment: each row keeps its own code, so only a lookup of the row's thing answers it; it
+    reaches the trainer as TRL's environment factory, and its rows start episodes as the preflight rehearses them."""
+    from jobs.demo.dataset import codebook_rows
+    from jobs.environments.codebook import Codebook
+    from jobs.environments.loading import rehearse
+
+    rows = codebook_rows("train")
+    assert len(rows) == 64 and len(codebook_rows("test")) == 32
+    assert {row["thing"] for row in rows if row["prompt"] == rows[0]["prompt"]} == {rows[0]["thing"]}
+    assert len({row["answer"] for row in rows if row["thing"] == rows[0]["thing"]}) > 1  # no code to memorise
+    book = Codebook()
+    book.reset(**rows[0])
+    assert book.lookup(rows[0]["thing"].upper()) == rows[0]["answer"]
+    assert "no code is kept for 'moon'" in book.lookup("moon")
+    arguments = trainer_arguments(spec(kind="builtin", name="codebook").environment, tmp_path)
+    assert arguments == {"environment_factory": Codebook}
+    assert rehearse(arguments, rows[:3]) == [
+        "Codebook.reset(row) on 3 sample rows",
+        "lookup(name='1') -> \"no code is kept for '1'; ask about " + repr(rows[2]["thing"]) + '"',
+    ]
+
+
 def test_tool_functions_and_an_environment_class_in_the_users_code_are_loaded_as_trl_takes_them(
     tmp_path: Path,
 ) -> None:
@@ -248,6 +271,32 @@ def test_an_episode_is_recorded_turn_by_turn_for_the_sample_browser() -> None:
         "Let me work it out.\n→ calculate(expression='6*7')\n← calculate: 42\nThe answer is 42."
     )
     assert episode_text([{"role": "assistant", "content": "just 42"}]) == "just 42"
+
+
+def test_each_reply_of_an_episode_keeps_the_version_its_request_named() -> None:
+    """The job's rollout loop notes on each reply the adapter version whose name its request carried; the episode's
+    turns carry it to the panel, so a turn generated after a mid-episode sync shows its own version."""
+    from jobs.trainer.rollout_worker import TURN_VERSION, version_named
+    from jobs.trainer.telemetry import episode_turns
+
+    assert [version_named(name) for name in ("trl-policy-v12", "trl-policy-v", "Qwen/Qwen2.5-0.5B")] == [12, None, None]
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"name": "apple"}}}
+    episode = [
+        {"role": "assistant", "content": "", "tool_calls": [call], TURN_VERSION: 5},
+        {"role": "tool", "name": "lookup", "content": "7"},
+        {"role": "assistant", "content": "7", TURN_VERSION: 6},
+    ]
+    assert episode_turns(episode) == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"name": "lookup", "arguments": {"name": "apple"}}],
+            "version": 5,
+        },
+        {"role": "tool", "name": "lookup", "content": "7"},
+        {"role": "assistant", "content": "7", "tool_calls": [], "version": 6},
+    ]
+    assert episode_turns([{"role": "assistant", "content": "7"}]) is None  # a single reply has no turns
 
 
 def test_the_plan_says_what_an_agent_run_offers_and_how_many_episodes_run_at_once(tmp_path: Path) -> None:

@@ -179,7 +179,7 @@ def test_the_monitor_redraws_the_evaluation_chart_when_scores_arrive_and_names_t
         page.build()
 
     def tick(drawn: dict[str, Any]) -> dict[Any, Any]:
-        return page.refresh(RUN, "training", drawn, 1, True, "", "", "", "", False, 1, 0, False, "step", [])
+        return page.refresh(RUN, "training", drawn, 1, True, "", "", "", "", False, 1, "", 0, False, "step", [])
 
     first = tick({})
     assert not first[page.eval_plot].data and "best by eval" not in first[page.header]
@@ -199,7 +199,7 @@ def test_a_tick_redraws_the_training_charts_when_the_chart_controls_arrive_after
     page = MonitorPage(panel)
     with gr.Blocks():
         page.build()
-    filters = ("", "", "", "", False, 1)
+    filters = ("", "", "", "", False, 1, "")
     first = page.refresh(RUN, "training", {}, 1, True, *filters, 0, False, "step", [])
     assert page.more_plot in first
     same = page.refresh(RUN, "training", first[page.drawn], 1, True, *filters, 0, False, "step", [])

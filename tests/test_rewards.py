@@ -15,6 +15,7 @@ from jobs.trainer.rewards import (
     MAX_CONSECUTIVE_FAILED_CALLS,
     CheckedReward,
     DigitFraction,
+    ExactAnswer,
     FormatTags,
     LengthTarget,
     MathBoxed,
@@ -111,6 +112,20 @@ def test_digit_fraction_counts_digit_tokens():
     reward = DigitFraction()
     scores = reward(completions=[assistant("12 apples"), assistant("none")], completion_ids=[[1, 2, 3, 4], [1, 2]])
     assert scores == [0.5, 0.0]
+
+
+def test_exact_answer_scores_an_agents_final_reply_not_its_tool_turns():
+    """The agent demo's reward: the episode's last reply is the answer; what a tool said earlier is not."""
+    episode = [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "lookup", "arguments": {}}}]},
+        {"role": "tool", "name": "lookup", "content": "7"},
+        {"role": "assistant", "content": " 7\n"},
+    ]
+    guessed = [{"role": "assistant", "content": "3"}]
+    copied_wrong = [*episode[:2], {"role": "assistant", "content": "7 or 8"}]
+    scores = ExactAnswer()(completions=[episode, guessed, copied_wrong, "7"], answer=["7", "7", "7", "7"])
+    assert scores == [1.0, 0.0, 0.0, 1.0]
+    assert ExactAnswer()(completions=[episode]) == [0.0]  # no gold answer: nothing to match
 
 
 def test_every_builtin_in_the_contract_builds():

@@ -733,7 +733,7 @@ def _handler_calls(p: Pages, o: Owners) -> list[tuple[str, Callable[[gr.OAuthPro
         ("RunsPage.stop", lambda who: p.runs.stop(run, who)),
         ("RunsPage.launch_draft", lambda who: p.runs.launch_draft(o.alice_draft, who)),
         ("RunsPage.branch", lambda who: p.runs.branch(run, 1, "bob-runs-branch", True, who)),
-        ("MonitorPage.browse", lambda who: p.monitor.browse(run, 1, "", "", "", "", True, 1, who)),
+        ("MonitorPage.browse", lambda who: p.monitor.browse(run, 1, "", "", "", "", True, 1, "", who)),
         ("MonitorPage.pick_group", lambda who: p.monitor.pick_group(run, table, event, who)),
         ("MonitorPage.stop", lambda who: p.monitor.stop(run, who)),
         ("MonitorPage.export", lambda who: p.monitor.export(run, "csv", who)),

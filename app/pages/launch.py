@@ -41,7 +41,11 @@ from backend.services.runs import propose_run_id, run_id_taken
 from jobs.contract import RewardSpec, RunSpec, derived, parse_spec, timeout_seconds
 from jobs.contract.spec import MAX_REPLICAS, SpecError
 
-PRESETS = {"demo": "Demo on this machine", "math": "Math sanity recipe on HF Jobs"}
+PRESETS = {
+    "demo": "Demo on this machine",
+    "agent": "Agent demo (a tool to call)",
+    "math": "Math sanity recipe on HF Jobs",
+}
 COMMON_FLAVORS = ["cpu-basic", "cpu-upgrade", "t4-small", "l4x1", "a10g-small", "a10g-large", "l40sx1", "a100-large",
                   "h100", "h200", "h200x2", "h200x4", "h200x8"]  # fmt: skip
 PREVIEW_CHARS = 240
@@ -501,7 +505,8 @@ class LaunchPage:
         if preset == "math":
             namespace = owner if owner and owner != "local" else "your-namespace"
             return presets.math_recipe(propose_run_id(self.panel.ctx, "math"), namespace, "grpo-runs")
-        return presets.demo(propose_run_id(self.panel.ctx, "demo"), f"file://{self.panel.ctx.folder / 'store'}")
+        store = f"file://{self.panel.ctx.folder / 'store'}"
+        return presets.LOCAL[preset](propose_run_id(self.panel.ctx, preset), store)
 
     def _preset_outputs(self) -> list:
         return [

@@ -156,6 +156,7 @@ class MonitorPage:
                         label="Search prompts and completions (Enter)", scale=4, elem_id="sample-search"
                     )
                     self.version = gr.Textbox(label="Version", placeholder="any", scale=1, elem_id="sample-version")
+                    self.turns = gr.Textbox(label="Episode turns ≥", placeholder="any", scale=1, elem_id="sample-turns")
                     self.all_steps = gr.Checkbox(False, label="All steps", scale=1, elem_id="sample-all-steps")
                     self.page = gr.Number(
                         1, label="Page (Enter)", precision=0, minimum=1, scale=1, elem_id="sample-page"
@@ -218,7 +219,7 @@ class MonitorPage:
 
     def sample_filters(self) -> list:
         """The Samples tab's filters, in the order every handler that lists samples takes them."""
-        return [self.min_reward, self.max_reward, self.search, self.version, self.all_steps, self.page]
+        return [self.min_reward, self.max_reward, self.search, self.version, self.all_steps, self.page, self.turns]
 
     def refresh_inputs(self) -> list:
         return [
@@ -266,7 +267,7 @@ class MonitorPage:
         shown = [self.sample_count, self.samples, self.best, self.worst]
         # The step box commits on Enter too (theme.HEAD turns Enter into the blur on which Gradio sends `release`).
         self.step.release(lambda: (False, 1), None, [self.follow, self.page]).then(self.browse, browse, shown)
-        for box in (self.min_reward, self.max_reward, self.search, self.version):
+        for box in (self.min_reward, self.max_reward, self.search, self.version, self.turns):
             box.submit(lambda: 1, None, self.page).then(self.browse, browse, shown)
         self.page.submit(self.browse, browse, shown)
         # always_last: a second metric picked while the first one's charts are drawn is drawn too (Gradio's default
@@ -309,6 +310,7 @@ class MonitorPage:
         version: str,
         all_steps: bool,
         page: float | None = 1,
+        turns: str = "",
         smoothing: float = 0,
         log_y: bool = False,
         x_axis: str = "step",
@@ -355,7 +357,7 @@ class MonitorPage:
         if subtab == "jobs":
             figures = self._jobs(services, run)
         elif subtab == "samples":
-            wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps, page)
+            wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps, page, turns)
             figures = self._samples(services, run, step, follow, wanted, fresh=drawn.get(subtab) != state)
             drawn[subtab] = state
         elif subtab == "training" and drawn.get(subtab) != state:
@@ -404,6 +406,7 @@ class MonitorPage:
         version: str,
         all_steps: bool,
         page: float | None,
+        turns: str,
         smoothing: float,
         log_y: bool,
         x_axis: str,
@@ -412,7 +415,7 @@ class MonitorPage:
     ) -> dict:
         """A chart control changed: redraw (`refresh`, same inputs), and keep the controls in the browser in the same
         answer, so that a reload right after the change keeps it."""
-        filters = (min_reward, max_reward, search, version, all_steps, page)
+        filters = (min_reward, max_reward, search, version, all_steps, page, turns)
         charts = (smoothing, log_y, x_axis, more_metrics)
         shown = self.refresh(run_id, subtab, drawn, step, follow, *filters, *charts, profile=profile)
         return shown | {self.saved_charts: remember_charts(*charts)}
@@ -561,12 +564,13 @@ class MonitorPage:
         version: str,
         all_steps: bool,
         page: float | None = 1,
+        turns: str = "",
         profile: gr.OAuthProfile | None = None,
     ) -> dict:
         services = self.panel.services(profile)
         if not run_id:
             return {self.samples: gr.skip()}  # not {}: Gradio takes an empty dict for a single value
-        wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps, page)
+        wanted = SampleFilter.read(min_reward, max_reward, search, version, all_steps, page, turns)
         return self._browse(services, run_id, int(step), wanted)
 
     def pick_group(
@@ -643,11 +647,19 @@ class SampleFilter:
     version: int | None
     all_steps: bool
     page: int = 1
+    min_turns: int | None = None
     refused: tuple[str, ...] = ()
 
     @classmethod
     def read(
-        cls, min_reward: str, max_reward: str, search: str, version: str, all_steps: bool, page: float | None = 1
+        cls,
+        min_reward: str,
+        max_reward: str,
+        search: str,
+        version: str,
+        all_steps: bool,
+        page: float | None = 1,
+        turns: str = "",
     ) -> SampleFilter:
         refused: list[str] = []
         low = _number(min_reward, float, "Reward ≥", "a number such as 0.5", refused)
@@ -655,13 +667,19 @@ class SampleFilter:
         wanted = _number((version or "").strip().lstrip("vV"), int, "Version", "a version such as 12 or v12", refused)
         if wanted is not None and wanted < 0:
             refused.append(f"Version: “{version}” is not a version; type one such as 12 or v12.")
+        min_turns = _number(turns, int, "Episode turns ≥", "a number of turns such as 3", refused)
+        if min_turns is not None and min_turns < 1:
+            refused.append(f"Episode turns ≥: “{turns}” is below 1; type 1 (every agent episode) or more.")
         text = (search or "").strip() or None
-        return cls(low, high, text, wanted, bool(all_steps), max(1, int(page or 1)), tuple(refused))
+        page_number = max(1, int(page or 1))
+        return cls(low, high, text, wanted, bool(all_steps), page_number, min_turns, tuple(refused))
 
     def query(self, step: int) -> SampleFilters:
         """The listing's filters: the step picked, or every step."""
         step_from, step_to = (None, None) if self.all_steps else (step, step)
-        return SampleFilters(step_from, step_to, self.min_reward, self.max_reward, self.text, self.version)
+        return SampleFilters(
+            step_from, step_to, self.min_reward, self.max_reward, self.text, self.version, self.min_turns
+        )
 
 
 def _number(text: str | None, kind: type[float] | type[int], box: str, example: str, refused: list[str]) -> Any:

@@ -22,7 +22,7 @@ from sqlmodel import col, select
 from backend.context import PanelContext
 from backend.models import AdapterVersion, Job, MetricPoint, Run
 from backend.services.runs import RunService, RunStateError
-from jobs.contract import DEMO_MODEL_ID, RunSpec, derived, layout, parse_spec
+from jobs.contract import BUILTIN_MODELS, RunSpec, derived, layout, parse_spec
 from jobs.evaluation.results import VersionEval
 from jobs.pins import pins
 from jobs.store import download_published
@@ -371,7 +371,7 @@ def model_card(
     evaluation (also as `model-index` metadata, which the Hub shows), the versions of TRL and PEFT that trained it,
     and how to load it."""
     model = spec.model.id
-    on_hub = model != DEMO_MODEL_ID and not model.startswith("/")
+    on_hub = model not in BUILTIN_MODELS and not model.startswith("/")
     front = [f"base_model: {model}"] if on_hub else []
     tags = ([f"base_model:adapter:{model}"] if on_hub else []) + ["grpo", "lora", "peft", "trl", "async-grpo"]
     front += ["library_name: peft", f"tags: [{', '.join(tags)}]"]
@@ -459,17 +459,17 @@ from peft import AutoPeftModelForCausalLM
 
 model = AutoPeftModelForCausalLM.from_pretrained("<this repo or folder>")  # fetches {model} too
 ```"""
-    if model == DEMO_MODEL_ID:
-        return f"""The base model, `{DEMO_MODEL_ID}`, is the panel's built-in demo model: it is built locally and has
+    if model in BUILTIN_MODELS:
+        return f"""The base model, `{model}`, is one of the panel's built-in demo models: it is built locally and has
 no Hub id, so this adapter loads only beside the panel's code, which builds it:
 
 ```python
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from jobs.demo.tiny_model import ensure_tiny_model
+from jobs.models import builtin_model_folder
 
-base = AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
+base = AutoModelForCausalLM.from_pretrained(builtin_model_folder("{model}"))
 model = PeftModel.from_pretrained(base, "<this folder>")
 ```"""
     return f"""The base model was a local folder, `{model}`, not a Hub id: load it from that folder, then apply

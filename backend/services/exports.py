@@ -3,19 +3,24 @@ Polars or DuckDB.
 
 Metrics come one row per optimizer step and one column per metric, named as TRL logs them (`reward`, `kl`,
 `perf/step_s`, ...), with the wall time each step was logged at; samples come one row per completion with its
-scores. Both are read from SQLite in one query each, so an export reflects what the panel shows at that moment.
+scores, an agent's episode in one row with its turns in `turns`. Both are read from SQLite in one query each, so an
+export reflects what the panel shows at that moment.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 from sqlmodel import col, select
 
 from backend.context import PanelContext
+from backend.episodes import read_turns
 from backend.ingest import held_out_scores
 from backend.models import MetricPoint, RolloutSample
 from backend.services.runs import RunService
@@ -35,6 +40,19 @@ SAMPLE_COLUMNS = [
     "time",
     "attempt",
 ]
+# An episode's turns in Parquet: one type whatever the run's turns held (a column of nothing but single replies, or
+# with no tool turn, would otherwise be typed null); a tool call's arguments as their JSON text.
+TOOL_CALL_TYPE = pa.struct([("name", pa.string()), ("arguments", pa.string())])
+TURN_TYPE = pa.struct(
+    [
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("name", pa.string()),
+        ("tool_calls", pa.list_(TOOL_CALL_TYPE)),
+        ("version", pa.int64()),
+    ]
+)
+TURNS_TYPE = pa.list_(TURN_TYPE)
 
 
 class ExportService:
@@ -71,7 +89,8 @@ class ExportService:
         return wide.reset_index()
 
     def samples(self, run_id: str) -> pd.DataFrame:
-        """One row per completion, in step order; each reward function's score in a `reward/<name>` column."""
+        """One row per completion, in step order; each reward function's score in a `reward/<name>` column; an
+        agent's episode's turns in `turns` (`exported_turns`; None for a single reply)."""
         self.runs.get(run_id)
         with self.ctx.db.session() as session:
             rows = session.exec(
@@ -81,7 +100,8 @@ class ExportService:
             ).all()
         frame = pd.DataFrame([{name: getattr(row, name) for name in SAMPLE_COLUMNS} for row in rows])
         if frame.empty:
-            return pd.DataFrame(columns=SAMPLE_COLUMNS)
+            return pd.DataFrame(columns=[*SAMPLE_COLUMNS, "turns"])
+        frame["turns"] = [exported_turns(row.turns_json) for row in rows]
         scores = pd.DataFrame([json.loads(row.rewards_json or "{}") for row in rows]).add_prefix("reward/")
         return pd.concat([frame, scores], axis=1)
 
@@ -99,9 +119,46 @@ class ExportService:
             if fmt == "csv":
                 # RFC 4180's CRLF: a field is quoted when it holds any character of the line terminator, and
                 # completions hold bare carriage returns that would otherwise split a row for every reader.
-                frame.to_csv(temp, index=False, lineterminator="\r\n")
+                _turns_as_text(frame).to_csv(temp, index=False, lineterminator="\r\n")
             else:
-                frame.to_parquet(temp, index=False)
+                pq.write_table(_parquet_table(frame), temp)
             temp.replace(path)  # a reader never sees half a file
             paths.append(path)
         return paths
+
+
+def exported_turns(stored: str | None) -> list[dict[str, Any]] | None:
+    """An episode's turns as an export holds them (None for a single reply): role, content, the tool's name, the tool
+    calls and the version that generated the turn, a tool call's arguments as their JSON text (as the model wrote
+    them, where they were not parsed)."""
+    turns = read_turns(stored)
+    if turns is None:
+        return None
+    return [
+        asdict(turn)
+        | {"tool_calls": [{"name": call.name, "arguments": _json_text(call.arguments)} for call in turn.tool_calls]}
+        for turn in turns
+    ]
+
+
+def _json_text(arguments: dict[str, Any] | str) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def _turns_as_text(frame: pd.DataFrame) -> pd.DataFrame:
+    """For CSV: each episode's turns as one JSON text, empty for a single reply (the metrics' frame as it is)."""
+    if "turns" not in frame:
+        return frame
+    return frame.assign(
+        turns=[json.dumps(t, ensure_ascii=False) if isinstance(t, list) else None for t in frame["turns"]]
+    )
+
+
+def _parquet_table(frame: pd.DataFrame) -> pa.Table:
+    """For Parquet: the samples' `turns` as lists of structs of one type (TURNS_TYPE), null for a single reply, typed
+    here rather than by pandas (whose metadata for such a column pandas itself cannot read back)."""
+    if "turns" not in frame:
+        return pa.Table.from_pandas(frame, preserve_index=False)
+    table = pa.Table.from_pandas(frame.drop(columns="turns"), preserve_index=False)
+    turns = pa.array([t if isinstance(t, list) else None for t in frame["turns"]], type=TURNS_TYPE)
+    return table.add_column(frame.columns.get_loc("turns"), "turns", turns)

@@ -3,7 +3,11 @@
 from jobs.contract import derived, layout
 from jobs.contract.durations import duration, timeout_seconds
 from jobs.contract.spec import (
+    AGENT_DEMO_DATASET_ID,
+    AGENT_DEMO_MODEL_ID,
+    BUILTIN_DATASETS,
     BUILTIN_ENVIRONMENTS,
+    BUILTIN_MODELS,
     BUILTIN_REWARDS,
     DEMO_DATASET_ID,
     DEMO_MODEL_ID,
@@ -26,7 +30,11 @@ from jobs.contract.spec import (
 from jobs.contract.storage_uri import StorageLocation, parse_storage_uri
 
 __all__ = [
+    "AGENT_DEMO_DATASET_ID",
+    "AGENT_DEMO_MODEL_ID",
+    "BUILTIN_DATASETS",
     "BUILTIN_ENVIRONMENTS",
+    "BUILTIN_MODELS",
     "BUILTIN_REWARDS",
     "DEMO_DATASET_ID",
     "DEMO_MODEL_ID",

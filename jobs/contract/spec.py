@@ -46,7 +46,11 @@ MAX_STALENESS = 16
 _AUTO_LIMIT = "auto: what the staleness window can take"
 RUN_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{1,46}[a-z0-9]$")
 DEMO_MODEL_ID = "builtin:tiny-qwen2"
+AGENT_DEMO_MODEL_ID = "builtin:tiny-agent"  # the tiny model warm-started to call a tool (jobs/demo/agent_model.py)
+BUILTIN_MODELS = (DEMO_MODEL_ID, AGENT_DEMO_MODEL_ID)
 DEMO_DATASET_ID = "digits"
+AGENT_DEMO_DATASET_ID = "codebook"
+BUILTIN_DATASETS = (DEMO_DATASET_ID, AGENT_DEMO_DATASET_ID)
 # Built-in rewards and the parameters each accepts (implementations live in jobs.trainer.rewards).
 BUILTIN_REWARDS: dict[str, frozenset[str]] = {
     "math_boxed": frozenset(),
@@ -54,12 +58,14 @@ BUILTIN_REWARDS: dict[str, frozenset[str]] = {
     "length": frozenset({"target"}),
     "regex": frozenset({"pattern"}),
     "digit_frac": frozenset(),
+    "exact_answer": frozenset(),
 }
 MAX_REWARD_SOURCE_BYTES = 200_000
 # Environments an agent run can use without code of its own (jobs/environments): each one's tools.
 BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "calculator": "calculate(expression): the value of an arithmetic expression",
     "python": "run_python(code): what a Python program prints, run confined (no network, no processes)",
+    "codebook": "lookup(name): the code each row keeps for the thing it asks about (the agent demo's)",
 }
 MAX_TURNS = 32  # tool-calling turns per episode: each re-sends the whole conversation
 # Upper bounds on form values that are otherwise accepted and only fail once jobs run (or when the run is recorded).
@@ -109,9 +115,9 @@ class _Section(BaseModel):
 
 
 class ModelSpec(_Section):
-    id: Annotated[str, shown("Model", "model", f"Hub id (owner/name), an absolute local path, or {DEMO_MODEL_ID}")] = (
-        "Qwen/Qwen2.5-Math-1.5B"
-    )
+    id: Annotated[
+        str, shown("Model", "model", f"Hub id (owner/name), an absolute local path, or {' or '.join(BUILTIN_MODELS)}")
+    ] = "Qwen/Qwen2.5-Math-1.5B"
     revision: Annotated[
         str | None, shown("Revision", "model", "a branch, tag or commit; empty: main", advanced=True)
     ] = None
@@ -128,12 +134,13 @@ class ModelSpec(_Section):
     @classmethod
     def _model_id(cls, value: str) -> str:
         value = value.strip()
-        if value == DEMO_MODEL_ID or value.startswith("/"):
+        if value in BUILTIN_MODELS or value.startswith("/"):
             return value
         if ".." in value or "--" in value or not _HUB_ID.match(value):
             raise ValueError(
                 f"{value!r} is not a Hub model id; use 'owner/name' (e.g. 'Qwen/Qwen2.5-0.5B-Instruct'), "
-                f"an absolute local path, or '{DEMO_MODEL_ID}' for the built-in demo model"
+                f"an absolute local path, or '{DEMO_MODEL_ID}' ('{AGENT_DEMO_MODEL_ID}' for agents) for a built-in "
+                "demo model"
             )
         return value
 
@@ -147,7 +154,8 @@ class DatasetSpec(_Section):
     ] = "hub"
     # A Hub dataset id, a JSONL/CSV/Parquet path relative to the store root, or a built-in dataset name.
     id: Annotated[
-        str, shown("Dataset", "dataset", f"owner/name on the Hub, a path in the bucket, or '{DEMO_DATASET_ID}'")
+        str,
+        shown("Dataset", "dataset", f"owner/name on the Hub, a path in the bucket, or {' or '.join(BUILTIN_DATASETS)}"),
     ] = "sail/Sanity-Test-R1D-1.5B"
     split: Annotated[str, shown("Split", "dataset")] = "train"
     prompt_column: Annotated[str, shown("Prompt column", "dataset")] = "prompt"
@@ -192,8 +200,10 @@ class DatasetSpec(_Section):
                 )
             if not self.id.endswith((".jsonl", ".json", ".csv", ".parquet")):
                 raise ValueError(f"id: {self.id!r} must end in .jsonl, .json, .csv or .parquet")
-        if self.source == "builtin" and self.id != DEMO_DATASET_ID:
-            raise ValueError(f"id: {self.id!r} is not a built-in dataset; the built-in one is '{DEMO_DATASET_ID}'")
+        if self.source == "builtin" and self.id not in BUILTIN_DATASETS:
+            raise ValueError(
+                f"id: {self.id!r} is not a built-in dataset; the built-in ones are {', '.join(BUILTIN_DATASETS)}"
+            )
         return self
 
 

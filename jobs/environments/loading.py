@@ -34,6 +34,8 @@ def trainer_arguments(spec: EnvironmentSpec, folder: Path) -> dict[str, Any]:
         return {}
     if spec.kind == "builtin":
         module = importlib.import_module(f"jobs.environments.{spec.name}")
+        if hasattr(module, "ENVIRONMENT"):
+            return {"environment_factory": checked_environment(module.ENVIRONMENT)}
         return {"tools": checked_tools(list(module.TOOLS))}
     loaded = load_code(spec.source or "", spec.entry_points, folder)
     if len(loaded) == 1 and inspect.isclass(loaded[0]):

@@ -32,13 +32,13 @@ def load_rows(spec: DatasetSpec, store: ObjectStore | None = None, limit: int | 
 
     limit = min(filter(None, (limit, spec.limit)), default=None)
     if spec.source == "builtin":
-        from jobs.demo.dataset import SPLITS, digits_rows
+        from jobs.demo.dataset import SPLITS, builtin_rows
 
         if spec.split not in SPLITS:
             raise DatasetError(
                 f"dataset.split: the built-in dataset has no split {spec.split!r}; use {' or '.join(SPLITS)}"
             )
-        rows = datasets.Dataset.from_list(digits_rows(spec.split))
+        rows = datasets.Dataset.from_list(builtin_rows(spec.id, spec.split))
     elif spec.source == "store":
         rows = _load_store_file(spec, store)
     else:

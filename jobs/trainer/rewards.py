@@ -233,6 +233,28 @@ class DigitFraction:
         return scores
 
 
+class ExactAnswer:
+    """1.0 when the final reply, trimmed, is the gold answer, else 0.0: for agents, whose last turn answers once the
+    tools have been asked (earlier turns and tool results are not the answer)."""
+
+    __name__ = "exact_answer"
+
+    def __call__(self, completions, answer=None, **_) -> list[float]:
+        answers = answer if answer is not None else [None] * len(completions)
+        return [
+            1.0 if gold is not None and final_reply(completion).strip() == str(gold).strip() else 0.0
+            for completion, gold in zip(completions, answers, strict=True)
+        ]
+
+
+def final_reply(completion: Messages | str) -> str:
+    """The text of a completion's last assistant message (the whole text for a plain string)."""
+    if isinstance(completion, str):
+        return completion
+    replies = [message for message in completion if message.get("role") == "assistant"]
+    return str(replies[-1].get("content") or "") if replies else ""
+
+
 def _builtin(spec: RewardSpec, eos_token_ids: Sequence[int]) -> RewardFn:
     params = dict(spec.params)
     if spec.name == "math_boxed":
@@ -247,6 +269,8 @@ def _builtin(spec: RewardSpec, eos_token_ids: Sequence[int]) -> RewardFn:
         return RegexMatch(**params)
     if spec.name == "digit_frac":
         return DigitFraction()
+    if spec.name == "exact_answer":
+        return ExactAnswer()
     raise ValueError(f"unknown built-in reward {spec.name!r}")
 
 

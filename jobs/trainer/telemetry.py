@@ -22,6 +22,7 @@ from jobs.runtime import write_status
 from jobs.store import ObjectStore, StoreError
 from jobs.telemetry import ChunkWriter
 from jobs.trainer.rewards import completion_text
+from jobs.trainer.rollout_worker import TURN_VERSION
 
 MAX_TEXT_CHARS = 20_000  # a sample's prompt or completion beyond this is cut (the panel shows text, not novels)
 STATUS_EVERY_S = 5.0
@@ -37,21 +38,48 @@ def episode_text(completion: Any) -> str:
     """A completion as the sample browser shows it: the reply's text, or for an agent's episode each turn in order —
     what the model said, each tool call with its arguments (→), each tool's answer (←) — so a search finds any of
     them. TRL hands the whole episode over as one message list."""
-    if isinstance(completion, str) or not any(_is_tool_turn(message) for message in completion):
+    turns = episode_turns(completion)
+    if turns is None:
         return completion_text(completion)
     lines = []
+    for turn in turns:
+        if turn["role"] == "tool":
+            lines.append(f"← {turn['name']}: {turn['content']}")
+            continue
+        if turn["content"]:
+            lines.append(turn["content"])
+        for call in turn["tool_calls"]:
+            arguments = call["arguments"]
+            shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
+            lines.append(f"→ {call['name']}({shown})")
+    return "\n".join(lines)
+
+
+def episode_turns(completion: Any) -> list[dict[str, Any]] | None:
+    """An agent's episode turn by turn, as the panel stores it: each reply with its tool calls and the adapter
+    version that generated it (the rollout loop notes it: a sync can land mid-episode), each tool's answer. None
+    for a completion that called no tool (a single reply)."""
+    if isinstance(completion, str) or not any(_is_tool_turn(message) for message in completion):
+        return None
+    turns: list[dict[str, Any]] = []
     for message in completion:
         if message.get("role") == "tool":
-            lines.append(f"← {message.get('name', 'tool')}: {message.get('content') or ''}")
+            turns.append({"role": "tool", "name": str(message.get("name") or "tool"), "content": _content(message)})
             continue
-        if message.get("content"):
-            lines.append(str(message["content"]))
-        for call in message.get("tool_calls") or []:
-            function = call.get("function", call)
-            arguments = function.get("arguments", {})
-            shown = ", ".join(f"{k}={v!r}" for k, v in arguments.items()) if isinstance(arguments, dict) else arguments
-            lines.append(f"→ {function.get('name', '?')}({shown})")
-    return "\n".join(lines)
+        calls = [call.get("function", call) for call in message.get("tool_calls") or []]
+        turns.append(
+            {
+                "role": "assistant",
+                "content": _content(message),
+                "tool_calls": [{"name": str(c.get("name", "?")), "arguments": c.get("arguments", {})} for c in calls],
+                "version": message.get(TURN_VERSION),
+            }
+        )
+    return turns
+
+
+def _content(message: dict[str, Any]) -> str:
+    return str(message.get("content") or "")[:MAX_TEXT_CHARS]
 
 
 def _is_tool_turn(message: dict[str, Any]) -> bool:
@@ -201,6 +229,7 @@ class RecordingQueue:
                 "group_id": int(sample.group_id),
                 "prompt": _text(sample.prompt),
                 "completion": episode_text(sample.completion)[:MAX_TEXT_CHARS],
+                "turns": episode_turns(sample.completion),
                 "reward": _finite(metrics.get("reward")),
                 "rewards": {k[len("rewards/") :]: _finite(v) for k, v in metrics.items() if k.startswith("rewards/")},
                 "advantage": _finite(float(sample.advantage)),
