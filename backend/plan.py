@@ -132,10 +132,17 @@ def _tools(spec: RunSpec, limits: derived.RolloutLimits) -> dict[str, Any] | Non
     offered = (
         BUILTIN_ENVIRONMENTS[environment.name] if environment.kind == "builtin" else ", ".join(environment.entry_points)
     )
+    unbounded = spec.grpo.max_completion_length * (environment.max_turns + 1)
     return {
         "environment": environment.name if environment.kind == "builtin" else "code",
         "offers": offered,
         "max_turns": environment.max_turns,
+        # TRL asks each turn for up to max_completion_length tokens: with no budget, an episode's bound is that many
+        # per turn over its first turn and its tool turns.
+        "episode_tokens": environment.max_episode_tokens or unbounded,
+        "episode_tokens_from": "environment.max_episode_tokens"
+        if environment.max_episode_tokens
+        else f"no budget: {spec.grpo.max_completion_length} tokens x {environment.max_turns + 1} turns",
         "episodes_in_flight": limits.inflight,
     }
 

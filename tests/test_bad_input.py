@@ -483,6 +483,39 @@ def test_environment_code_is_tried_in_the_sandbox_before_anything_starts(
     refused(gate.spec(environment=environment, eval={"split": None}, model={"max_model_len": 1024}), field, fix)
 
 
+PER_ROW = "\n".join(
+    f"class {name}:\n    def reset(self, **row):\n        return None\n\n"
+    f"    def {tool}(self, key: str) -> str:\n"
+    f'        """{name} a key.\n\n        Args:\n            key: what to use\n        """\n'
+    "        return key\n"
+    for name, tool in (("Upper", "shout"), ("Lower", "whisper"))
+)
+
+
+@row("an environment column naming an environment that does not exist")
+@pytest.mark.parametrize(
+    ("names", "fix"),
+    [
+        (
+            ["Upper", "Sideways"],
+            "dataset row 2 names environment 'Sideways'; with several environment classes, each row",
+        ),
+        (None, "dataset row 1 has no environment column; with several environment classes"),
+    ],
+    ids=["unknown", "no-column"],
+)
+def test_rows_must_name_one_of_the_environments_when_there_are_several(gate, refused, names, fix):
+    """TRL stops a run at the first row whose `environment` names none of its environments, after the replicas
+    started billing: the sample rows are checked first, in the sandbox with the code."""
+    rows = [{"prompt": "Say it.", "answer": "", **({"environment": n} if names else {})} for n in names or ["", ""]]
+    spec = store_dataset(gate, "agents.jsonl", "\n".join(json.dumps(r) for r in rows) + "\n")
+    spec.update(
+        environment={"kind": "code", "source": PER_ROW, "entry_point": "Upper, Lower"},
+        model={**spec["model"], "max_model_len": 1024},
+    )
+    refused(spec, "environment.entry_point", fix)
+
+
 def test_environment_code_that_trl_can_use_passes_the_gate(gate):
     """The control: a typed, documented tool whose sample call answers passes, and nothing else is said about it."""
     good = TOOL.format(

@@ -4,13 +4,14 @@ environment class checked as TRL will use them, before anything trains."""
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from jobs.chat_templates import ChatTemplateError, response_template
-from jobs.contract import SpecError
+from jobs.contract import DEMO_MODEL_ID, SpecError
 from jobs.demo.preset import demo_spec
 from jobs.environments.calculator import calculate
 from jobs.environments.loading import EnvironmentCodeError, trainer_arguments
@@ -67,6 +68,8 @@ def code(source: str, entry_point: str) -> dict[str, Any]:
     ("environment", "said"),
     [
         ({"kind": "builtin", "name": "abacus"}, "environment.name: unknown built-in environment 'abacus'; use one of"),
+        ({"max_episode_tokens": 100}, "environment.max_episode_tokens: only for a run with tools"),
+        ({"kind": "builtin", "max_episode_tokens": 1}, "environment.max_episode_tokens: Input should be greater than"),
         ({"kind": "code"}, "environment.source: kind 'code' needs Python code defining the tools"),
         (code(TOOLS, "add; shout"), "environment.entry_point: name the environment class, or the tool functions"),
         ({"kind": "builtin", "source": TOOLS}, "environment.source: only for kind 'code'"),
@@ -154,6 +157,64 @@ NO_RESET = ENVIRONMENT.replace("def reset(self, **row)", "def start(self, **row)
 ONLY_RESET = "class Empty:\n    def reset(self, **row):\n        return None\n"
 
 
+SECOND_ENVIRONMENT = '''
+class Echo:
+    def reset(self, **row):
+        return None
+
+    def echo(self, text: str) -> str:
+        """Say it back.
+
+        Args:
+            text: what to say
+        """
+        return text
+'''
+
+
+def test_several_environment_classes_give_each_row_the_one_its_environment_column_names(tmp_path: Path) -> None:
+    """TRL's environment per row: the classes reach the trainer as a dict by name; each row's prompt is measured with
+    its own environment's tools only (as TRL renders it); rows naming no known environment are refused before the
+    run, and every environment starts episodes from its own rows."""
+    from transformers import AutoTokenizer
+
+    from jobs.environments.loading import check_environment_column, rehearse, tools_for_row
+    from jobs.models import builtin_model_folder
+    from jobs.trainer.dataset import build_prompts, prompt_token_ids
+
+    source = ENVIRONMENT + SECOND_ENVIRONMENT
+    arguments = trainer_arguments(spec(**code(source, "Counter, Echo")).environment, tmp_path)
+    factories = arguments["environment_factory"]
+    assert list(factories) == ["Counter", "Echo"]
+    rows = [
+        {"prompt": "Count.", "answer": "", "environment": "Counter"},
+        {"prompt": "Say hi.", "answer": "", "environment": "Echo"},
+    ]
+    assert [[t.__name__ for t in tools_for_row(arguments, row)] for row in rows] == [["increment"], ["echo"]]
+    assert rehearse(arguments, rows) == [
+        "Counter.reset(row) on 1 sample rows",
+        "increment(by=1) -> '1'",
+        "Echo.reset(row) on 1 sample rows",
+        "echo(text='1') -> '1'",
+    ]
+    for bad, said in (({"environment": "Abacus"}, "row 2 names environment 'Abacus'"), ({}, "row 2 has no")):
+        with pytest.raises(EnvironmentCodeError, match=said):
+            check_environment_column(arguments, [rows[0], {"prompt": "?", **bad}])
+    import datasets
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_model_folder(DEMO_MODEL_ID))
+    run = spec(**code(source, "Counter, Echo"))
+    measured = [
+        len(prompt_token_ids(tokenizer, [{"role": "user", "content": r["prompt"]}], tools_for_row(arguments, r)))
+        for r in rows
+    ]
+    room = max(measured) - 1  # room for the shorter prompt with its own tools only
+    kept = build_prompts(
+        run.dataset, datasets.Dataset.from_list(rows), tokenizer, room, partial(tools_for_row, arguments)
+    )
+    assert [row["environment"] for row in kept] == [rows[measured.index(min(measured))]["environment"]]
+
+
 @pytest.mark.parametrize(
     ("source", "entry_point", "said"),
     [
@@ -165,7 +226,11 @@ ONLY_RESET = "class Empty:\n    def reset(self, **row):\n        return None\n"
         (TOOLS + "shout = 'loud'\n", "shout", "environment.entry_point: 'loud' is not a function"),
         (NO_RESET, "Counter", "environment.source: Counter has no reset method; define reset(self, **row)"),
         (ONLY_RESET, "Empty", "environment.source: Empty has no public method besides reset and get_reward"),
-        (ENVIRONMENT + TOOLS, "Counter, add", "environment.entry_point: name one environment class, or only tool"),
+        (
+            ENVIRONMENT + TOOLS,
+            "Counter, add",
+            "environment.entry_point: name environment classes (several: one per row",
+        ),
     ],
 )
 def test_environment_code_that_trl_could_not_use_is_refused_naming_the_tool_and_the_fix(
@@ -214,8 +279,8 @@ def test_prompts_are_measured_with_the_tools_schemas_trl_renders_into_them() -> 
     room = run.model.max_model_len - run.grpo.max_completion_length
     assert len(build_prompts(run.dataset, rows, tokenizer, room)) == len(rows)  # without tools, all fit
     with pytest.raises(DatasetError, match=f"every prompt with the tools' schemas is longer than {room} tokens"):
-        build_prompts(run.dataset, rows, tokenizer, room, [calculate])
-    assert len(build_prompts(run.dataset, rows, tokenizer, 1024 - 16, [calculate])) == len(rows)
+        build_prompts(run.dataset, rows, tokenizer, room, lambda row: [calculate])
+    assert len(build_prompts(run.dataset, rows, tokenizer, 1024 - 16, lambda row: [calculate])) == len(rows)
 
 
 HOSTILE_PROGRAMS = {  # what the model's program tries -> what the Python tool answers
@@ -276,7 +341,7 @@ def test_an_episode_is_recorded_turn_by_turn_for_the_sample_browser() -> None:
 def test_each_reply_of_an_episode_keeps_the_version_its_request_named() -> None:
     """The job's rollout loop notes on each reply the adapter version whose name its request carried; the episode's
     turns carry it to the panel, so a turn generated after a mid-episode sync shows its own version."""
-    from jobs.trainer.rollout_worker import TURN_VERSION, version_named
+    from jobs.trainer.episode_loop import TURN_VERSION, version_named
     from jobs.trainer.telemetry import episode_turns
 
     assert [version_named(name) for name in ("trl-policy-v12", "trl-policy-v", "Qwen/Qwen2.5-0.5B")] == [12, None, None]
@@ -299,6 +364,25 @@ def test_each_reply_of_an_episode_keeps_the_version_its_request_named() -> None:
     assert episode_turns([{"role": "assistant", "content": "7"}]) is None  # a single reply has no turns
 
 
+def test_an_episode_keeps_to_its_token_budget_and_keeps_one_token_for_a_last_turn() -> None:
+    """Each turn is asked for what TRL asks, within what the episode has left less one token; once one token is left,
+    the turn gets that one token (it cannot be a tool call, so the episode ends) and the episode counts as ended by
+    its budget. Without a budget, turns are asked for what TRL asks."""
+    from jobs.trainer.episode_loop import Episode
+
+    episode, asked = Episode(tokens_left=40), []
+    for generated in (32, 7, 1):
+        asked.append(episode.max_tokens(32))
+        assert not episode.ended_by_budget or asked[-1] == 1
+        episode.spent(generated)
+    assert asked == [32, 7, 1] and episode.ended_by_budget and episode.tokens_left == 0
+    short = Episode(tokens_left=40)
+    assert short.max_tokens(16) == 16 and not short.ended_by_budget
+    free = Episode(tokens_left=None)
+    free.spent(1000)
+    assert free.max_tokens(32) == 32 and not free.ended_by_budget
+
+
 def test_the_plan_says_what_an_agent_run_offers_and_how_many_episodes_run_at_once(tmp_path: Path) -> None:
     from backend.plan import derived_values
 
@@ -307,6 +391,10 @@ def test_the_plan_says_what_an_agent_run_offers_and_how_many_episodes_run_at_onc
         "environment": "python",
         "offers": "run_python(code): what a Python program prints, run confined (no network, no processes)",
         "max_turns": 3,
+        "episode_tokens": 64,  # the demo's 16 tokens a turn, over the first turn and 3 tool turns
+        "episode_tokens_from": "no budget: 16 tokens x 4 turns",
         "episodes_in_flight": 32,
     }
+    budgeted = spec(kind="builtin", name="python", max_turns=3, max_episode_tokens=40)
+    assert derived_values(budgeted, trainer_cuda=False)["tools"]["episode_tokens"] == 40
     assert derived_values(spec(), trainer_cuda=False)["tools"] is None

@@ -97,6 +97,7 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "environment.source": ("training", "Environment code"),
     "environment.entry_point": ("training", "Environment class or tools"),
     "environment.max_turns": ("training", "Max tool turns"),
+    "environment.max_episode_tokens": ("advanced", "Episode token budget"),
     "lora.rank": ("training", "LoRA rank"),
     "lora.alpha": ("training", "LoRA alpha"),
     "lora.target_modules": ("training", "Target modules"),

@@ -647,10 +647,12 @@ class EnvironmentSpec(_Section):
     """Tools the model may call during an episode, for multi-turn GRPO (TRL's `tools` / `environment_factory`).
 
     They run where TRL's rollout child runs: on the trainer's CPU, beside the proxy. `none` keeps today's single-turn
-    runs. Code defines module-level tool functions (typed, with a docstring TRL turns into the tool's schema) or one
-    environment class (`reset(**row)`, its public methods the tools, an optional `get_reward()`), named by
-    `entry_point`: the class, or the functions separated by commas. How many episodes run at once is
-    `grpo.max_inflight`: each in-flight task is a whole episode, its tools included.
+    runs. Code defines module-level tool functions (typed, with a docstring TRL turns into the tool's schema) or
+    environment classes (`reset(**row)`, their public methods the tools, an optional `get_reward()`), named by
+    `entry_point`: the class, or the functions separated by commas. Several classes give each row its own environment,
+    named by the dataset's `environment` column (TRL's environment per row); each row's prompt offers its tools only.
+    `max_episode_tokens` caps the completion tokens of an episode over all its turns (TRL has no such cap). How many
+    episodes run at once is `grpo.max_inflight`: each in-flight task is a whole episode, its tools included.
     """
 
     kind: Annotated[
@@ -672,12 +674,25 @@ class EnvironmentSpec(_Section):
         Field(ge=1, le=MAX_TURNS),
         shown("Max tool turns", "training", "tool-calling turns per episode (TRL's max_tool_calling_iterations)"),
     ] = 4
+    max_episode_tokens: Annotated[
+        int | None,
+        Field(ge=2),
+        shown(
+            "Episode token budget",
+            "training",
+            "completion tokens an episode may generate over all its turns",
+            unset="no budget: each turn up to the max completion length",
+            advanced=True,
+        ),
+    ] = None
 
     @model_validator(mode="after")
     def _environment(self) -> EnvironmentSpec:
         if self.kind == "builtin" and self.name not in BUILTIN_ENVIRONMENTS:
             known = ", ".join(BUILTIN_ENVIRONMENTS)
             raise ValueError(f"name: unknown built-in environment {self.name!r}; use one of {known}, or kind 'code'")
+        if self.max_episode_tokens is not None and self.kind == "none":
+            raise ValueError("max_episode_tokens: only for a run with tools; remove it, or pick tools")
         if self.kind != "code":
             if self.source is not None or self.entry_point is not None:
                 raise ValueError("source: only for kind 'code'; remove it and entry_point, or set kind to 'code'")

@@ -65,7 +65,8 @@ def agent_demo_spec(run_id: str, storage_uri: str, **sections: dict[str, Any]) -
         model={**data["model"], "id": AGENT_DEMO_MODEL_ID},
         dataset={**data["dataset"], "id": AGENT_DEMO_DATASET_ID},
         rewards=[{"kind": "builtin", "name": "exact_answer"}],
-        environment={"kind": "builtin", "name": "codebook", "max_turns": 2},
+        # A lookup and an answer take ~25 tokens: the budget leaves room for them and ends an episode that loops.
+        environment={"kind": "builtin", "name": "codebook", "max_turns": 2, "max_episode_tokens": 48},
         eval={},  # held-out evaluation of agents is not supported yet
     )
     data["grpo"].update(max_completion_length=32, learning_rate=AGENT_LEARNING_RATE)

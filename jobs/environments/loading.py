@@ -21,6 +21,7 @@ from jobs.contract import EnvironmentSpec
 
 CODE_MODULE = "run_environment"  # the module a user's environment code is written to
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that TRL does not offer as tools
+ENVIRONMENT_COLUMN = "environment"  # the dataset column naming each row's environment, where there are several
 
 
 class EnvironmentCodeError(ValueError):
@@ -28,8 +29,9 @@ class EnvironmentCodeError(ValueError):
 
 
 def trainer_arguments(spec: EnvironmentSpec, folder: Path) -> dict[str, Any]:
-    """`tools=` or `environment_factory=` for `AsyncGRPOTrainer`, checked; none for a single-turn run. A user's code
-    is written under `folder`."""
+    """`tools=` or `environment_factory=` for `AsyncGRPOTrainer`, checked; none for a single-turn run. Several
+    environment classes make a dict by class name, as TRL takes an environment per row (the dataset's `environment`
+    column names each row's). A user's code is written under `folder`."""
     if not spec.enabled:
         return {}
     if spec.kind == "builtin":
@@ -38,9 +40,11 @@ def trainer_arguments(spec: EnvironmentSpec, folder: Path) -> dict[str, Any]:
             return {"environment_factory": checked_environment(module.ENVIRONMENT)}
         return {"tools": checked_tools(list(module.TOOLS))}
     loaded = load_code(spec.source or "", spec.entry_points, folder)
-    if len(loaded) == 1 and inspect.isclass(loaded[0]):
+    if not inspect.isclass(loaded[0]):
+        return {"tools": checked_tools(loaded)}
+    if len(loaded) == 1:
         return {"environment_factory": checked_environment(loaded[0])}
-    return {"tools": checked_tools(loaded)}
+    return {"environment_factory": {factory.__name__: checked_environment(factory) for factory in loaded}}
 
 
 SAMPLE_ARGUMENTS: dict[str, Any] = {
@@ -54,15 +58,63 @@ SAMPLE_ARGUMENTS: dict[str, Any] = {
 
 
 def rehearse(arguments: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    """Start an episode from each sample row (an environment's `reset(**row)`) and call every tool once with
-    arguments made from its schema, as a model would; returns the calls made, in words. A tool may answer a made-up
-    argument with an error (the model is shown it), but must not raise, which would end the episode."""
-    factory = arguments.get("environment_factory")
+    """Start an episode from each sample row (an environment's `reset(**row)`; with an environment per row, the one
+    the row names) and call every tool once with arguments made from its schema, as a model would; returns the calls
+    made, in words. A tool may answer a made-up argument with an error (the model is shown it), but must not raise,
+    which would end the episode."""
+    factories = environment_factories(arguments)
+    if factories is None:
+        return _call_tools(list(arguments.get("tools", [])))
+    check_environment_column(arguments, rows)
     said: list[str] = []
-    if factory is not None:
+    for name, factory in factories.items():
+        mine = [row for row in rows if name is None or row.get(ENVIRONMENT_COLUMN) == name]
         instance = factory()
-        said += _start_episodes(factory.__name__, instance, rows)
-    tools = environment_tools(instance) if factory is not None else list(arguments.get("tools", []))
+        said += _start_episodes(factory.__name__, instance, mine) + _call_tools(environment_tools(instance))
+    return said
+
+
+def environment_factories(arguments: dict[str, Any]) -> dict[str | None, Callable[[], Any]] | None:
+    """The environment classes of `trainer_arguments`' result by the name rows select them by (None: the one every
+    row uses); None for tool functions or no tools."""
+    factory = arguments.get("environment_factory")
+    if factory is None:
+        return None
+    return dict(factory) if isinstance(factory, dict) else {None: factory}
+
+
+def check_environment_column(arguments: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """With an environment per row, every row names one of them in its `environment` column (TRL stops the run at
+    the first row that does not, after the replicas started)."""
+    factories = environment_factories(arguments)
+    if factories is None or None in factories:
+        return
+    names = ", ".join(str(name) for name in factories)
+    for number, row in enumerate(rows, 1):
+        if row.get(ENVIRONMENT_COLUMN) not in factories:
+            found = (
+                "has no environment column"
+                if ENVIRONMENT_COLUMN not in row
+                else (f"names environment {row[ENVIRONMENT_COLUMN]!r}")
+            )
+            raise EnvironmentCodeError(
+                f"environment.entry_point: dataset row {number} {found}; with several environment classes, each row "
+                f"names its own in an '{ENVIRONMENT_COLUMN}' column: one of {names}"
+            )
+
+
+def tools_for_row(arguments: dict[str, Any], row: dict[str, Any]) -> list[Callable[..., Any]]:
+    """The tools the model is offered on `row` (TRL renders their schemas into its prompt): the tool functions, the
+    environment's, or with an environment per row, those of the one the row names."""
+    factories = environment_factories(arguments)
+    if factories is None:
+        return list(arguments.get("tools", []))
+    factory = factories.get(row.get(ENVIRONMENT_COLUMN)) if None not in factories else factories[None]
+    return environment_tools(factory()) if factory is not None else []
+
+
+def _call_tools(tools: list[Callable[..., Any]]) -> list[str]:
+    said = []
     for tool in tools:
         parameters = tool_schema(tool)["function"].get("parameters", {})
         sample = {
@@ -84,7 +136,7 @@ def _start_episodes(name: str, instance: Any, rows: list[dict[str, Any]]) -> lis
     """`reset(**row)` on each sample row, as TRL starts an episode (the `environment` column is TRL's, not reset's)."""
     for row in rows:
         try:
-            instance.reset(**{key: value for key, value in row.items() if key != "environment"})
+            instance.reset(**{key: value for key, value in row.items() if key != ENVIRONMENT_COLUMN})
         except Exception as error:
             raise EnvironmentCodeError(
                 f"environment.source: {name}.reset failed on a sample row: {type(error).__name__}: {error}"
@@ -94,12 +146,6 @@ def _start_episodes(name: str, instance: Any, rows: list[dict[str, Any]]) -> lis
 
 def _call(arguments: dict[str, Any]) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in arguments.items())
-
-
-def offered_tools(arguments: dict[str, Any]) -> list[Callable[..., Any]]:
-    """The tools the model is offered under `trainer_arguments`' result: the tool functions, or an environment's."""
-    factory = arguments.get("environment_factory")
-    return environment_tools(factory()) if factory is not None else list(arguments.get("tools", []))
 
 
 def load_code(source: str, names: list[str], folder: Path) -> list[Any]:
@@ -124,9 +170,10 @@ def load_code(source: str, names: list[str], folder: Path) -> list[Any]:
         )
     loaded = [getattr(module, name) for name in names]
     classes = [item for item in loaded if inspect.isclass(item)]
-    if classes and len(loaded) > 1:
+    if classes and len(classes) < len(loaded):
         raise EnvironmentCodeError(
-            "environment.entry_point: name one environment class, or only tool functions, not both"
+            "environment.entry_point: name environment classes (several: one per row, by the dataset's "
+            f"'{ENVIRONMENT_COLUMN}' column), or only tool functions, not both"
         )
     return loaded
 

@@ -140,12 +140,13 @@ def prompt_token_ids(tokenizer, messages: list[dict[str, str]], tools: list | No
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: int | None = None, tools=None):
+def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: int | None = None, tools_for=None):
     """The dataset TRL trains on: `prompt` (messages) and `answer` (the gold answer as text), plus every column of the
     dataset under its own name — structs and lists included — as TRL hands them to reward functions.
 
     With a tokenizer and `max_prompt_tokens`, prompts that would leave no room for a full completion are dropped,
-    counted with the schemas of the `tools` the model may call (TRL renders them into every prompt).
+    counted with the schemas of the tools the model may call on each row (`tools_for(row)`: TRL renders them into
+    the row's prompt).
     """
     import datasets
 
@@ -155,6 +156,7 @@ def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: in
     for row in rows:
         messages = to_messages(row[spec.prompt_column], spec.system_prompt)
         limited = tokenizer is not None and max_prompt_tokens is not None
+        tools = tools_for(row) if tools_for is not None else None
         if limited and len(prompt_token_ids(tokenizer, messages, tools)) > max_prompt_tokens:
             dropped += 1
             continue
@@ -167,7 +169,7 @@ def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: in
             "dropped %d prompts longer than %d tokens (no room left for a completion)", dropped, max_prompt_tokens
         )
     if not records:
-        schemas = " with the tools' schemas" if tools else ""
+        schemas = " with the tools' schemas" if tools_for is not None else ""
         raise DatasetError(
             f"dataset: every prompt{schemas} is longer than {max_prompt_tokens} tokens; raise model.max_model_len or "
             "lower grpo.max_completion_length"

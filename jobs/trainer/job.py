@@ -21,6 +21,7 @@ import errno
 import logging
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
-from jobs.environments.loading import offered_tools, trainer_arguments
+from jobs.environments.loading import check_environment_column, tools_for_row, trainer_arguments
 from jobs.evaluation.heldout import training_rows
 from jobs.models import eos_token_ids, parameter_count, resolve_model
 from jobs.ports import free_port
@@ -165,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
         from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-        use_job_rollout_worker(derived.rollout_limits(spec).scored_groups)
+        use_job_rollout_worker(derived.rollout_limits(spec).scored_groups, spec.environment.max_episode_tokens)
 
         model_path = resolve_model(spec.model)
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision, padding_side="left")
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         # Rows carved off for held-out evaluation are never trained on (jobs/evaluation/heldout.py).
         rows = training_rows(load_rows(spec.dataset, store), spec.eval)
         environment = trainer_arguments(spec.environment, workdir / "environment")
-        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, offered_tools(environment))
+        check_environment_column(environment, list(rows))
+        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, partial(tools_for_row, environment))
         if spec.eval.holdout is not None:
             log.info("%d rows held out for evaluation; training on the other %d", spec.eval.holdout, len(rows))
         error_log = workdir / "reward_errors.jsonl"

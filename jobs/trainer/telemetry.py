@@ -21,8 +21,8 @@ from transformers import TrainerCallback
 from jobs.runtime import write_status
 from jobs.store import ObjectStore, StoreError
 from jobs.telemetry import ChunkWriter
+from jobs.trainer.episode_loop import TURN_VERSION
 from jobs.trainer.rewards import completion_text
-from jobs.trainer.rollout_worker import TURN_VERSION
 
 MAX_TEXT_CHARS = 20_000  # a sample's prompt or completion beyond this is cut (the panel shows text, not novels)
 STATUS_EVERY_S = 5.0
