@@ -357,10 +357,17 @@ def _text(value: Any) -> str | None:
 
 
 def _targets(value: Any, form: dict[str, Any]) -> str | list[str]:
-    text = (_text(value) or "all-linear").replace(";", ",")
-    if text == "all-linear":
-        return text
-    return [name.strip() for name in re.split(r"[,\s]+", text) if name.strip()]
+    text = _text(value) or "all-linear"
+    return text if text == "all-linear" else _listed(text, form)
+
+
+def _listed(value: Any, form: dict[str, Any]) -> list[str]:
+    """Names separated by commas (or spaces) in a text box, as a list."""
+    return [name.strip() for name in re.split(r"[,;\s]+", _text(value) or "") if name.strip()]
+
+
+def _listed_text(value: Any) -> str:
+    return ", ".join(value or [])
 
 
 def _targets_text(value: Any) -> str:
@@ -386,13 +393,17 @@ def _for_kinds(*kinds: str) -> Callable[[Any, dict[str, Any]], str | None]:
 # Spec fields whose widget holds something else than the spec value, or whose value depends on another input.
 _TO_SPEC: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "lora.target_modules": _targets,
+    "environment.packages": _listed,
     "compute.namespace": _on_hf_jobs,
     "compute.trainer_flavor": _flavor,
     "compute.replica_flavor": _flavor,
     "storage.endpoint": _for_kinds("r2", "minio"),
     "storage.region": _for_kinds("aws", "r2", "minio"),
 }
-_TO_FORM: dict[str, Callable[[Any], Any]] = {"lora.target_modules": _targets_text}
+_TO_FORM: dict[str, Callable[[Any], Any]] = {
+    "lora.target_modules": _targets_text,
+    "environment.packages": _listed_text,
+}
 
 
 def _credential(value: Any) -> int | None:

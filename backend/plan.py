@@ -144,6 +144,7 @@ def _tools(spec: RunSpec, limits: derived.RolloutLimits) -> dict[str, Any] | Non
         if environment.max_episode_tokens
         else f"no budget: {spec.grpo.max_completion_length} tokens x {environment.max_turns + 1} turns",
         "episodes_in_flight": limits.inflight,
+        "packages": environment.packages,  # installed by the trainer where its image lacks them
     }
 
 

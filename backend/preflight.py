@@ -32,6 +32,7 @@ from jobs.contract import BUILTIN_MODELS, RunSpec, SpecError, derived, parse_spe
 from jobs.contract.flavors import flavor
 from jobs.evaluation.heldout import HeldOut, held_out
 from jobs.evaluation.results import function_fields, scored_functions
+from jobs.pins import missing
 from jobs.store import StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
 from jobs.trainer.reporting import missing_packages
@@ -395,6 +396,8 @@ def _check_environment(spec: RunSpec, rows: list[dict[str, Any]], result: Prefli
     """The user's environment code, loaded and tried in the sandbox on the sample rows as TRL would use it."""
     if spec.environment.kind != "code":
         return  # none, or a built-in: ours, tested with the code
+    if not environment_packages_here(spec, result):
+        return
     try:
         rehearse_environment(spec.environment, rows, limits)
     except SandboxError as error:
@@ -402,6 +405,26 @@ def _check_environment(spec: RunSpec, rows: list[dict[str, Any]], result: Prefli
         if not field_name.startswith("environment."):  # the sandbox's own words: a limit, a refusal
             field_name, message = "environment.source", str(error)
         result.errors[field_name] = message
+
+
+def environment_packages_here(spec: RunSpec, result: Preflight) -> bool:
+    """Whether the packages the environment's code imports are installed here, where it is tried. A local run's
+    jobs run here too: one that lacks them is refused. On HF Jobs the trainer installs them; the code is then left
+    untried, said so, rather than refused for what the panel lacks."""
+    lacking = missing(spec.environment.packages)
+    if not lacking:
+        return True
+    if spec.compute.backend == "local":
+        result.errors["environment.packages"] = (
+            f"{', '.join(lacking)} not installed where this panel runs its local jobs: run "
+            f"'pip install {' '.join(lacking)}' in the panel's environment, or remove it"
+        )
+    else:
+        result.unchecked["environment.source"] = (
+            f"not tried here: it imports {', '.join(lacking)}, which this panel lacks; the trainer installs "
+            "environment.packages before it trains"
+        )
+    return False
 
 
 def _check_rewards(spec: RunSpec, rows: list[dict[str, Any]], result: Preflight, limits: SandboxLimits) -> None:

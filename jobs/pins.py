@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 REQUIREMENTS = Path(__file__).resolve().parent.parent / "requirements-jobs.txt"
@@ -36,6 +38,29 @@ def installed(name: str) -> str | None:
 def unmet(path: Path = REQUIREMENTS) -> dict[str, str | None]:
     """{name: the version installed here, None if none} for every pin this interpreter does not satisfy."""
     return {name: installed(name) for name, version in pins(path).items() if installed(name) != version}
+
+
+def missing(requirements: list[str]) -> list[str]:
+    """Each `name==version` of `requirements` this interpreter lacks at that version."""
+    lacking = []
+    for requirement in requirements:
+        match = _PIN.match(requirement)
+        if match is None or installed(match.group(1)) != match.group(2):
+            lacking.append(requirement)
+    return lacking
+
+
+def install_missing(requirements: list[str], needed_for: str) -> list[str]:
+    """pip-install what `missing` names of `requirements` (`needed_for` says why, in the log and the error); what was
+    installed. A job installs the packages a run asks for that its image lacks."""
+    lacking = missing(requirements)
+    if lacking:
+        print(f"installing {', '.join(lacking)} {needed_for}", flush=True)
+        if subprocess.call([sys.executable, "-m", "pip", "install", "-q", *lacking]) != 0:
+            raise RuntimeError(
+                f"could not install {', '.join(lacking)} {needed_for}; check the job log for pip's error"
+            )
+    return lacking
 
 
 def require(name: str, path: Path = REQUIREMENTS) -> None:

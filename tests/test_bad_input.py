@@ -516,6 +516,16 @@ def test_rows_must_name_one_of_the_environments_when_there_are_several(gate, ref
     refused(spec, "environment.entry_point", fix)
 
 
+@row("environment packages missing where local jobs run")
+def test_environment_packages_a_local_run_lacks_are_named_with_the_command_that_installs_them(gate, refused):
+    """A local run's trainer runs in the panel's environment: a package its environment code needs is installed there
+    first (the trainer installs them only where a job image lacks them, on HF Jobs)."""
+    good = TOOL.format(name="look", parameter="key: str", doc="Look a key up.", body="    return key\n")
+    environment = {"kind": "code", "source": good, "entry_point": "look", "packages": ["no-such-package-xyz==1.0"]}
+    spec = gate.spec(environment=environment, eval={"split": None}, model={"max_model_len": 1024})
+    refused(spec, "environment.packages", "pip install no-such-package-xyz==1.0' in the panel's environment")
+
+
 def test_environment_code_that_trl_can_use_passes_the_gate(gate):
     """The control: a typed, documented tool whose sample call answers passes, and nothing else is said about it."""
     good = TOOL.format(

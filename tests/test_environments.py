@@ -69,6 +69,9 @@ def code(source: str, entry_point: str) -> dict[str, Any]:
     [
         ({"kind": "builtin", "name": "abacus"}, "environment.name: unknown built-in environment 'abacus'; use one of"),
         ({"max_episode_tokens": 100}, "environment.max_episode_tokens: only for a run with tools"),
+        ({"kind": "builtin", "packages": ["sympy==1.13.3"]}, "environment.packages: only for kind 'code'"),
+        ({**code("x = 1", "x"), "packages": ["sympy"]}, "environment.packages: 'sympy' is not pinned; give each"),
+        ({**code("x = 1", "x"), "packages": ["sympy>=1"]}, "environment.packages: 'sympy>=1' is not pinned"),
         ({"kind": "builtin", "max_episode_tokens": 1}, "environment.max_episode_tokens: Input should be greater than"),
         ({"kind": "code"}, "environment.source: kind 'code' needs Python code defining the tools"),
         (code(TOOLS, "add; shout"), "environment.entry_point: name the environment class, or the tool functions"),
@@ -394,7 +397,39 @@ def test_the_plan_says_what_an_agent_run_offers_and_how_many_episodes_run_at_onc
         "episode_tokens": 64,  # the demo's 16 tokens a turn, over the first turn and 3 tool turns
         "episode_tokens_from": "no budget: 16 tokens x 4 turns",
         "episodes_in_flight": 32,
+        "packages": [],
     }
     budgeted = spec(kind="builtin", name="python", max_turns=3, max_episode_tokens=40)
     assert derived_values(budgeted, trainer_cuda=False)["tools"]["episode_tokens"] == 40
     assert derived_values(spec(), trainer_cuda=False)["tools"] is None
+
+
+def test_packages_the_environment_imports_are_installed_by_a_job_that_lacks_them_and_left_untried_by_the_panel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The HF Jobs branch, driven here: the panel lacks a package the code imports, so its code is said to be
+    untried (not refused: the trainer installs it), and a trainer whose pip cannot reach it names the package."""
+    from backend.preflight import Preflight, environment_packages_here
+    from backend.presets import math_recipe
+    from jobs.contract import parse_spec
+    from jobs.pins import install_missing, installed, missing
+
+    torch_pin = f"torch=={installed('torch')}"
+    assert missing([torch_pin, "no-such-package-xyz==1.0", "torch==0.0.1"]) == [
+        "no-such-package-xyz==1.0",
+        "torch==0.0.1",
+    ]
+    data = math_recipe("agent-hub", "someone", "grpo")
+    data |= {"environment": {**code("x = 1", "x"), "packages": [torch_pin, "no-such-package-xyz==1.0"]}, "eval": {}}
+    result = Preflight()
+    assert not environment_packages_here(parse_spec(data), result)
+    assert (
+        not result.errors
+        and "no-such-package-xyz==1.0, which this panel lacks" in result.unchecked["environment.source"]
+    )
+    data["environment"]["packages"] = [torch_pin]
+    assert environment_packages_here(parse_spec(data), Preflight())
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip fails at once instead of searching the registry
+    with pytest.raises(RuntimeError, match=r"could not install no-such-package-xyz==1\.0 for the environment"):
+        install_missing(["no-such-package-xyz==1.0", torch_pin], "for the environment's code")
+    assert install_missing([torch_pin], "for the environment's code") == []

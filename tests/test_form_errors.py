@@ -98,6 +98,7 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
     "environment.entry_point": ("training", "Environment class or tools"),
     "environment.max_turns": ("training", "Max tool turns"),
     "environment.max_episode_tokens": ("advanced", "Episode token budget"),
+    "environment.packages": ("advanced", "Environment packages"),
     "lora.rank": ("training", "LoRA rank"),
     "lora.alpha": ("training", "LoRA alpha"),
     "lora.target_modules": ("training", "Target modules"),

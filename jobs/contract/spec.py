@@ -68,6 +68,8 @@ BUILTIN_ENVIRONMENTS: dict[str, str] = {
     "codebook": "lookup(name): the code each row keeps for the thing it asks about (the agent demo's)",
 }
 MAX_TURNS = 32  # tool-calling turns per episode: each re-sends the whole conversation
+MAX_ENVIRONMENT_PACKAGES = 16
+_PINNED_PACKAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9,._-]+\])?==[A-Za-z0-9][A-Za-z0-9.+!_-]*$")
 # Upper bounds on form values that are otherwise accepted and only fail once jobs run (or when the run is recorded).
 MAX_DATASET_ROWS = 1_000_000_000
 MAX_SYSTEM_PROMPT_CHARS = 100_000  # sent with every prompt: beyond this it crowds out any model's context
@@ -685,6 +687,27 @@ class EnvironmentSpec(_Section):
             advanced=True,
         ),
     ] = None
+    packages: Annotated[
+        list[str],
+        Field(max_length=MAX_ENVIRONMENT_PACKAGES),
+        shown(
+            "Environment packages",
+            "training",
+            "what the environment's code imports beyond the job's packages: name==version, separated by commas",
+            advanced=True,
+        ),
+    ] = Field(default_factory=list)
+
+    @field_validator("packages")
+    @classmethod
+    def _packages(cls, value: list[str]) -> list[str]:
+        for package in value:
+            if not _PINNED_PACKAGE.match(package):
+                raise ValueError(
+                    f"{package!r} is not pinned; give each package as name==version (e.g. sympy==1.13.3), so every "
+                    "run of this code gets the same one"
+                )
+        return value
 
     @model_validator(mode="after")
     def _environment(self) -> EnvironmentSpec:
@@ -693,6 +716,8 @@ class EnvironmentSpec(_Section):
             raise ValueError(f"name: unknown built-in environment {self.name!r}; use one of {known}, or kind 'code'")
         if self.max_episode_tokens is not None and self.kind == "none":
             raise ValueError("max_episode_tokens: only for a run with tools; remove it, or pick tools")
+        if self.packages and self.kind != "code":
+            raise ValueError("packages: only for kind 'code' (the built-ins need none); remove them")
         if self.kind != "code":
             if self.source is not None or self.entry_point is not None:
                 raise ValueError("source: only for kind 'code'; remove it and entry_point, or set kind to 'code'")

@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt = spec.model.max_model_len - spec.grpo.max_completion_length
         # Rows carved off for held-out evaluation are never trained on (jobs/evaluation/heldout.py).
         rows = training_rows(load_rows(spec.dataset, store), spec.eval)
+        ranks.from_main(lambda: pins.install_missing(spec.environment.packages, "for the environment's code"))
         environment = trainer_arguments(spec.environment, workdir / "environment")
         check_environment_column(environment, list(rows))
         dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, partial(tools_for_row, environment))

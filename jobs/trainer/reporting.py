@@ -8,12 +8,10 @@ requirements.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from jobs.contract import RunSpec
-from jobs.pins import installed, pins
+from jobs.pins import install_missing, missing, pins
 
 REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements-reporting.txt"
 
@@ -41,20 +39,21 @@ def report_environment(spec: RunSpec) -> dict[str, str]:
     return environment
 
 
-def missing_packages(spec: RunSpec, path: Path = REQUIREMENTS) -> list[str]:
-    """`name==version` of each reporting package the run picked and this interpreter lacks at its pin."""
+def reporting_packages(spec: RunSpec, path: Path = REQUIREMENTS) -> list[str]:
+    """`name==version` of each reporting package the run picked, at its pin."""
     pinned = pins(path)
-    return [f"{name}=={pinned[name]}" for name in spec.reporting.report_to() if installed(name) != pinned[name]]
+    return [f"{name}=={pinned[name]}" for name in spec.reporting.report_to()]
+
+
+def missing_packages(spec: RunSpec, path: Path = REQUIREMENTS) -> list[str]:
+    """The reporting packages the run picked that this interpreter lacks at their pins."""
+    return missing(reporting_packages(spec, path))
 
 
 def install_reporting_packages(spec: RunSpec, path: Path = REQUIREMENTS) -> list[str]:
     """Install what `missing_packages` names (in the main process; the other ranks wait for it); what was installed."""
-    missing = missing_packages(spec, path)
-    if missing:
-        print(f"trainer: installing {', '.join(missing)} to report to {', '.join(spec.reporting.report_to())}")
-        if subprocess.call([sys.executable, "-m", "pip", "install", "-q", *missing]) != 0:
-            raise RuntimeError(
-                f"could not install {', '.join(missing)} to report the run's metrics; check the job log for pip's "
-                "error, or relaunch without reporting.trackio / reporting.wandb"
-            )
-    return missing
+    return install_missing(
+        reporting_packages(spec, path),
+        f"to report to {', '.join(spec.reporting.report_to())} (or relaunch without reporting.trackio / "
+        "reporting.wandb)",
+    )
