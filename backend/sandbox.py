@@ -72,13 +72,14 @@ def confinement(limits: SandboxLimits, scratch: Path, strict: bool) -> Confineme
 def run_rewards(
     rewards: list[RewardSpec],
     rows: list[dict[str, Any]],
-    completions: list[str],
+    completions: list[str] | list[list[dict[str, Any]]],
     limits: SandboxLimits = SandboxLimits(),
     eos_token_ids: list[int] | None = None,
     completion_ids: list[list[int]] | None = None,
 ) -> list[RewardTrial]:
-    """Score `completions` (one per row) with each reward, in the sandbox. Without their token ids (a check on sample
-    rows has none) each completion counts a token per word, ending in EOS."""
+    """Score `completions` (one per row: a reply's text, or an agent's episode as its messages) with each reward, in
+    the sandbox. Without their token ids (a check on sample rows has none) each completion counts a token per word,
+    ending in EOS."""
     if len(rows) != len(completions):
         raise ValueError("give one completion per row")
     columns: dict[str, list[Any]] = {}
@@ -91,7 +92,7 @@ def run_rewards(
         "completions": completions,
         "prompts": [row.get("prompt") for row in rows],
         "completion_ids": completion_ids
-        or [list(range(max(1, len(text.split())))) + (eos_token_ids or [])[:1] for text in completions],
+        or [list(range(max(1, len(str(text).split())))) + (eos_token_ids or [])[:1] for text in completions],
         "columns": {key: values for key, values in columns.items() if len(values) == len(rows)},
         "eos_token_ids": eos_token_ids or [],
     }

@@ -59,7 +59,7 @@ def main(root, request_path, result_path):
         with open(result_path, "w") as handle:
             json.dump(result, handle)
         return
-    completions = [[{"role": "assistant", "content": text}] for text in request["completions"]]
+    completions = [c if isinstance(c, list) else [{"role": "assistant", "content": c}] for c in request["completions"]]
     columns = request["columns"]
     result = {"rewards": {}}
     for spec_data in request["rewards"]:

@@ -245,6 +245,12 @@ class EvaluationService:
 
         from jobs.models import eos_token_ids, resolve_model
 
+        if spec.environment.kind == "code":
+            raise EvaluationError(
+                f"environment: run {run.id}'s tools are your code, which this panel runs only in its sandbox, where no "
+                "engine answers; its versions are evaluated while it trains (eval.split or eval.holdout at launch), "
+                "or evaluate a run with a built-in environment here"
+            )
         model_path = resolve_model(spec.model)
         ensure_generates_here(spec, model_path, "a run on HF Jobs is evaluated by a job of its own there")
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
@@ -273,8 +279,8 @@ def _score(
     rows = [record for record in records for _ in range(k)]
     flat = [completion for completions in sampled for completion in completions]
     limits = SandboxLimits(seconds=max(SandboxLimits.seconds, SANDBOX_SECONDS_PER_COMPLETION * len(flat)))
-    texts, ids = [c.text for c in flat], [c.token_ids for c in flat]
-    trials = run_rewards(scored_functions(spec), rows, texts, limits, eos_token_ids=eos, completion_ids=ids)
+    scored, ids = [c.scored() for c in flat], [c.token_ids for c in flat]
+    trials = run_rewards(scored_functions(spec), rows, scored, limits, eos_token_ids=eos, completion_ids=ids)
     for field_name, trial in zip(function_fields(spec), trials, strict=True):
         if trial.error:
             raise EvaluationError(f"{field_name}: {trial.name} failed on a held-out completion: {trial.error}")

@@ -813,12 +813,6 @@ class RunSpec(_Section):
                 raise ValueError(
                     "eval.split: a file in the bucket has no other split; carve held-out rows off it instead"
                 )
-        if self.environment.enabled and self.eval.enabled:
-            raise ValueError(
-                "eval.split: held-out evaluation scores single answers, and this run's episodes use tools over several "
-                "turns; evaluating agents is not supported yet: empty eval.split and eval.holdout, or set "
-                "environment.kind to none"
-            )
         if self.parent is not None and self.parent.run_id == self.run_id:
             raise ValueError("parent.run_id: must name another run; a branch gets its own run id")
         from jobs.contract.derived import trainer_processes  # derived values build on this module

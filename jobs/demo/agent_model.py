@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.demo.dataset import codebook_question
-from jobs.demo.tiny_model import SPECIAL_TOKENS, cache_root
+from jobs.demo.tiny_model import SPECIAL_TOKENS, cache_root, tiny_config
 from jobs.environments.codebook import Codebook
 
 BUILD_VERSION = 1  # bump when anything below changes: caches are keyed on it
@@ -147,24 +147,11 @@ def _save_tokenizer(folder: Path, rng: random.Random) -> None:
 
 
 def _config(folder: Path) -> Any:
-    from transformers import AutoTokenizer, Qwen2Config
+    """The tiny model's shape over the agent tokenizer, initialised as usual: the warm start trains the head too, so
+    the wide initialisation the digits demo needs (its head stays frozen under LoRA) is not."""
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.02,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
+    return tiny_config(AutoTokenizer.from_pretrained(folder), initializer_range=0.02)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]]) -> str:
@@ -208,7 +195,7 @@ def _warm_start(model: Any, tokenizer: Any, rng: random.Random) -> None:
         share = 1.0 if step < SFT_STEPS - SFT_MIXED_STEPS else TOOL_CALL_SHARE
         batch = [_example(tokenizer, conversation(rng, share)) for _ in range(SFT_BATCH)]
         shared = _shared_prefix([ids for ids, _ in batch])
-        cache = model.model(input_ids=torch.tensor([batch[0][0][:shared]]), use_cache=True).past_key_values
+        cache = model.model(input_ids=torch.tensor([batch[0][0][:shared]]), use_cache=True).cache
         cache.batch_repeat_interleave(len(batch))
         rests = [(ids[shared:], [*labels[shared + 1 :], -100]) for ids, labels in batch]
         width = max(len(ids) for ids, _ in rests)
@@ -217,7 +204,7 @@ def _warm_start(model: Any, tokenizer: Any, rng: random.Random) -> None:
         attention = torch.tensor([[1] * (shared + len(ids)) + [0] * (width - len(ids)) for ids, _ in rests])
         positions = torch.arange(shared, shared + width).expand(len(batch), -1)
         hidden = model.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, past_key_values=cache
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, cache=cache
         ).last_hidden_state
         scored = labels != -100
         loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[scored]), labels[scored])

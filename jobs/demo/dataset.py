@@ -35,18 +35,20 @@ THINGS = (
     "meadow lantern pillow marble thunder basket feather compass"
 ).split()
 CODEBOOK_ROWS = {"train": 64, "test": 32}
+# The held-out split asks about things the training split never does (the warm start saw them all).
+CODEBOOK_THINGS = {"train": THINGS[:16], "test": THINGS[16:]}
 
 
-def codebook_question(rng: random.Random) -> dict[str, str]:
+def codebook_question(rng: random.Random, things: tuple[str, ...] | list[str] = THINGS) -> dict[str, str]:
     """One row of the agent demo: a question about a thing, the thing, and the code the row keeps for it."""
-    thing = rng.choice(THINGS)
+    thing = rng.choice(things)
     return {"prompt": f"What is the code of the {thing}?", "thing": thing, "answer": str(rng.randrange(10))}
 
 
 def codebook_rows(split: str = "train") -> list[dict[str, str]]:
-    """The agent demo's rows: 64 to train on, 32 others held out."""
+    """The agent demo's rows: 64 about 16 things to train on, 32 about 8 others held out."""
     rng = random.Random(f"codebook-{split}")
-    return [codebook_question(rng) for _ in range(CODEBOOK_ROWS[split])]
+    return [codebook_question(rng, CODEBOOK_THINGS[split]) for _ in range(CODEBOOK_ROWS[split])]
 
 
 def builtin_rows(dataset_id: str, split: str) -> list[dict[str, str]]:

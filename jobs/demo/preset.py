@@ -57,7 +57,8 @@ def agent_demo_spec(run_id: str, storage_uri: str, **sections: dict[str, Any]) -
     Each episode is a question, at most two tool turns and an answer; only a reply that is the row's code scores
     (`exact_answer`). The warm-started model calls the tool in about a quarter of its episodes, so most groups mix
     right and wrong episodes from the first step. The learning rate is lower than the digits demo's: the warm start
-    already put the model where it must be, and a step as large would unlearn the copying it was taught.
+    already put the model where it must be, and a step as large would unlearn the copying it was taught. Versions are
+    evaluated as the digits demo's are, every tenth, on the test split: things the training split never asks about.
     """
     data = demo_spec(run_id, storage_uri).model_dump()
     data.update(
@@ -67,7 +68,6 @@ def agent_demo_spec(run_id: str, storage_uri: str, **sections: dict[str, Any]) -
         rewards=[{"kind": "builtin", "name": "exact_answer"}],
         # A lookup and an answer take ~25 tokens: the budget leaves room for them and ends an episode that loops.
         environment={"kind": "builtin", "name": "codebook", "max_turns": 2, "max_episode_tokens": 48},
-        eval={},  # held-out evaluation of agents is not supported yet
     )
     data["grpo"].update(max_completion_length=32, learning_rate=AGENT_LEARNING_RATE)
     _override(data, sections)

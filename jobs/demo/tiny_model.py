@@ -20,6 +20,7 @@ import random
 import secrets
 import shutil
 from pathlib import Path
+from typing import Any
 
 from jobs import settings
 
@@ -75,10 +76,31 @@ def _corpus(rng: random.Random, sentences: int = 4000) -> list[str]:
     return lines
 
 
+def tiny_config(tokenizer: Any, initializer_range: float) -> Any:
+    """The demo models' shape: a 2-layer Qwen2 of hidden size 128 over `tokenizer`'s vocabulary, in fp32."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+
+
 def _build(folder: Path) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
     from trl.chat_template_utils import qwen3_instruct_2507_chat_template
 
     rng = random.Random(1234)
@@ -104,21 +126,7 @@ def _build(folder: Path) -> None:
     fast.chat_template = qwen3_instruct_2507_chat_template
     fast.save_pretrained(folder)
 
-    config = Qwen2Config(
-        vocab_size=len(fast),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.1,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        torch_dtype="float32",
-    )
+    config = tiny_config(fast, initializer_range=0.1)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config)

@@ -36,6 +36,7 @@ import requests
 
 from jobs.contract import RunSpec, derived, layout
 from jobs.contract.control import STOP, StopRequest
+from jobs.evaluation.episodes import draw
 from jobs.evaluation.heldout import EvalPrompts, HeldOut, eval_prompts, held_out
 from jobs.evaluation.results import (
     TOTAL,
@@ -46,7 +47,7 @@ from jobs.evaluation.results import (
     scored_functions,
     stored_result,
 )
-from jobs.evaluation.sampling import Completion, Sampling, SamplingError, sample
+from jobs.evaluation.sampling import Completion, Sampling, SamplingError
 from jobs.evaluation.statistics import Interval, stalled
 from jobs.runtime import add_run_arguments, open_run, setup_logging
 from jobs.secrets import redact
@@ -71,7 +72,7 @@ class Scorer:
     def score(self, prompts: EvalPrompts, sampled: list[list[Completion]]) -> dict[str, list[list[float]]]:
         k = len(sampled[0])
         records = [record for record in prompts.records for _ in range(k)]
-        completions = [[{"role": "assistant", "content": c.text}] for texts in sampled for c in texts]
+        completions = [c.scored() for texts in sampled for c in texts]
         ids = [c.token_ids for texts in sampled for c in texts]
         columns = {name: [record[name] for record in records] for name in records[0] if name != "prompt"}
         prompts_each = [record["prompt"] for record in records]
@@ -135,7 +136,7 @@ class RunEvaluator:
         started = time.monotonic()
         try:
             with self._served(version) as model:
-                sampled = sample(self.proxy_url, model, self.prompts.token_ids, self.sampling, None, IN_FLIGHT_PROMPTS)
+                sampled = draw(self.prompts, self.proxy_url, model, self.sampling, IN_FLIGHT_PROMPTS)
             scores = self.scorer.score(self.prompts, sampled)
         except SamplingError as error:
             notice("warning", f"held-out evaluation of v{version} skipped: {error}")

@@ -42,6 +42,7 @@ class EvalPrompts:
     token_ids: list[list[int]]
     texts: list[str]
     source: str
+    agent: Any = None  # jobs/evaluation/episodes.Agent for a run with tools: its prompts start episodes
 
 
 def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any) -> EvalPrompts:
@@ -51,7 +52,11 @@ def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any) -> EvalPrompts:
     records = [dict(row) for row in build_prompts(spec.dataset, Dataset.from_list(held.rows))]
     token_ids = [prompt_token_ids(tokenizer, record["prompt"]) for record in records]
     texts = [str(record["prompt"][-1]["content"]) for record in records]
-    return EvalPrompts(records, token_ids, texts, held.source)
+    if not spec.environment.enabled:
+        return EvalPrompts(records, token_ids, texts, held.source)
+    from jobs.evaluation.episodes import agent_for
+
+    return EvalPrompts(records, token_ids, texts, held.source, agent_for(spec, tokenizer))
 
 
 def normalise(prompt: Any) -> str:

@@ -59,6 +59,11 @@ class Sampling:
 class Completion:
     text: str
     token_ids: list[int]
+    messages: list[dict[str, Any]] | None = None  # an agent's episode, as its rewards score it (text: as shown)
+
+    def scored(self) -> list[dict[str, Any]]:
+        """The completion as the run's rewards take it in training: a message list."""
+        return self.messages if self.messages is not None else [{"role": "assistant", "content": self.text}]
 
 
 def sample(

@@ -13,9 +13,10 @@ from pathlib import Path
 
 from jobs.contract import RunSpec, layout
 from jobs.evaluation.engine import adapter_loaded
+from jobs.evaluation.episodes import draw
 from jobs.evaluation.heldout import EvalPrompts
 from jobs.evaluation.results import VersionEval
-from jobs.evaluation.sampling import Completion, Sampling, sample
+from jobs.evaluation.sampling import Completion, Sampling
 from jobs.store import ObjectStore
 
 # Per score, per prompt, per sample (jobs/evaluation/results.py's `score_table`) of the sampled completions.
@@ -39,10 +40,10 @@ def evaluate_versions(
     for version in versions:
         started = time.monotonic()
         if version == 0:
-            sampled = sample(url, spec.model.id, prompts.token_ids, sampling)
+            sampled = draw(prompts, url, spec.model.id, sampling)
         else:
             with adapter_loaded(url, f"eval-v{version}", adapter_dir(version)) as name:
-                sampled = sample(url, name, prompts.token_ids, sampling)
+                sampled = draw(prompts, url, name, sampling)
         result = VersionEval(
             run_id=spec.run_id,
             version=version,

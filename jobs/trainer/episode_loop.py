@@ -16,7 +16,9 @@ calls or at its turn cap). That last token is a real sample of the policy, train
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,7 @@ class Episode:
     tokens it has left (None: no budget)."""
 
     tokens_left: int | None
+    seed: int | None = None  # held-out evaluation's: turn t of the episode draws with seed + t
     versions: list[int | None] = field(default_factory=list)
     ended_by_budget: bool = False
 
@@ -51,6 +54,18 @@ class Episode:
 
 # Each episode runs as its own asyncio task, so each sees its own.
 _episode: contextvars.ContextVar[Episode | None] = contextvars.ContextVar("episode", default=None)
+_seed: contextvars.ContextVar[int | None] = contextvars.ContextVar("episode_seed", default=None)
+
+
+@contextlib.contextmanager
+def episode_seed(seed: int) -> Iterator[None]:
+    """Episodes started in the block draw from `seed` (turn t with seed + t) instead of TRL's random seeds: held-out
+    evaluation compares versions on the same draws."""
+    token = _seed.set(seed)
+    try:
+        yield
+    finally:
+        _seed.reset(token)
 
 
 class EpisodeLoop(_AsyncRolloutLoop):
@@ -61,7 +76,7 @@ class EpisodeLoop(_AsyncRolloutLoop):
         self.episode_token_budget = episode_token_budget
 
     async def _generate_one(self, prompt: Any, tool_dict: Any, tools: Any, group_id: int = 0) -> Any:
-        episode = Episode(self.episode_token_budget)
+        episode = Episode(self.episode_token_budget, _seed.get())
         token = _episode.set(episode)
         try:
             result = await super()._generate_one(prompt, tool_dict=tool_dict, tools=tools, group_id=group_id)
@@ -87,6 +102,8 @@ class EpisodeLoop(_AsyncRolloutLoop):
             return await super()._post(path, payload, timeout, max_retries)
         episode.versions[-1] = version_named(str(payload.get("model", "")))
         payload = {**payload, "max_tokens": episode.max_tokens(int(payload["max_tokens"]))}
+        if episode.seed is not None:
+            payload["seed"] = episode.seed + len(episode.versions) - 1
         output = await super()._post(path, payload, timeout, max_retries)
         episode.spent(len(output["choices"][0]["token_ids"]))
         return output

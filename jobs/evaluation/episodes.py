@@ -1,0 +1,154 @@
+"""Held-out episodes of an agent under one version: TRL's own tool-calling loop, run as training runs it.
+
+An agent's held-out score is only comparable with its training if its episodes are made the same way: the same chat
+template with the tools' schemas, the same `/v1/completions` requests with token ids, the same reading of tool calls
+(`parse_response`), tool results fed back as `str(result)`, the same turn cap and token budget. So the loop here is
+the job's (`jobs/trainer/episode_loop.py`, TRL's with each reply's version and the budget), built outside TRL's
+rollout child and driven one episode at a time, with two differences that evaluation needs: every turn names the
+version being evaluated (training names whatever version is current at each turn), and each (prompt, sample) draws
+from its own seeds, so two versions are compared on the same draws.
+
+The environment's code runs in this process, as it does in the trainer's rollout child: in a job beside the trainer,
+or in the panel for the built-in environments only (ours; the Python tool confines itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from jobs.contract import RunSpec
+from jobs.environments.loading import ENVIRONMENT_COLUMN, environment_tools, trainer_arguments
+from jobs.evaluation.heldout import EvalPrompts
+from jobs.evaluation.sampling import CONCURRENT_PROMPTS, Completion, Sampling, sample
+from jobs.trainer.episode_loop import EpisodeLoop, episode_seed
+from jobs.trainer.telemetry import episode_text
+
+
+@dataclass(frozen=True)
+class Agent:
+    """What an agent's episodes are made with: the environment as `trainer_arguments` gives it (`tools=` or
+    `environment_factory=`), the tokenizer as the trainer fits it, and the run's settings."""
+
+    spec: RunSpec
+    environment: dict[str, Any]
+    tokenizer: Any
+    eos_token_ids: list[int]
+
+
+def agent_for(spec: RunSpec, tokenizer: Any) -> Agent:
+    """The agent of a run with tools: its environment loaded and checked as the trainer loads it (a user's code into a
+    folder of its own), its tokenizer fitted as the trainer fits it (the response template TRL reads tool calls by)."""
+    from jobs.chat_templates import fit_tokenizer
+
+    fit_tokenizer(tokenizer, spec.model.id, tools=True)
+    folder = Path(tempfile.mkdtemp(prefix="environment-"))
+    return Agent(spec, trainer_arguments(spec.environment, folder), tokenizer, [tokenizer.eos_token_id])
+
+
+def draw(
+    prompts: EvalPrompts,
+    endpoint: str,
+    model: str,
+    sampling: Sampling,
+    concurrency: int = CONCURRENT_PROMPTS,
+) -> list[list[Completion]]:
+    """Each held-out prompt's k completions from `model` at `endpoint`: replies, or for an agent its episodes."""
+    if prompts.agent is None:
+        return sample(endpoint, model, prompts.token_ids, sampling, None, concurrency)
+    return sample_episodes(prompts.agent, endpoint, model, prompts.records, sampling, concurrency)
+
+
+def sample_episodes(
+    agent: Agent, endpoint: str, model: str, records: list[dict[str, Any]], sampling: Sampling, concurrency: int
+) -> list[list[Completion]]:
+    """Per held-out row (as the trainer builds it: `prompt` messages and every column), `sampling.k` episodes of
+    `model` at `endpoint`, at most `concurrency` rows' episodes at a time."""
+    return asyncio.run(_sample(agent, endpoint, model, records, sampling, concurrency))
+
+
+async def _sample(
+    agent: Agent, endpoint: str, model: str, records: list[dict[str, Any]], sampling: Sampling, concurrency: int
+) -> list[list[Completion]]:
+    import aiohttp
+
+    loop = _loop(agent, endpoint, model, sampling)
+    gate = asyncio.Semaphore(max(1, concurrency) * sampling.k)
+
+    async def one(index: int, sample: int) -> Completion:
+        async with gate:
+            return await _episode(loop, records[index], sampling.seed + index * sampling.k + sample)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            loop.session = session
+            drawn = await asyncio.gather(
+                *(one(index, sample) for index in range(len(records)) for sample in range(sampling.k))
+            )
+    finally:
+        loop._tool_pool.shutdown(wait=False, cancel_futures=True)
+        loop._loop.close()  # the event loop TRL's loop makes for its child: unused here
+    return [list(drawn[index * sampling.k : (index + 1) * sampling.k]) for index in range(len(records))]
+
+
+def _loop(agent: Agent, endpoint: str, model: str, sampling: Sampling) -> EpisodeLoop:
+    """The job's rollout loop set up for evaluation: `model` named on every turn (no LoRA name: it would be followed
+    by the current version), the run's turn cap and budget, the evaluation's sampling."""
+    spec = agent.spec
+    unused: queue.Queue[Any] = queue.Queue()  # the loop's channels to a trainer: evaluation has none
+    return EpisodeLoop(
+        model_name=model,
+        lora_name=None,
+        dataset=[],
+        reward_funcs=[_unscored],  # scored afterwards by the run's rewards, as every held-out completion is
+        processing_class=agent.tokenizer,
+        eos_token_ids=agent.eos_token_ids,
+        rollout_buffer=unused,
+        model_version_value=None,
+        heartbeat_value=None,
+        failed_event=None,
+        exception_info_queue=unused,
+        metrics_queue=unused,
+        vllm_server_url=endpoint,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=spec.grpo.top_k,
+        max_tool_calling_iterations=spec.environment.max_turns,
+        episode_token_budget=spec.environment.max_episode_tokens,
+        **agent.environment,
+    )
+
+
+def _unscored(**_: Any) -> list[float]:
+    return []
+
+
+async def _episode(loop: EpisodeLoop, record: dict[str, Any], seed: int) -> Completion:
+    """One episode from `record`, as TRL's generate loop starts one: its environment (the one its row names, where
+    there are several) reset from the row, the observation `reset` returns appended to the prompt, the tools those
+    of the environment and the tool functions."""
+    prompt = list(record["prompt"])
+    tools = loop.tools
+    methods: list[Any] = []
+    # By name; {None: factory} for one environment (TRL's attribute is typed as what it was given).
+    factories = cast("dict[Any, Any] | None", loop.environment_factories)
+    if factories is not None:
+        name = record.get(ENVIRONMENT_COLUMN) if loop._multi_environment else None
+        environment = factories[name]()
+        row = {k: v for k, v in record.items() if k != ENVIRONMENT_COLUMN} if loop._multi_environment else record
+        observation = await asyncio.get_running_loop().run_in_executor(
+            loop._tool_pool, lambda: environment.reset(**row)
+        )
+        if isinstance(observation, str) and isinstance(prompt[-1]["content"], str):
+            prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        tools = loop._env_tools[name]
+        methods = environment_tools(environment)
+    tool_dict = {tool.__name__: tool for tool in [*loop._standalone_tools, *methods]}
+    with episode_seed(seed):
+        completion, completion_ids, *_ = await loop._generate_one(prompt, tool_dict=tool_dict, tools=tools)
+    return Completion(episode_text(completion), list(completion_ids), completion)
