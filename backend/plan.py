@@ -79,7 +79,7 @@ def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = N
     compute, grpo = spec.compute, spec.grpo
     limits = derived.rollout_limits(spec)
     window = derived.staleness_window(grpo)
-    processes = derived.trainer_processes(compute)
+    processes = compute.training_ranks
     per_device, accumulation = derived.batch_shape(grpo, processes, trainer_cuda)
     weights, autocast = derived.trainer_precision(trainer_cuda)
     hub = compute.backend == "hf_jobs"
@@ -87,7 +87,7 @@ def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = N
     return {
         "trainer": {
             # On HF Jobs the flavor's GPUs; locally one per process when this machine has CUDA.
-            "gpus": derived.trainer_gpus(compute) if hub else (processes if trainer_cuda else 0),
+            "gpus": compute.trainer_gpus if hub else (processes if trainer_cuda else 0),
             "gpu_memory_gb": gpu_memory_gb,
             "processes": processes,
             "sharding": _sharding(compute.trainer_sharding, processes, parameters, gpu_memory_gb),

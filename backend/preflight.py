@@ -327,7 +327,7 @@ def _check_trainer_memory(parameters: int, spec: RunSpec, result: Preflight) -> 
     """Every trainer process holds the model's float32 weights, whole (DDP) or its share of them (FSDP): refuse a
     flavor whose GPUs cannot."""
     gpu = flavor(spec.compute.trainer_flavor)
-    processes = derived.trainer_processes(spec.compute)
+    processes = spec.compute.training_ranks
     sharding = derived.trainer_sharding(spec.compute.trainer_sharding, processes, parameters, gpu.gpu_memory_gb)
     shards = processes if sharding == "fsdp" else 1
     if not gpu.gpus or derived.trainer_fits(parameters, gpu.gpu_memory_gb, shards):

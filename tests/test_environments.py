@@ -4,7 +4,6 @@ environment class checked as TRL will use them, before anything trains."""
 from __future__ import annotations
 
 import re
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +178,7 @@ def test_several_environment_classes_give_each_row_the_one_its_environment_colum
     run, and every environment starts episodes from its own rows."""
     from transformers import AutoTokenizer
 
-    from jobs.environments.loading import check_environment_column, rehearse, tools_for_row
+    from jobs.environments.loading import check_environment_column, rehearse, row_tools
     from jobs.models import builtin_model_folder
     from jobs.trainer.dataset import build_prompts, prompt_token_ids
 
@@ -191,7 +190,8 @@ def test_several_environment_classes_give_each_row_the_one_its_environment_colum
         {"prompt": "Count.", "answer": "", "environment": "Counter"},
         {"prompt": "Say hi.", "answer": "", "environment": "Echo"},
     ]
-    assert [[t.__name__ for t in tools_for_row(arguments, row)] for row in rows] == [["increment"], ["echo"]]
+    tools_of = row_tools(arguments)
+    assert [[t.__name__ for t in tools_of(row)] for row in rows] == [["increment"], ["echo"]]
     assert rehearse(arguments, rows) == [
         "Counter.reset(row) on 1 sample rows",
         "increment(by=1) -> '1'",
@@ -205,14 +205,9 @@ def test_several_environment_classes_give_each_row_the_one_its_environment_colum
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_folder(DEMO_MODEL_ID))
     run = spec(**code(source, "Counter, Echo"))
-    measured = [
-        len(prompt_token_ids(tokenizer, [{"role": "user", "content": r["prompt"]}], tools_for_row(arguments, r)))
-        for r in rows
-    ]
+    measured = [len(prompt_token_ids(tokenizer, [{"role": "user", "content": r["prompt"]}], tools_of(r))) for r in rows]
     room = max(measured) - 1  # room for the shorter prompt with its own tools only
-    kept = build_prompts(
-        run.dataset, datasets.Dataset.from_list(rows), tokenizer, room, partial(tools_for_row, arguments)
-    )
+    kept = build_prompts(run.dataset, datasets.Dataset.from_list(rows), tokenizer, room, tools_of)
     assert [row["environment"] for row in kept] == [rows[measured.index(min(measured))]["environment"]]
 
 
@@ -431,3 +426,19 @@ def test_packages_the_environment_imports_are_installed_by_a_job_that_lacks_them
     with pytest.raises(RuntimeError, match=r"could not install no-such-package-xyz==1\.0 for the environment"):
         install_missing(["no-such-package-xyz==1.0", torch_pin], "for the environment's code")
     assert install_missing([torch_pin], "for the environment's code") == []
+
+
+def test_reset_is_rehearsed_as_trl_calls_it_and_what_it_returns_must_fit_a_prompt(tmp_path: Path) -> None:
+    """With one environment class TRL passes reset the whole row, an `environment` column included (only with
+    several is that column TRL's own); and TRL appends what reset returns to the prompt, so a dict would fail
+    there, after the replicas started."""
+    from jobs.environments.loading import rehearse
+
+    strict = ENVIRONMENT.replace("def reset(self, **row):", "def reset(self, prompt, answer):")
+    arguments = trainer_arguments(spec(**code(strict, "Counter")).environment, tmp_path / "one")
+    with pytest.raises(EnvironmentCodeError, match="Counter.reset failed on a sample row: TypeError"):
+        rehearse(arguments, [{"prompt": "Count.", "answer": "", "environment": "Counter"}])
+    returns_dict = ENVIRONMENT.replace('return "Count to three."', 'return {"task": "count"}')
+    arguments = trainer_arguments(spec(**code(returns_dict, "Counter")).environment, tmp_path / "dict")
+    with pytest.raises(EnvironmentCodeError, match="Counter.reset returned a dict; TRL appends what reset returns"):
+        rehearse(arguments, [{"prompt": "Count.", "answer": ""}])

@@ -23,7 +23,7 @@ import requests
 
 from backend.plan import JobPlan, RunPlan, derived_values
 from jobs import settings
-from jobs.contract import RunSpec, derived, layout, timeout_seconds
+from jobs.contract import RunSpec, layout, timeout_seconds
 from jobs.contract.control import JOBS, UPSTREAMS, JobRef, JobsRecord, Upstream, UpstreamsRecord
 from jobs.contract.durations import duration
 from jobs.runtime import spec_uri
@@ -105,7 +105,7 @@ def job_module_args(spec: RunSpec, role: str, port: int | str = REPLICA_PORT, ho
     if spec.storage.region:
         store_args += ["--store-region", spec.storage.region]
     if role == "trainer":
-        return [*trainer_launcher(derived.trainer_processes(spec.compute)), "jobs.trainer", "--spec", uri, *store_args]
+        return [*trainer_launcher(spec.compute.training_ranks), "jobs.trainer", "--spec", uri, *store_args]
     if role == SMOKE_ROLE:
         return ["jobs.smoke", "--spec", uri, "--host", host, "--port", str(port), *store_args]
     if role.startswith(EVALUATOR_ROLE):

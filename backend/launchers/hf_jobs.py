@@ -46,7 +46,7 @@ from backend.launchers.base import (
     job_module_args,
 )
 from backend.plan import JobPlan
-from jobs.contract import RunSpec, derived, layout, parse_storage_uri, timeout_seconds
+from jobs.contract import RunSpec, layout, parse_storage_uri, timeout_seconds
 from jobs.hub_jobs import cancel_unless_ended
 from jobs.retry import RetryPolicy, retry_call
 from jobs.store import ObjectStore, S3Store
@@ -209,7 +209,7 @@ class HfJobsLauncher(Launcher):
         upload_bundle(store, spec.run_id, self._bundle())
 
     def trainer_cuda(self, spec: RunSpec) -> bool:
-        return derived.trainer_gpus(spec.compute) > 0
+        return spec.compute.trainer_gpus > 0
 
     def plan_job(self, spec: RunSpec, role: str, run_secrets: RunSecrets) -> JobPlan:
         # The bootstrap reads the bundle with the bucket keys the job holds anyway; its arguments are not secret.

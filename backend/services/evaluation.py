@@ -16,6 +16,7 @@ from typing import Any
 
 from backend.alerts import best_by_training_reward, update_best_version
 from backend.context import PanelContext
+from backend.hosting import on_space
 from backend.ingest import ingest_eval
 from backend.launchers.base import LaunchError
 from backend.models import AdapterVersion, Run
@@ -245,11 +246,14 @@ class EvaluationService:
 
         from jobs.models import eos_token_ids, resolve_model
 
-        if spec.environment.kind == "code":
+        environment = spec.environment
+        if environment.kind == "code" or (
+            environment.kind == "builtin" and environment.name == "python" and on_space()
+        ):
             raise EvaluationError(
-                f"environment: run {run.id}'s tools are your code, which this panel runs only in its sandbox, where no "
-                "engine answers; its versions are evaluated while it trains (eval.split or eval.holdout at launch), "
-                "or evaluate a run with a built-in environment here"
+                f"environment: run {run.id}'s tools run code this panel runs only in its sandbox, where no engine "
+                "answers (your environment's, or on a Space the model's programs); its versions are evaluated while "
+                "it trains (eval.split or eval.holdout at launch)"
             )
         model_path = resolve_model(spec.model)
         ensure_generates_here(spec, model_path, "a run on HF Jobs is evaluated by a job of its own there")

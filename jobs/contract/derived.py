@@ -82,16 +82,6 @@ def rollout_limits(spec: RunSpec) -> RolloutLimits:
     return RolloutLimits(inflight, queue, scored_groups)
 
 
-def trainer_gpus(compute: ComputeSpec) -> int:
-    """GPUs the trainer job has: its flavor's on HF Jobs; none locally (the embedded default runs on the CPU)."""
-    return flavor(compute.trainer_flavor).gpus if compute.backend == "hf_jobs" else 0
-
-
-def trainer_processes(compute: ComputeSpec) -> int:
-    """Training processes (data-parallel ranks): the spec's `trainer_processes`, else one per GPU of the trainer."""
-    return compute.trainer_processes or max(1, trainer_gpus(compute))
-
-
 def replica_tensor_parallel(compute: ComputeSpec) -> int:
     """GPUs one replica's vLLM spreads the model over: every GPU of its flavor (vLLM's --tensor-parallel-size).
 

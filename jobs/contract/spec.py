@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from jobs.contract.durations import timeout_seconds
-from jobs.contract.flavors import FLAVORS
+from jobs.contract.flavors import FLAVORS, flavor
 from jobs.contract.storage_uri import parse_storage_uri
 from jobs.secrets import find_secret
 
@@ -484,6 +484,16 @@ class ComputeSpec(_Section):
             )
         return self
 
+    @property
+    def trainer_gpus(self) -> int:
+        """GPUs the trainer job has: its flavor's on HF Jobs; none locally (the embedded default runs on the CPU)."""
+        return flavor(self.trainer_flavor).gpus if self.backend == "hf_jobs" else 0
+
+    @property
+    def training_ranks(self) -> int:
+        """Training processes (data-parallel ranks): `trainer_processes`, else one per GPU of the trainer."""
+        return self.trainer_processes or max(1, self.trainer_gpus)
+
 
 class StorageSpec(_Section):
     uri: Annotated[str, shown("Bucket location", "storage")] = "file:///tmp/grpo-panel/store"
@@ -815,9 +825,7 @@ class RunSpec(_Section):
                 )
         if self.parent is not None and self.parent.run_id == self.run_id:
             raise ValueError("parent.run_id: must name another run; a branch gets its own run id")
-        from jobs.contract.derived import trainer_processes  # derived values build on this module
-
-        processes = trainer_processes(self.compute)
+        processes = self.compute.training_ranks
         if self.grpo.completions_per_step % processes:
             raise ValueError(
                 f"grpo.completions_per_step: {self.grpo.completions_per_step} must be a multiple of the "

@@ -70,7 +70,8 @@ def rehearse(arguments: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]
     for name, factory in factories.items():
         mine = [row for row in rows if name is None or row.get(ENVIRONMENT_COLUMN) == name]
         instance = factory()
-        said += _start_episodes(factory.__name__, instance, mine) + _call_tools(environment_tools(instance))
+        said += _start_episodes(factory.__name__, instance, mine, per_row=name is not None)
+        said += _call_tools(environment_tools(instance))
     return said
 
 
@@ -103,14 +104,18 @@ def check_environment_column(arguments: dict[str, Any], rows: list[dict[str, Any
             )
 
 
-def tools_for_row(arguments: dict[str, Any], row: dict[str, Any]) -> list[Callable[..., Any]]:
-    """The tools the model is offered on `row` (TRL renders their schemas into its prompt): the tool functions, the
-    environment's, or with an environment per row, those of the one the row names."""
+def row_tools(arguments: dict[str, Any]) -> Callable[[dict[str, Any]], list[Callable[..., Any]]]:
+    """For each row, the tools the model is offered on it (TRL renders their schemas into its prompt): the tool
+    functions, the environment's, or with an environment per row, those of the one the row names. Each environment
+    is built once here, not once per row: a user's may be costly to build."""
     factories = environment_factories(arguments)
     if factories is None:
-        return list(arguments.get("tools", []))
-    factory = factories.get(row.get(ENVIRONMENT_COLUMN)) if None not in factories else factories[None]
-    return environment_tools(factory()) if factory is not None else []
+        tools = list(arguments.get("tools", []))
+        return lambda row: tools
+    offered = {name: environment_tools(factory()) for name, factory in factories.items()}
+    if None in offered:
+        return lambda row: offered[None]
+    return lambda row: offered.get(row.get(ENVIRONMENT_COLUMN), [])
 
 
 def _call_tools(tools: list[Callable[..., Any]]) -> list[str]:
@@ -132,15 +137,21 @@ def _call_tools(tools: list[Callable[..., Any]]) -> list[str]:
     return said
 
 
-def _start_episodes(name: str, instance: Any, rows: list[dict[str, Any]]) -> list[str]:
-    """`reset(**row)` on each sample row, as TRL starts an episode (the `environment` column is TRL's, not reset's)."""
+def _start_episodes(name: str, instance: Any, rows: list[dict[str, Any]], per_row: bool) -> list[str]:
+    """`reset(**row)` on each sample row, as TRL starts an episode (with an environment per row, the `environment`
+    column is TRL's and reset does not get it), and what it returns is something TRL can add to the prompt."""
     for row in rows:
         try:
-            instance.reset(**{key: value for key, value in row.items() if key != ENVIRONMENT_COLUMN})
+            observation = instance.reset(**{k: v for k, v in row.items() if not (per_row and k == ENVIRONMENT_COLUMN)})
         except Exception as error:
             raise EnvironmentCodeError(
                 f"environment.source: {name}.reset failed on a sample row: {type(error).__name__}: {error}"
             ) from None
+        if observation is not None and not isinstance(observation, str | list):
+            raise EnvironmentCodeError(
+                f"environment.source: {name}.reset returned a {type(observation).__name__}; TRL appends what reset "
+                "returns to the prompt: return None, or the text to append"
+            )
     return [f"{name}.reset(row) on {len(rows)} sample rows"]
 
 

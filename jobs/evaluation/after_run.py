@@ -22,6 +22,7 @@ from jobs.evaluation.heldout import held_out
 from jobs.evaluation.results import result_key
 from jobs.evaluation.sampling import Sampling
 from jobs.evaluation.versions import evaluate_versions
+from jobs.pins import install_missing
 from jobs.runtime import add_run_arguments, open_run, setup_logging
 from jobs.store import ObjectStore, download_published
 
@@ -38,6 +39,7 @@ def evaluate_request(spec: RunSpec, versions: list[int], store: ObjectStore) -> 
     sampling = Sampling.of(spec)
     key = result_key(spec, held, sampling)
     model_path = resolve_model(spec.model)
+    install_missing(spec.environment.packages, "for the environment's code")  # the job image lacks them
     prompts, scorer = scoring(spec, held, model_path)
     engine = choose_engine(spec.compute.engine)
     log.info("evaluating %s on %d held-out prompts with %s", versions, len(prompts.records), engine)

@@ -24,7 +24,7 @@ from typing import Any, cast
 from jobs.contract import RunSpec
 from jobs.environments.loading import ENVIRONMENT_COLUMN, environment_tools, trainer_arguments
 from jobs.evaluation.heldout import EvalPrompts
-from jobs.evaluation.sampling import CONCURRENT_PROMPTS, Completion, Sampling, sample
+from jobs.evaluation.sampling import CONCURRENT_PROMPTS, Completion, Sampling, SamplingError, sample
 from jobs.trainer.episode_loop import EpisodeLoop, episode_seed
 from jobs.trainer.telemetry import episode_text
 
@@ -46,7 +46,7 @@ def agent_for(spec: RunSpec, tokenizer: Any) -> Agent:
     from jobs.chat_templates import fit_tokenizer
 
     fit_tokenizer(tokenizer, spec.model.id, tools=True)
-    folder = Path(tempfile.mkdtemp(prefix="environment-"))
+    folder = Path(tempfile.mkdtemp(prefix="environment-"))  # the module TRL's loop imports the code from
     return Agent(spec, trainer_arguments(spec.environment, folder), tokenizer, [tokenizer.eos_token_id])
 
 
@@ -79,9 +79,11 @@ async def _sample(
     loop = _loop(agent, endpoint, model, sampling)
     gate = asyncio.Semaphore(max(1, concurrency) * sampling.k)
 
+    turns = agent.spec.environment.max_turns + 1  # an episode's turns at most: each draws with a seed of its own
+
     async def one(index: int, sample: int) -> Completion:
         async with gate:
-            return await _episode(loop, records[index], sampling.seed + index * sampling.k + sample)
+            return await _episode(loop, records[index], sampling.seed + (index * sampling.k + sample) * turns)
 
     try:
         async with aiohttp.ClientSession() as session:
@@ -95,12 +97,26 @@ async def _sample(
     return [list(drawn[index * sampling.k : (index + 1) * sampling.k]) for index in range(len(records))]
 
 
+class EvaluationLoop(EpisodeLoop):
+    """The job's loop, failing a request at once with `SamplingError` where training retries it for minutes (TRL
+    retries every error, a refusal too): a version that cannot be sampled is skipped, said, as a single-turn
+    run's is."""
+
+    async def _retry(self, coro_factory: Any, *, label: str, max_attempts: int = 1) -> Any:
+        try:
+            return await coro_factory()
+        except SamplingError:
+            raise
+        except Exception as error:
+            raise SamplingError(f"{self.model_name} failed a held-out episode's turn ({label}): {error}") from None
+
+
 def _loop(agent: Agent, endpoint: str, model: str, sampling: Sampling) -> EpisodeLoop:
     """The job's rollout loop set up for evaluation: `model` named on every turn (no LoRA name: it would be followed
     by the current version), the run's turn cap and budget, the evaluation's sampling."""
     spec = agent.spec
     unused: queue.Queue[Any] = queue.Queue()  # the loop's channels to a trainer: evaluation has none
-    return EpisodeLoop(
+    return EvaluationLoop(
         model_name=model,
         lora_name=None,
         dataset=[],
@@ -124,6 +140,20 @@ def _loop(agent: Agent, endpoint: str, model: str, sampling: Sampling) -> Episod
     )
 
 
+def with_observation(prompt: list[dict[str, Any]], observation: Any) -> list[dict[str, Any]]:
+    """The prompt with what `reset` returned appended to its last message, as TRL's generate loop does (text to
+    text; either side a list of parts, the other made one)."""
+    if observation is None:
+        return prompt
+    last = prompt[-1]
+    content = last["content"]
+    if isinstance(observation, list) and isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if isinstance(observation, str) and isinstance(content, list):
+        observation = [{"type": "text", "text": observation}]
+    return [*prompt[:-1], {**last, "content": content + observation}]
+
+
 def _unscored(**_: Any) -> list[float]:
     return []
 
@@ -144,8 +174,7 @@ async def _episode(loop: EpisodeLoop, record: dict[str, Any], seed: int) -> Comp
         observation = await asyncio.get_running_loop().run_in_executor(
             loop._tool_pool, lambda: environment.reset(**row)
         )
-        if isinstance(observation, str) and isinstance(prompt[-1]["content"], str):
-            prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        prompt = with_observation(prompt, observation)
         tools = loop._env_tools[name]
         methods = environment_tools(environment)
     tool_dict = {tool.__name__: tool for tool in [*loop._standalone_tools, *methods]}

@@ -54,9 +54,12 @@ def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any) -> EvalPrompts:
     texts = [str(record["prompt"][-1]["content"]) for record in records]
     if not spec.environment.enabled:
         return EvalPrompts(records, token_ids, texts, held.source)
+    from jobs.environments.loading import check_environment_column
     from jobs.evaluation.episodes import agent_for
 
-    return EvalPrompts(records, token_ids, texts, held.source, agent_for(spec, tokenizer))
+    agent = agent_for(spec, tokenizer)
+    check_environment_column(agent.environment, records)  # held-out rows name their environments as training's do
+    return EvalPrompts(records, token_ids, texts, held.source, agent)
 
 
 def normalise(prompt: Any) -> str:

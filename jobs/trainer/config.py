@@ -42,7 +42,7 @@ def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | No
     cuda = torch.cuda.is_available() if cuda is None else cuda
     grpo = spec.grpo
     limits = derived.rollout_limits(spec)
-    per_device, accumulation = derived.batch_shape(grpo, derived.trainer_processes(spec.compute), cuda)
+    per_device, accumulation = derived.batch_shape(grpo, spec.compute.training_ranks, cuda)
     dtype, bf16 = derived.trainer_precision(cuda)
     return AsyncGRPOConfig(
         output_dir=output_dir,

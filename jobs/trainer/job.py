@@ -21,7 +21,6 @@ import errno
 import logging
 import os
 import shutil
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +28,7 @@ import torch
 from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import derived, layout
-from jobs.environments.loading import check_environment_column, tools_for_row, trainer_arguments
+from jobs.environments.loading import check_environment_column, row_tools, trainer_arguments
 from jobs.evaluation.heldout import training_rows
 from jobs.models import eos_token_ids, parameter_count, resolve_model
 from jobs.ports import free_port
@@ -154,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = Path(ranks.shared_workdir(args.output_dir, spec.run_id))
         if not cuda:
             cpu_compat.apply_cpu_patches()
+        # Before the evaluator starts: it loads the environment's code too.
+        ranks.from_main(lambda: pins.install_missing(spec.environment.packages, "for the environment's code"))
         if main_process:
             watchdogs.append(start_proxy(proxy, args, telemetry))
             watchdogs.append(store_watchdog(store, spec.run_id, args.store_outage_timeout).start())
@@ -175,10 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         max_prompt = spec.model.max_model_len - spec.grpo.max_completion_length
         # Rows carved off for held-out evaluation are never trained on (jobs/evaluation/heldout.py).
         rows = training_rows(load_rows(spec.dataset, store), spec.eval)
-        ranks.from_main(lambda: pins.install_missing(spec.environment.packages, "for the environment's code"))
         environment = trainer_arguments(spec.environment, workdir / "environment")
         check_environment_column(environment, list(rows))
-        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, partial(tools_for_row, environment))
+        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, row_tools(environment))
         if spec.eval.holdout is not None:
             log.info("%d rows held out for evaluation; training on the other %d", spec.eval.holdout, len(rows))
         error_log = workdir / "reward_errors.jsonl"
@@ -326,7 +326,9 @@ def watch_trainer(
     spec = ctx.spec
     collective = sharding == "fsdp"
     if ranks.is_main_process():
-        trainer.rollout_queue = RecordingQueue(trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness)
+        trainer.rollout_queue = RecordingQueue(
+            trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness, episodes=spec.environment.enabled
+        )
     elif not collective:
         return None
     audit = PolicyAudit(

@@ -55,11 +55,14 @@ def episode_text(completion: Any) -> str:
     return "\n".join(lines)
 
 
-def episode_turns(completion: Any) -> list[dict[str, Any]] | None:
+def episode_turns(completion: Any, agent: bool = False) -> list[dict[str, Any]] | None:
     """An agent's episode turn by turn, as the panel stores it: each reply with its tool calls and the adapter
-    version that generated it (the rollout loop notes it: a sync can land mid-episode), each tool's answer. None
-    for a completion that called no tool (a single reply)."""
-    if isinstance(completion, str) or not any(_is_tool_turn(message) for message in completion):
+    version that generated it (the rollout loop notes it: a sync can land mid-episode), each tool's answer. In an
+    `agent` run (one with tools) every episode has its turns, one that answered at once too; otherwise None for a
+    completion that called no tool (a single reply)."""
+    if isinstance(completion, str):
+        return None
+    if not agent and not any(_is_tool_turn(message) for message in completion):
         return None
     turns: list[dict[str, Any]] = []
     for message in completion:
@@ -197,8 +200,9 @@ class TelemetryCallback(TrainerCallback):
 class RecordingQueue:
     """Stands in for TRL's rollout queue: forwards `get` and `qsize`, and records each sample it hands out."""
 
-    def __init__(self, queue, telemetry: TrainerTelemetry, trainer, max_staleness: int):
+    def __init__(self, queue, telemetry: TrainerTelemetry, trainer, max_staleness: int, episodes: bool = False):
         self.queue, self.telemetry, self.trainer, self.max_staleness = queue, telemetry, trainer, max_staleness
+        self.episodes = episodes  # a run with tools: every sample is an episode, kept turn by turn
 
     def qsize(self) -> int:
         return self.queue.qsize()
@@ -229,7 +233,7 @@ class RecordingQueue:
                 "group_id": int(sample.group_id),
                 "prompt": _text(sample.prompt),
                 "completion": episode_text(sample.completion)[:MAX_TEXT_CHARS],
-                "turns": episode_turns(sample.completion),
+                "turns": episode_turns(sample.completion, self.episodes),
                 "reward": _finite(metrics.get("reward")),
                 "rewards": {k[len("rewards/") :]: _finite(v) for k, v in metrics.items() if k.startswith("rewards/")},
                 "advantage": _finite(float(sample.advantage)),
