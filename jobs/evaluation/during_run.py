@@ -36,7 +36,6 @@ import requests
 
 from jobs.contract import RunSpec, derived, layout
 from jobs.contract.control import STOP, StopRequest
-from jobs.evaluation.episodes import draw
 from jobs.evaluation.heldout import EvalPrompts, HeldOut, eval_prompts, held_out
 from jobs.evaluation.results import (
     TOTAL,
@@ -47,7 +46,7 @@ from jobs.evaluation.results import (
     scored_functions,
     stored_result,
 )
-from jobs.evaluation.sampling import Completion, Sampling, SamplingError
+from jobs.evaluation.sampling import Completion, Sampling, SamplingError, draw
 from jobs.evaluation.statistics import Interval, stalled
 from jobs.runtime import add_run_arguments, open_run, setup_logging
 from jobs.secrets import redact

@@ -23,8 +23,7 @@ from typing import Any, cast
 
 from jobs.contract import RunSpec
 from jobs.environments.loading import ENVIRONMENT_COLUMN, environment_tools, trainer_arguments
-from jobs.evaluation.heldout import EvalPrompts
-from jobs.evaluation.sampling import CONCURRENT_PROMPTS, Completion, Sampling, SamplingError, sample
+from jobs.evaluation.sampling import Completion, Sampling, SamplingError
 from jobs.trainer.episode_loop import EpisodeLoop, episode_seed
 from jobs.trainer.telemetry import episode_text
 
@@ -48,19 +47,6 @@ def agent_for(spec: RunSpec, tokenizer: Any) -> Agent:
     fit_tokenizer(tokenizer, spec.model.id, tools=True)
     folder = Path(tempfile.mkdtemp(prefix="environment-"))  # the module TRL's loop imports the code from
     return Agent(spec, trainer_arguments(spec.environment, folder), tokenizer, [tokenizer.eos_token_id])
-
-
-def draw(
-    prompts: EvalPrompts,
-    endpoint: str,
-    model: str,
-    sampling: Sampling,
-    concurrency: int = CONCURRENT_PROMPTS,
-) -> list[list[Completion]]:
-    """Each held-out prompt's k completions from `model` at `endpoint`: replies, or for an agent its episodes."""
-    if prompts.agent is None:
-        return sample(endpoint, model, prompts.token_ids, sampling, None, concurrency)
-    return sample_episodes(prompts.agent, endpoint, model, prompts.records, sampling, concurrency)
 
 
 def sample_episodes(

@@ -14,6 +14,7 @@ from typing import Any
 import requests
 
 from jobs.contract import RunSpec
+from jobs.evaluation.heldout import EvalPrompts
 
 CONCURRENT_PROMPTS = 8  # requests in flight: enough for an engine to batch, few enough to leave it to others
 
@@ -64,6 +65,22 @@ class Completion:
     def scored(self) -> list[dict[str, Any]]:
         """The completion as the run's rewards take it in training: a message list."""
         return self.messages if self.messages is not None else [{"role": "assistant", "content": self.text}]
+
+
+def draw(
+    prompts: EvalPrompts,
+    endpoint: str,
+    model: str,
+    sampling: Sampling,
+    concurrency: int = CONCURRENT_PROMPTS,
+) -> list[list[Completion]]:
+    """Each held-out prompt's k completions from `model` at `endpoint`: replies, or for an agent its episodes (TRL's
+    loop, imported only then: a single-turn run's evaluator starts as fast as it did)."""
+    if prompts.agent is None:
+        return sample(endpoint, model, prompts.token_ids, sampling, None, concurrency)
+    from jobs.evaluation.episodes import sample_episodes
+
+    return sample_episodes(prompts.agent, endpoint, model, prompts.records, sampling, concurrency)
 
 
 def sample(

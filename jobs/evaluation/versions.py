@@ -13,10 +13,9 @@ from pathlib import Path
 
 from jobs.contract import RunSpec, layout
 from jobs.evaluation.engine import adapter_loaded
-from jobs.evaluation.episodes import draw
 from jobs.evaluation.heldout import EvalPrompts
 from jobs.evaluation.results import VersionEval
-from jobs.evaluation.sampling import Completion, Sampling
+from jobs.evaluation.sampling import Completion, Sampling, draw
 from jobs.store import ObjectStore
 
 # Per score, per prompt, per sample (jobs/evaluation/results.py's `score_table`) of the sampled completions.
