@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.demo.dataset import codebook_question
-from jobs.demo.tiny_model import SPECIAL_TOKENS, cache_root, tiny_config
+from jobs.demo.tiny_model import SPECIAL_TOKENS, cache_root, chat_tokenizer, tiny_config
 from jobs.environments.codebook import Codebook
 
 BUILD_VERSION = 1  # bump when anything below changes: caches are keyed on it
@@ -109,9 +109,7 @@ def _save_tokenizer(folder: Path, rng: random.Random) -> None:
     """A byte-level BPE trained on warm-start conversations, split into words as transformers' Qwen2 tokenizer
     splits them (it replaces whatever pre-tokenizer a Qwen2 model's tokenizer was saved with)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-    from trl.chat_template_utils import qwen3_instruct_2507_chat_template
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
@@ -123,19 +121,8 @@ def _save_tokenizer(folder: Path, rng: random.Random) -> None:
     )
     tokenizer.decoder = decoders.ByteLevel()
 
-    def wrapped() -> Any:
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer,
-            eos_token="<|im_end|>",
-            pad_token="<|endoftext|>",
-            additional_special_tokens=["<|im_start|>"],
-            padding_side="left",
-            model_max_length=1024,
-        )
-        fast.chat_template = qwen3_instruct_2507_chat_template  # one of TRL's recognised templates, verbatim
-        return fast
-
-    corpus = [_render(wrapped(), conversation(rng)) for _ in range(2000)]
+    renderer = chat_tokenizer(tokenizer)  # renders the chat template; nothing is tokenized before training
+    corpus = [_render(renderer, conversation(rng)) for _ in range(2000)]
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
         special_tokens=list(SPECIAL_TOKENS),
@@ -143,7 +130,7 @@ def _save_tokenizer(folder: Path, rng: random.Random) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    wrapped().save_pretrained(folder)
+    chat_tokenizer(tokenizer).save_pretrained(folder)
 
 
 def _config(folder: Path) -> Any:

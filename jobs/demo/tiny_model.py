@@ -76,6 +76,24 @@ def _corpus(rng: random.Random, sentences: int = 4000) -> list[str]:
     return lines
 
 
+def chat_tokenizer(trained: Any) -> Any:
+    """A trained `tokenizers.Tokenizer` as a demo model's tokenizer: ChatML's special tokens, left padding, and one of
+    TRL's recognised chat templates, verbatim (a one-character edit makes the rollout worker refuse it)."""
+    from transformers import PreTrainedTokenizerFast
+    from trl.chat_template_utils import qwen3_instruct_2507_chat_template
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=trained,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+        model_max_length=1024,
+    )
+    fast.chat_template = qwen3_instruct_2507_chat_template
+    return fast
+
+
 def tiny_config(tokenizer: Any, initializer_range: float) -> Any:
     """The demo models' shape: a 2-layer Qwen2 of hidden size 128 over `tokenizer`'s vocabulary, in fp32."""
     from transformers import Qwen2Config
@@ -100,8 +118,7 @@ def tiny_config(tokenizer: Any, initializer_range: float) -> Any:
 def _build(folder: Path) -> None:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
-    from trl.chat_template_utils import qwen3_instruct_2507_chat_template
+    from transformers import Qwen2ForCausalLM
 
     rng = random.Random(1234)
     tokenizer = Tokenizer(models.BPE())
@@ -114,16 +131,7 @@ def _build(folder: Path) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(rng), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-        padding_side="left",
-        model_max_length=1024,
-    )
-    # One of TRL's recognised templates, verbatim: a one-character edit makes the rollout worker refuse it.
-    fast.chat_template = qwen3_instruct_2507_chat_template
+    fast = chat_tokenizer(tokenizer)
     fast.save_pretrained(folder)
 
     config = tiny_config(fast, initializer_range=0.1)
