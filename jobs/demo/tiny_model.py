@@ -40,7 +40,7 @@ def cache_root() -> Path:
     return Path(settings.MODEL_CACHE.get() or "").expanduser()
 
 
-def ensure_tiny_model(root: str | os.PathLike | None = None) -> Path:
+def ensure_tiny_model(root: str | os.PathLike[str] | None = None) -> Path:
     """Return the folder of the demo model, building it first if this machine has not yet.
 
     Safe to call from several processes at once: each builds into its own temporary folder and the first rename wins.

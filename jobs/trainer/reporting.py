@@ -9,6 +9,7 @@ requirements.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from jobs.contract import RunSpec
 from jobs.pins import install_missing, missing, pins
@@ -16,13 +17,13 @@ from jobs.pins import install_missing, missing, pins
 REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements-reporting.txt"
 
 
-def report_arguments(spec: RunSpec) -> dict:
+def report_arguments(spec: RunSpec) -> dict[str, Any]:
     """The TrainingArguments that send the run's metrics where its spec says (only "none" when nowhere)."""
     reporting = spec.reporting
     report_to = reporting.report_to()
     if not report_to:
         return {"report_to": "none"}
-    arguments = {"report_to": report_to, "run_name": spec.run_id, "project": reporting.project}
+    arguments: dict[str, Any] = {"report_to": report_to, "run_name": spec.run_id, "project": reporting.project}
     if reporting.trackio:
         # A Space hosts the live dashboard (None: a local project); no static Space is made behind the user's back.
         arguments |= {"trackio_space_id": reporting.trackio_space, "trackio_static_space_id": False}
