@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
-import queue
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,7 +23,7 @@ from jobs.evaluation.episodes import Agent, sample_episodes
 from jobs.evaluation.sampling import Sampling, SamplingError
 from jobs.models import builtin_model_folder
 from jobs.trainer import cpu_compat
-from jobs.trainer.episode_loop import TURN_VERSION, EpisodeLoop
+from jobs.trainer.episode_loop import TURN_VERSION, EpisodeLoop, detached_loop
 
 CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "6*7"}}\n</tool_call>'
 MAX_TOKENS = 96  # a turn's tokens: the call takes 73 of the tiny model's, its end included
@@ -89,21 +88,15 @@ def replica(tokenizer: Any) -> Iterator[tuple[Replica, str]]:
 
 
 def training_loop(tokenizer: Any, url: str, version: Any, budget: int | None) -> EpisodeLoop:
+    """The loop as training runs it (a LoRA name and the shared version counter), one episode at a time."""
     cpu_compat.apply_cpu_patches(force=True)
-    unused: queue.Queue[Any] = queue.Queue()
-    return EpisodeLoop(
+    return detached_loop(
+        EpisodeLoop,
+        version,
         model_name="builtin:tiny-qwen2",
         lora_name="trl-policy",
-        dataset=[],
-        reward_funcs=[lambda **_: []],
         processing_class=tokenizer,
         eos_token_ids=[tokenizer.eos_token_id],
-        rollout_buffer=unused,
-        model_version_value=version,
-        heartbeat_value=None,
-        failed_event=None,
-        exception_info_queue=unused,
-        metrics_queue=unused,
         vllm_server_url=url,
         max_tokens=MAX_TOKENS,
         tools=[calculate],

@@ -15,7 +15,6 @@ or in the panel for the built-in environments only (ours; the Python tool confin
 from __future__ import annotations
 
 import asyncio
-import queue
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any, cast
 from jobs.contract import RunSpec
 from jobs.environments.loading import ENVIRONMENT_COLUMN, environment_tools, trainer_arguments
 from jobs.evaluation.sampling import Completion, Sampling, SamplingError
-from jobs.trainer.episode_loop import EpisodeLoop, episode_seed
+from jobs.trainer.episode_loop import EpisodeLoop, detached_loop, episode_seed
 from jobs.trainer.telemetry import episode_text
 
 
@@ -101,20 +100,12 @@ def _loop(agent: Agent, endpoint: str, model: str, sampling: Sampling) -> Episod
     """The job's rollout loop set up for evaluation: `model` named on every turn (no LoRA name: it would be followed
     by the current version), the run's turn cap and budget, the evaluation's sampling."""
     spec = agent.spec
-    unused: queue.Queue[Any] = queue.Queue()  # the loop's channels to a trainer: evaluation has none
-    return EvaluationLoop(
+    return detached_loop(
+        EvaluationLoop,
         model_name=model,
         lora_name=None,
-        dataset=[],
-        reward_funcs=[_unscored],  # scored afterwards by the run's rewards, as every held-out completion is
         processing_class=agent.tokenizer,
         eos_token_ids=agent.eos_token_ids,
-        rollout_buffer=unused,
-        model_version_value=None,
-        heartbeat_value=None,
-        failed_event=None,
-        exception_info_queue=unused,
-        metrics_queue=unused,
         vllm_server_url=endpoint,
         max_tokens=sampling.max_tokens,
         temperature=sampling.temperature,
@@ -138,10 +129,6 @@ def with_observation(prompt: list[dict[str, Any]], observation: Any) -> list[dic
     if isinstance(observation, str) and isinstance(content, list):
         observation = [{"type": "text", "text": observation}]
     return [*prompt[:-1], {**last, "content": content + observation}]
-
-
-def _unscored(**_: Any) -> list[float]:
-    return []
 
 
 async def _episode(loop: EpisodeLoop, record: dict[str, Any], seed: int) -> Completion:

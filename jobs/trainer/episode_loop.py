@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import queue
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -107,6 +108,27 @@ class EpisodeLoop(_AsyncRolloutLoop):
         output = await super()._post(path, payload, timeout, max_retries)
         episode.spent(len(output["choices"][0]["token_ids"]))
         return output
+
+
+def detached_loop(loop_class: type[EpisodeLoop], model_version_value: Any = None, **settings: Any) -> EpisodeLoop:
+    """A loop run outside TRL's rollout child, an episode at a time (held-out evaluation): no trainer to hand samples,
+    metrics or a heartbeat to, and nothing scored inside it (the run's rewards score what it returns)."""
+    unused: queue.Queue[Any] = queue.Queue()
+    return loop_class(
+        dataset=[],
+        reward_funcs=[_unscored],
+        rollout_buffer=unused,
+        model_version_value=model_version_value,
+        heartbeat_value=None,
+        failed_event=None,
+        exception_info_queue=unused,
+        metrics_queue=unused,
+        **settings,
+    )
+
+
+def _unscored(**_: Any) -> list[float]:
+    return []
 
 
 def version_named(model: str) -> int | None:
