@@ -13,8 +13,8 @@ from html import escape
 from typing import Any
 
 from app.formatting import ago, clock, duration, money, number
-from backend.episodes import Turn, read_turns
-from backend.models import Event, Job, Run
+from backend.database.models import Event, Job, Run
+from backend.ingestion.episodes import Turn, read_turns
 from backend.services.adapters import Comparison
 from backend.services.evaluation import Evaluation
 from backend.services.queries import HeldOutScore, SampleUse

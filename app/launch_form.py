@@ -19,7 +19,7 @@ from typing import Any, Literal
 import annotated_types
 from pydantic import BaseModel
 
-from backend.vault import RunCredentials
+from backend.credentials.vault import RunCredentials
 from jobs.contract import BUILTIN_REWARDS, RunSpec
 
 BUCKET_KINDS = {

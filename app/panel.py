@@ -10,7 +10,7 @@ import gradio as gr
 
 from backend.api import PanelServices
 from backend.context import PanelContext
-from backend.models import Credential
+from backend.database.models import Credential
 
 LOCAL_OWNER = "local"
 OAUTH_CREDENTIAL = "Hugging Face sign-in"

@@ -35,10 +35,10 @@ from gradio.data_classes import FileData
 
 from app.panel import Panel, SignInRequired
 from backend.api import PanelServices
-from backend.episodes import read_turns
-from backend.limits import LimitReached
+from backend.credentials.vault import RunCredentials
+from backend.ingestion.episodes import read_turns
+from backend.launch.limits import LimitReached
 from backend.services.runs import RunStateError
-from backend.vault import RunCredentials
 
 PUBLIC_ENDPOINTS = (
     "list_runs",

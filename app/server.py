@@ -4,7 +4,7 @@ Locally it serves http://127.0.0.1:7860 for the single local owner; in a Hugging
 SYSTEM=spaces) it binds 0.0.0.0:7860 and signs users in with Hugging Face OAuth. The poller runs in a thread of this
 process: ingestion never depends on a page being open. With GRPO_PANEL_SNAPSHOTS set, the database is restored from
 its snapshot there when the local copy is missing, and snapshotted every few minutes and on shutdown (SIGTERM
-included: a Space is stopped with it) (backend/snapshots.py).
+included: a Space is stopped with it) (backend/database/snapshots.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from app.theme import CSS, HEAD, theme
 from app.ui import build_app
 from backend import settings
 from backend.context import PanelContext
-from backend.db import default_db_path
+from backend.database.connection import default_db_path
+from backend.database.snapshots import Snapshots, restore_snapshot, snapshot_folder
 from backend.hosting import on_space
-from backend.poller import Poller
-from backend.snapshots import Snapshots, restore_snapshot, snapshot_folder
+from backend.ingestion.poller import Poller
 from jobs.secrets import install_log_redaction
 
 DEFAULT_PORT = 7860

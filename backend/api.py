@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 from backend.context import PanelContext
-from backend.hub_tokens import HubIdentity, check_hf_token
-from backend.models import Run
-from backend.preflight import Preflight, run_preflight
-from backend.sandbox import RewardTrial, SandboxLimits, run_rewards
+from backend.credentials.hub_tokens import HubIdentity, check_hf_token
+from backend.database.models import Run
+from backend.launch.preflight import Preflight, run_preflight
+from backend.sandbox.client import RewardTrial, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService
 from backend.services.evaluation import EvaluationService
 from backend.services.exports import ExportService
@@ -110,7 +110,7 @@ class PanelServices:
         self, uri: str, endpoint: str | None = None, region: str | None = None, store_credential_id: int | None = None
     ) -> list[str]:
         """Add the runs a bucket holds but the panel does not know, and ingest what they wrote. Returns their ids."""
-        from backend.poller import Poller
+        from backend.ingestion.poller import Poller
 
         location = parse_storage_uri(uri, endpoint=endpoint, region=region)
         credentials = self.ctx.vault.store_credentials(self.owner, store_credential_id) if store_credential_id else None

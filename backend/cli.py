@@ -25,15 +25,15 @@ import threading
 import time
 from pathlib import Path
 
-from backend import presets
 from backend.api import PanelServices
 from backend.context import PanelContext
-from backend.poller import Poller
+from backend.credentials.vault import RunCredentials
+from backend.ingestion.poller import Poller
+from backend.launch import presets
 from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService, RunStateError, run_row
-from backend.vault import RunCredentials
 from jobs.contract import RunSpec, SpecError, parse_spec
 from jobs.secrets import install_log_redaction
 

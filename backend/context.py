@@ -6,13 +6,13 @@ import threading
 from pathlib import Path
 
 from backend import settings
-from backend.db import Database, data_dir
+from backend.credentials.vault import Vault
+from backend.database.connection import Database, data_dir
+from backend.database.models import Job, Run
+from backend.launch.limits import OwnerLimiter
+from backend.launch.plan import RunPlan
 from backend.launchers.base import JobHandle, Launcher, RunSecrets
 from backend.launchers.local import LocalLauncher
-from backend.limits import OwnerLimiter
-from backend.models import Job, Run
-from backend.plan import RunPlan
-from backend.vault import Vault
 from jobs.contract import RunSpec
 from jobs.store import ObjectStore, StoreCredentials, open_store
 
@@ -26,7 +26,7 @@ class PanelContext:
         self.hub_endpoint = hub_endpoint or settings.HF_ENDPOINT.get()
         self.folder = Path(folder or data_dir())
         self.vault = Vault(self.db)
-        self.limits = OwnerLimiter()  # per-owner limits on runs, checks and reward tests (backend/limits.py)
+        self.limits = OwnerLimiter()  # per-owner limits on runs, checks and reward tests (backend/launch/limits.py)
         self.local_launcher = LocalLauncher(self.folder / "jobs")
         self._hf_launchers: dict[tuple[str, int | None], Launcher] = {}
         self._stores: dict[str, ObjectStore] = {}
@@ -104,7 +104,7 @@ class PanelContext:
             return self._hf_launchers[key]
 
     def plan(self, run: Run, parameters: int | None = None) -> RunPlan:
-        """Every job launching `run` submits (see backend/plan.py).
+        """Every job launching `run` submits (see backend/launch/plan.py).
 
         With the run's credentials the plan names exactly the secrets a launch sends. Without them (a plan printed
         before any were entered) it names the ones a launch of this spec needs; a plan never holds a secret's value.

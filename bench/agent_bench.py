@@ -34,10 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlmodel import col, select
 
 from backend.context import PanelContext
-from backend.db import Database
-from backend.episodes import Turn, read_turns
-from backend.models import RolloutSample
-from backend.poller import Poller
+from backend.database.connection import Database
+from backend.database.models import RolloutSample
+from backend.ingestion.episodes import Turn, read_turns
+from backend.ingestion.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.demo.preset import agent_demo_spec

@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/backend_bench.py [--samples 1000000] [--points 100000]
 
-Ingest goes through the poller's own ingest functions (backend/ingest.py) in chunks as the trainer writes them; the
-queries are the ones the UI makes (backend/services/queries.py). Each figure is printed next to its target. The
+Ingest goes through the poller's own ingest functions (backend/ingestion/ingest.py) in chunks as the trainer writes
+them; the queries are the ones the UI makes (backend/services/queries.py). Each figure is printed next to its target.
+The
 "baseline" columns time the naive alternative in the same run (one INSERT per row; an unindexed scan), so the ratios
 stay meaningful on a noisy machine.
 """
@@ -23,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import text
 from sqlmodel import select
 
-from backend import ingest
 from backend.context import PanelContext
-from backend.db import Database
-from backend.models import MetricPoint, Run
-from backend.poller import Poller
+from backend.database.connection import Database
+from backend.database.models import MetricPoint, Run
+from backend.ingestion import ingest
+from backend.ingestion.poller import Poller
 from backend.services.queries import QueryService
 from jobs.demo.preset import demo_spec
 from jobs.store import LocalStore

@@ -40,8 +40,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.context import PanelContext
-from backend.db import Database
-from backend.poller import Poller
+from backend.database.connection import Database
+from backend.ingestion.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.demo.preset import demo_spec

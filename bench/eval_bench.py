@@ -41,7 +41,7 @@ def main() -> None:
     os.environ["GRPO_PANEL_DATA"] = str(folder / "panel")
 
     from backend.context import PanelContext
-    from backend.poller import Poller
+    from backend.ingestion.poller import Poller
     from backend.services.evaluation import EvaluationService
     from backend.services.runs import RunService
     from jobs.demo.dataset import INSTRUCTIONS

@@ -84,7 +84,7 @@ TARGETS = (
     ),
     Target(
         "poller-ingest",
-        modules=("backend/poller.py", "backend/ingest.py", "backend/cursors.py"),
+        modules=("backend/ingestion/poller.py", "backend/ingestion/ingest.py", "backend/database/cursors.py"),
         tests=("tests/test_poller.py", "tests/test_poller_interleavings.py"),
         env={"GRPO_INTERLEAVING_EXAMPLES": "8"},
     ),

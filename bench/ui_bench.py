@@ -1,7 +1,8 @@
 """UI figures: time from page open to the monitor's first paint, and the server time of a monitor refresh tick.
 
 A synthetic 10,000-step run is written into a fresh panel database through the poller's own ingest functions
-(`backend.ingest`): every step logs TRL's metric names, 16 rollout samples, and every 10th step a proxy snapshot.
+(`backend.ingestion.ingest`): every step logs TRL's metric names, 16 rollout samples, and every 10th step a proxy
+snapshot.
 Then:
 
 1. tick cost — the monitor's refresh handler is called in-process, as Gradio calls it on every `gr.Timer` tick: once
@@ -30,9 +31,9 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_ROOT))
 
-from backend import ingest  # noqa: E402
 from backend.context import PanelContext  # noqa: E402
-from backend.db import Database  # noqa: E402
+from backend.database.connection import Database  # noqa: E402
+from backend.ingestion import ingest  # noqa: E402
 from backend.services.runs import RunService  # noqa: E402
 from jobs.demo.preset import demo_spec  # noqa: E402
 from jobs.ports import free_port  # noqa: E402

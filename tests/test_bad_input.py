@@ -34,10 +34,10 @@ from app.pages.adapters import AdaptersPage
 from app.pages.launch import LaunchPage
 from app.panel import LOCAL_OWNER, Panel
 from backend.context import PanelContext
-from backend.db import Database
-from backend.models import AdapterVersion, Job, Run
-from backend.preflight import Preflight, run_preflight
-from backend.sandbox import SandboxLimits
+from backend.database.connection import Database
+from backend.database.models import AdapterVersion, Job, Run
+from backend.launch.preflight import Preflight, run_preflight
+from backend.sandbox.client import SandboxLimits
 from backend.services.runs import RunNotFound, RunService
 from jobs.contract import layout
 from jobs.demo.preset import demo_spec

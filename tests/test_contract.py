@@ -148,7 +148,7 @@ def test_timeouts_parse_like_hf_jobs():
 
 
 def test_rollout_limits_keep_in_flight_and_queued_samples_within_the_staleness_window():
-    from backend.presets import math_recipe
+    from backend.launch.presets import math_recipe
 
     demo = demo_spec("demo-limits", "file:///tmp/store")
     assert derived.staleness_window(demo.grpo) == 64  # staleness 1 × a sync every step × 64 completions

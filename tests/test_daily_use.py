@@ -17,8 +17,8 @@ from app.launch_form import FORM
 from app.pages.launch import LaunchPage
 from app.panel import Panel
 from backend.context import PanelContext
-from backend.db import Database
-from backend.preflight import run_preflight
+from backend.database.connection import Database
+from backend.launch.preflight import run_preflight
 from backend.services import runs as run_service
 from backend.services.runs import RunService, RunStateError, propose_run_id, run_id_taken
 from jobs.demo.preset import demo_spec
@@ -150,8 +150,8 @@ def test_following_a_finished_run_prints_its_own_pace(panel):
     import io
 
     from backend.cli import follow
-    from backend.models import MetricPoint, Run
-    from backend.poller import Poller
+    from backend.database.models import MetricPoint, Run
+    from backend.ingestion.poller import Poller
 
     _record(panel, "demo-done")
     with panel.ctx.db.session() as session:
@@ -198,7 +198,7 @@ def test_samples_are_found_by_text_version_and_reward_across_steps(panel):
     """Issue 18, item 6: the Samples tab searches prompts and completions (literally: `%` is no wildcard) and filters
     by version and reward, in one step or in all of them; a picked row shows its own step's group."""
     from app.pages.monitor import MonitorPage
-    from backend.models import RolloutSample
+    from backend.database.models import RolloutSample
 
     _record(panel, "demo-samples")
     texts = {1: "apple pie", 2: "100% apple", 3: "banana"}
@@ -250,7 +250,7 @@ def test_the_sample_browser_counts_pages_through_every_sample_and_refuses_a_filt
     """Issue 33, item 4: the table held at most 200 rows with no count (step 3 had 232), a version "zzz" or a reward
     bound "abc" listed the unfiltered table without a word, and the prompt a search found was not shown."""
     from app.pages.monitor import SAMPLES_PER_PAGE, MonitorPage
-    from backend.models import RolloutSample
+    from backend.database.models import RolloutSample
 
     _record(panel, "demo-pages")
     with panel.ctx.db.session() as session:
@@ -336,7 +336,7 @@ def test_an_unreachable_hub_is_found_in_one_request_and_says_what_went_unchecked
     import socket
     import threading
 
-    from backend import presets
+    from backend.launch import presets
 
     listener = socket.create_server(("127.0.0.1", 0))
     connections = []
@@ -377,7 +377,7 @@ def test_a_check_that_could_not_run_is_shown_not_checked_never_passed():
     """Issue 33, item 2: offline, Check settings said "All checks passed: bucket, dataset, rewards and compute" and
     only in small print that the dataset and rewards had not been checked."""
     from app.pages.launch import check_status
-    from backend.preflight import Preflight
+    from backend.launch.preflight import Preflight
     from jobs.contract import RunSpec
 
     spec = RunSpec(run_id="hub-run")
@@ -450,7 +450,7 @@ def test_time_left_is_estimated_from_timed_steps_not_from_the_start_up(panel):
     """Issue 33, item 7: "time left 42m 39s" at step 1 of a run that ended 2.5 minutes later. Step 1 waits for the
     rollout worker to start; the estimate waits for two steps after it, and follows their pace."""
     from app import cards
-    from backend.models import MetricPoint
+    from backend.database.models import MetricPoint
     from backend.services.queries import QueryService
     from jobs.contract import duration
 
@@ -475,7 +475,7 @@ def test_time_left_is_estimated_from_timed_steps_not_from_the_start_up(panel):
 def test_the_header_says_what_share_of_the_generated_samples_was_trained_on(panel):
     """Issue 33, item 5: 53 % of a demo's samples were dropped as too stale, and nothing on the Monitor said so."""
     from app import cards
-    from backend.models import RolloutSample
+    from backend.database.models import RolloutSample
     from backend.services.queries import QueryService
 
     _record(panel, "demo-use")
@@ -504,7 +504,7 @@ def test_the_runs_page_overlays_any_logged_metric_with_branches_from_their_fork(
     """Issue 18, item 4: the Runs page compares any metric the ticked runs logged, not only the reward; a branch's
     curve starts at the step its parent version was published at."""
     from app.pages.runs import RunsPage
-    from backend.models import AdapterVersion, MetricPoint, Run
+    from backend.database.models import AdapterVersion, MetricPoint, Run
 
     _record(panel, "demo-parent")
     _record(panel, "demo-child")
@@ -549,7 +549,7 @@ def test_the_runs_page_overlays_any_logged_metric_with_branches_from_their_fork(
 def test_the_monitor_charts_any_logged_metric_and_a_reload_keeps_the_choice(panel):
     """Issue 33, item 3: all 67 TRL metrics were ingested but the Monitor drew a fixed set."""
     from app.pages.monitor import CHART_DEFAULTS, MonitorPage, remember_charts
-    from backend.models import MetricPoint
+    from backend.database.models import MetricPoint
 
     _record(panel, "demo-more")
     with panel.ctx.db.session() as session:
@@ -591,7 +591,7 @@ def test_the_training_figures_count_x_in_wall_time_or_generated_tokens(panel):
     from app.charts.training import ratio_kl_figure, reward_figure
     from app.pages.monitor import _chart_options
     from backend.api import PanelServices
-    from backend.models import MetricPoint
+    from backend.database.models import MetricPoint
 
     _record(panel, "demo-axes")
     rows = []
@@ -646,7 +646,7 @@ def test_a_tick_that_changes_nothing_says_so_in_a_form_gradio_accepts(panel):
 def test_a_failed_run_says_its_failure_once(panel):
     """Issue 33, item 2: a run's failure was shown three times: under the header, in the banner and as an alert."""
     from app.pages.monitor import MonitorPage
-    from backend.models import Event, Run
+    from backend.database.models import Event, Run
 
     _record(panel, "demo-failed")
     failure = "dataset.id: could not load 'openai/gsm8k': the Hub did not answer"
@@ -672,8 +672,8 @@ def test_the_alerts_say_their_step_and_dismiss_shows_only_with_an_alert_in_force
     """Issue 33, item 9: the alerts table's "at" column was empty for events the panel records (a stop, a launch
     failure), and "Alert in force" with its Dismiss button showed with nothing to dismiss."""
     from app.pages.monitor import MonitorPage
-    from backend.events import record_event
-    from backend.models import Run
+    from backend.database.models import Run
+    from backend.ingestion.events import record_event
 
     _record(panel, "demo-alerts")
     page = MonitorPage(panel)

@@ -9,8 +9,8 @@ from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import select
 
-from backend.db import Database, data_dir
-from backend.models import AdapterVersion, MetricPoint, Run
+from backend.database.connection import Database, data_dir
+from backend.database.models import AdapterVersion, MetricPoint, Run
 
 
 @pytest.fixture

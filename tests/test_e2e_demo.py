@@ -23,10 +23,10 @@ from sqlmodel import select
 from backend import settings
 from backend.cli import main
 from backend.context import PanelContext
-from backend.db import Database
-from backend.episodes import read_turns
-from backend.models import Job, MetricPoint, RolloutSample
-from backend.poller import Poller
+from backend.database.connection import Database
+from backend.database.models import Job, MetricPoint, RolloutSample
+from backend.ingestion.episodes import read_turns
+from backend.ingestion.poller import Poller
 from backend.services.evaluation import EvaluationService
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService
@@ -106,7 +106,7 @@ def lose_the_database_mid_run(ctx: PanelContext, poller: Poller, folder: Path, r
     panel dies and its local database goes with it (a Space restart); the panel started again restores the snapshot.
     The restored database is a new file beside the jobs' folders, which stay: they stand for the Hub, which keeps an HF
     job's state across a panel restart."""
-    from backend.snapshots import restore_snapshot, write_snapshot
+    from backend.database.snapshots import restore_snapshot, write_snapshot
 
     token = ctx.vault.save(OWNER, "my token", "hf_token", SNAPSHOT_TOKEN)
     steps = lambda c: len(QueryService(c, OWNER).metric_series(run_id, "reward", max_points=None))  # noqa: E731
@@ -417,7 +417,7 @@ def test_compare_two_real_versions(finished_demo):
 
 def test_importing_the_bucket_recreates_the_run(finished_demo, tmp_path):
     from backend.api import PanelServices
-    from backend.models import AdapterVersion, MetricPoint, RolloutSample
+    from backend.database.models import AdapterVersion, MetricPoint, RolloutSample
 
     ctx, store, _, _ = finished_demo
     fresh = PanelContext(Database(tmp_path / "other.sqlite3"), tmp_path)
@@ -600,7 +600,7 @@ def test_publish_a_version_to_a_hub_model_repo_with_a_model_card(finished_demo, 
     from huggingface_hub import ModelCard
     from safetensors.torch import load
 
-    from backend.models import Run
+    from backend.database.models import Run
     from tests.support.hub_emulator import HubEmulator
 
     ctx, store, _, _ = finished_demo
@@ -650,7 +650,7 @@ def test_the_command_line_exports_metrics_and_samples_that_pandas_reads(finished
     as CSV and Parquet."""
     import pandas as pd
 
-    from backend.models import RolloutSample
+    from backend.database.models import RolloutSample
 
     ctx, _, _, _ = finished_demo
     monkeypatch.setenv(settings.DATA.name, str(ctx.folder))

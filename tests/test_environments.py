@@ -380,7 +380,7 @@ def test_an_episode_keeps_to_its_token_budget_and_keeps_one_token_for_a_last_tur
 
 
 def test_the_plan_says_what_an_agent_run_offers_and_how_many_episodes_run_at_once(tmp_path: Path) -> None:
-    from backend.plan import derived_values
+    from backend.launch.plan import derived_values
 
     agent = derived_values(spec(kind="builtin", name="python", max_turns=3), trainer_cuda=False)["tools"]
     assert agent == {
@@ -402,8 +402,8 @@ def test_packages_the_environment_imports_are_installed_by_a_job_that_lacks_them
 ) -> None:
     """The HF Jobs branch, driven here: the panel lacks a package the code imports, so its code is said to be
     untried (not refused: the trainer installs it), and a trainer whose pip cannot reach it names the package."""
-    from backend.preflight import Preflight, environment_packages_here
-    from backend.presets import math_recipe
+    from backend.launch.preflight import Preflight, environment_packages_here
+    from backend.launch.presets import math_recipe
     from jobs.contract import parse_spec
     from jobs.pins import install_missing, installed, missing
 

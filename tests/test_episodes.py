@@ -23,12 +23,13 @@ from app import cards
 from app.pages.monitor import MonitorPage
 from app.panel import Panel
 from app.public_api import PublicApi
-from backend import ingest, schema
 from backend.context import PanelContext
-from backend.db import Database
-from backend.episodes import CUT, MAX_EPISODE_CHARS, ToolCall, Turn, read_turns, stored_turns
-from backend.models import RolloutSample
-from backend.poller import Poller
+from backend.database import schema
+from backend.database.connection import Database
+from backend.database.models import RolloutSample
+from backend.ingestion import ingest
+from backend.ingestion.episodes import CUT, MAX_EPISODE_CHARS, ToolCall, Turn, read_turns, stored_turns
+from backend.ingestion.poller import Poller
 from backend.services.exports import ExportService
 from backend.services.queries import QueryService, SampleFilters
 from backend.services.runs import RunService

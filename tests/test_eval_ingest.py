@@ -20,11 +20,11 @@ from app.charts.training import held_out_figure
 from app.pages.adapters import HELD_OUT_COLUMN, AdaptersPage
 from app.pages.monitor import MonitorPage
 from app.panel import Panel
-from backend import alerts, ingest
 from backend.context import PanelContext
-from backend.db import Database
-from backend.models import AdapterVersion, Run, VersionScore
-from backend.poller import Poller
+from backend.database.connection import Database
+from backend.database.models import AdapterVersion, Run, VersionScore
+from backend.ingestion import alerts, ingest
+from backend.ingestion.poller import Poller
 from backend.services.queries import HeldOutScore, QueryService
 from backend.services.runs import RunNotFound, RunService
 from jobs.contract import layout

@@ -90,7 +90,7 @@ def spec(tmp_path: Path, **sections: Any):
 
 
 def test_the_demo_evaluates_on_its_test_split_and_the_recipe_does_not(tmp_path):
-    from backend.presets import math_recipe
+    from backend.launch.presets import math_recipe
 
     assert spec(tmp_path).eval.split == "test" and spec(tmp_path).eval.enabled
     assert not demo_spec("x-y", "file:///tmp/s", dataset={"source": "store", "id": "d/a.jsonl"}).eval.enabled

@@ -36,10 +36,19 @@ import requests
 from sqlmodel import select
 
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database.connection import Database
+from backend.database.models import (
+    AdapterVersion,
+    Event,
+    Job,
+    MetricPoint,
+    PollCursor,
+    ProxySnapshot,
+    RolloutSample,
+    Run,
+)
+from backend.ingestion.poller import Poller
 from backend.launchers.base import TERMINAL
-from backend.models import AdapterVersion, Event, Job, MetricPoint, PollCursor, ProxySnapshot, RolloutSample, Run
-from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.contract import RunSpec, derived, layout, parse_storage_uri

@@ -34,7 +34,7 @@ from app.launch_form import (
 from app.pages.launch import LaunchPage
 from app.panel import Panel
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database.connection import Database
 from jobs.contract import GrpoSpec, RunSpec, SpecError, parse_spec
 from jobs.contract.spec import shown
 from jobs.demo.preset import demo_spec
@@ -153,7 +153,7 @@ EXPECTED: dict[str, tuple[str, str | None]] = {
 # Keys preflight names itself, gathered from the code that raises them: `errors["..."]` in preflight, and the
 # "<field>: ..." messages of the errors it turns into keys. A templated one expands to the keys it stands for.
 PREFLIGHT_SOURCES = {
-    "backend/preflight.py": r'errors\[f?"([^"]+)"\]',
+    "backend/launch/preflight.py": r'errors\[f?"([^"]+)"\]',
     "jobs/trainer/dataset.py": r'DatasetError\(\s*f?"([a-z_][\w.{}]*): ',
     # LaunchError and its kinds (UnknownFlavor, ...); preflight keys only the compute.* ones by their field.
     "backend/launchers/hf_jobs.py": r'raise \w+\(\s*f?"(compute\.[\w.{}]*): ',

@@ -2,7 +2,7 @@
 clear message, and nothing leaks: no file written or read outside the scratch folder, no process, no connection,
 no signal.
 
-Each row goes through the whole sandbox (backend/sandbox.py: the runner's audit hook, then the OS layers of
+Each row goes through the whole sandbox (backend/sandbox/client.py: the runner's audit hook, then the OS layers of
 jobs/confinement/confine.py). Routes the audit hook does not see (`_posixsubprocess.fork_exec`, reading a file) show
 the OS layers at work; tests/test_security.py also runs code that skips the hook entirely.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.sandbox import SandboxError, SandboxLimits, run_rewards
+from backend.sandbox.client import SandboxError, SandboxLimits, run_rewards
 from jobs.contract import RewardSpec
 from tests.support.net import accepted
 
@@ -169,7 +169,7 @@ def test_a_hostile_reward_is_refused_or_stopped_and_nothing_leaks(name, targets)
 def test_a_shared_panel_runs_no_user_code_where_a_layer_is_missing(tmp_path):
     """Strict confinement refuses to go on without seccomp (here: no library for it), naming the layer; the runner
     then exits without running any reward and the panel says code rewards are off on this server."""
-    from backend.sandbox import _explain_exit, confinement
+    from backend.sandbox.client import _explain_exit, confinement
     from jobs.confinement.confine import UNCONFINABLE_EXIT
 
     rules = confinement(SandboxLimits(), tmp_path, strict=True).to_json()
@@ -197,7 +197,7 @@ def test_a_shared_panel_runs_no_user_code_where_a_layer_is_missing(tmp_path):
 
 def test_without_a_space_a_missing_layer_is_skipped_and_the_others_hold(tmp_path):
     """On one's own machine the same missing library skips seccomp only: Landlock still hides the files."""
-    from backend.sandbox import confinement
+    from backend.sandbox.client import confinement
 
     rules = confinement(SandboxLimits(), tmp_path, strict=False).to_json()
     script = textwrap.dedent(
@@ -226,7 +226,7 @@ def test_without_a_space_a_missing_layer_is_skipped_and_the_others_hold(tmp_path
 def test_a_reward_burning_cpu_is_named_so_even_when_the_clock_stops_it_first():
     """Seen in CI under load: a reward spinning in a loop got a third of a core, so the wall-clock deadline stopped
     it before its CPU limit did, and it was reported as slow. Its CPU time, read before it is killed, says which."""
-    from backend.sandbox import stopped_by_the_clock
+    from backend.sandbox.client import stopped_by_the_clock
     from jobs.confinement import cpu_seconds
 
     limits = SandboxLimits(seconds=2)

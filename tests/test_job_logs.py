@@ -14,10 +14,10 @@ from huggingface_hub import HfApi
 from app.pages.monitor import MonitorPage, log_label
 from app.panel import Panel
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database.connection import Database
+from backend.database.models import Job
 from backend.launchers.base import JobHandle
 from backend.launchers.hf_jobs import HfJobsLauncher
-from backend.models import Job
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
 from jobs.demo.preset import demo_spec

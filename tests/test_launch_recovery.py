@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from sqlmodel import select
 
 from backend.context import PanelContext
-from backend.db import Database
-from backend.models import Job, Launch, Run
-from backend.poller import Poller
+from backend.database.connection import Database
+from backend.database.models import Job, Launch, Run
+from backend.ingestion.poller import Poller
 from backend.services.launches import Launches
 from backend.services.runs import RunService, RunStateError, run_row
 from jobs.demo.preset import demo_spec
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PANEL = """
 import sys
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database.connection import Database
 from backend.services.launches import Launches
 from backend.services.runs import RunService
 Launches.stale_after_s = 3.0

@@ -17,7 +17,10 @@ import pytest
 from huggingface_hub.errors import HfHubHTTPError
 
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database.connection import Database
+from backend.database.models import Run
+from backend.ingestion.poller import Poller
+from backend.launch.plan import JobPlan
 from backend.launchers.base import REPLICA_PORT, JobHandle, LaunchError, RunSecrets
 from backend.launchers.hf_jobs import (
     HUB_TIMEOUT,
@@ -28,9 +31,6 @@ from backend.launchers.hf_jobs import (
     bound_hub_calls,
 )
 from backend.launchers.local import LocalLauncher
-from backend.models import Run
-from backend.plan import JobPlan
-from backend.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
 from jobs import settings as jobs_settings

@@ -11,9 +11,9 @@ from sqlmodel import select
 
 from backend.api import PanelServices
 from backend.context import PanelContext
-from backend.db import Database
-from backend.limits import LimitReached, OwnerLimiter, OwnerLimits
-from backend.models import Run
+from backend.database.connection import Database
+from backend.database.models import Run
+from backend.launch.limits import LimitReached, OwnerLimiter, OwnerLimits
 from backend.services.runs import RunService
 from jobs.contract import RewardSpec
 from jobs.demo.preset import demo_spec

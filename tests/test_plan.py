@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from backend.context import PanelContext
-from backend.db import Database
-from backend.plan import derived_values
-from backend.preflight import run_preflight
+from backend.database.connection import Database
+from backend.launch.plan import derived_values
+from backend.launch.preflight import run_preflight
 from backend.services.runs import RunService
 from jobs.contract import parse_spec
 from jobs.demo.preset import demo_spec

@@ -15,11 +15,9 @@ import pytest
 from sqlalchemy import func
 from sqlmodel import select
 
-from backend import ingest
 from backend.context import PanelContext
-from backend.db import Database
-from backend.launchers.base import JobState
-from backend.models import (
+from backend.database.connection import Database
+from backend.database.models import (
     AdapterVersion,
     Event,
     Job,
@@ -29,7 +27,9 @@ from backend.models import (
     RolloutSample,
     Run,
 )
-from backend.poller import Poller
+from backend.ingestion import ingest
+from backend.ingestion.poller import Poller
+from backend.launchers.base import JobState
 from jobs.contract import layout
 from jobs.demo.preset import demo_spec
 from jobs.runtime import write_status
@@ -120,10 +120,10 @@ def test_a_failure_mid_ingest_loses_and_duplicates_nothing(panel, tmp_path, monk
         if calls["n"] == 3:
             raise RuntimeError("killed mid-chunk")
 
-    monkeypatch.setitem(__import__("backend.poller").poller.STREAM_INGESTERS, "samples", flaky)
+    monkeypatch.setitem(__import__("backend.ingestion.poller").ingestion.poller.STREAM_INGESTERS, "samples", flaky)
     with pytest.raises(RuntimeError):
         Poller(panel).poll_run("run-p")
-    monkeypatch.setitem(__import__("backend.poller").poller.STREAM_INGESTERS, "samples", original)
+    monkeypatch.setitem(__import__("backend.ingestion.poller").ingestion.poller.STREAM_INGESTERS, "samples", original)
     Poller(panel).poll_run("run-p")
     assert counts(panel, "run-p") == (12, 24)
 

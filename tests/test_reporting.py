@@ -19,9 +19,9 @@ from app.launch_form import FORM
 from app.pages.launch import LaunchPage
 from app.panel import Panel
 from backend.context import PanelContext
-from backend.db import Database
-from backend.poller import Poller
-from backend.preflight import run_preflight
+from backend.database.connection import Database
+from backend.ingestion.poller import Poller
+from backend.launch.preflight import run_preflight
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
 from jobs.contract import SpecError, parse_spec
@@ -222,7 +222,7 @@ def test_a_trainer_on_hf_jobs_finds_the_reporting_pins_in_its_code_bundle(tmp_pa
     import sys
     import tarfile
 
-    from backend.bundle import build_bundle
+    from backend.launch.bundle import build_bundle
 
     with tarfile.open(fileobj=io.BytesIO(build_bundle())) as archive:
         archive.extractall(tmp_path, filter="data")

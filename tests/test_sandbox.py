@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.sandbox import SandboxLimits, run_rewards
+from backend.sandbox.client import SandboxLimits, run_rewards
 from jobs.contract import RewardSpec
 
 ROWS = [

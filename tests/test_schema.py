@@ -1,4 +1,5 @@
-"""Schema migrations (backend/schema.py): the revisions make the models' tables, and an older database is upgraded at
+"""Schema migrations (backend/database/schema.py): the revisions make the models' tables, and an older database is
+upgraded at
 start-up without losing a row."""
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 from sqlmodel import SQLModel
 
-from backend import ingest, schema
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database import schema
+from backend.database.connection import Database
+from backend.ingestion import ingest
 from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
@@ -45,7 +47,8 @@ def _from_fixture(path: Path) -> Path:
 
 def test_the_revisions_replayed_from_nothing_make_exactly_the_tables_the_models_declare(tmp_path):
     """A new database gets the models' tables at once (and is stamped); one upgraded revision by revision must end up
-    the same. Fails when backend/models.py changes without a revision (`python -m backend.schema revision ...`)."""
+    the same. Fails when backend/database/models.py changes without a revision
+    (`python -m backend.database.schema revision ...`)."""
     engine = create_engine(f"sqlite:///{tmp_path / 'replayed.sqlite3'}")
     with engine.begin() as connection:
         command.upgrade(schema._config(connection), "head")
@@ -142,7 +145,10 @@ def test_a_database_made_between_the_oldest_schema_and_migrations_is_stamped_and
 def test_processes_opening_one_new_database_at_once_all_get_its_tables(tmp_path):
     """A panel and CLI commands may open the same new database together: the migration runs once, under a lock."""
     path = tmp_path / "shared.sqlite3"
-    script = f"import sys; sys.path.insert(0, {str(REPO)!r}); from backend.db import Database; Database({str(path)!r})"
+    script = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r}); "
+        f"from backend.database.connection import Database; Database({str(path)!r})"
+    )
     openers = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE) for _ in range(4)]
     errors = [opener.communicate(timeout=120)[1].decode() for opener in openers]
     assert [opener.returncode for opener in openers] == [0] * 4, errors
@@ -151,8 +157,8 @@ def test_processes_opening_one_new_database_at_once_all_get_its_tables(tmp_path)
 
 
 def test_a_new_revision_is_generated_from_the_models(tmp_path, monkeypatch):
-    """`python -m backend.schema revision` compares the models with the replayed revisions: with nothing changed, the
-    revision it writes (into a copy of the migrations here) has nothing to do."""
+    """`python -m backend.database.schema revision` compares the models with the replayed revisions: with nothing
+    changed, the revision it writes (into a copy of the migrations here) has nothing to do."""
     copy = tmp_path / "migrations"
     shutil.copytree(schema.MIGRATIONS, copy, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(schema, "MIGRATIONS", copy)

@@ -52,17 +52,17 @@ from app.ui import build_app
 from backend import settings as backend_settings
 from backend.api import PanelServices
 from backend.context import PanelContext
-from backend.db import Database
-from backend.models import Credential, Job, Run
-from backend.poller import Poller
-from backend.sandbox import SandboxError, SandboxLimits, run_rewards
-from backend.sandbox import confinement as sandbox_confinement
+from backend.credentials.vault import CredentialError
+from backend.database.connection import Database
+from backend.database.models import Credential, Job, Run
+from backend.ingestion.poller import Poller
+from backend.sandbox.client import SandboxError, SandboxLimits, run_rewards
+from backend.sandbox.client import confinement as sandbox_confinement
 from backend.services.adapters import AdapterService
 from backend.services.evaluation import EvaluationError
 from backend.services.exports import ExportService
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
-from backend.vault import CredentialError
 from jobs import settings
 from jobs.confinement import landlock
 from jobs.contract import RewardSpec, RunSpec, layout
@@ -858,7 +858,7 @@ def sandbox_processes() -> list[int]:
     alive = []
     for process in psutil.Process().children(recursive=True):
         try:
-            if any("sandbox_runner.py" in part for part in process.cmdline()) and process.status() != "zombie":
+            if any("sandbox/runner.py" in part for part in process.cmdline()) and process.status() != "zombie":
                 alive.append(process.pid)
         except psutil.Error:
             continue
@@ -986,7 +986,7 @@ def test_the_panels_environment_is_out_of_reach(tmp_path):
     script = textwrap.dedent(
         """
         import json, subprocess, sys
-        from backend.sandbox import SandboxLimits, run_rewards
+        from backend.sandbox.client import SandboxLimits, run_rewards
         from jobs.contract import RewardSpec
         source = (
             "import os\\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database.connection import Database
 from backend.services.smoke import SmokeTest
 from jobs.contract import layout, parse_storage_uri
 from jobs.store import open_store

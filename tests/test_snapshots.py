@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database.connection import Database
+from backend.database.snapshots import SNAPSHOT_NAME, restore_snapshot, write_snapshot
 from backend.services.runs import RunService
-from backend.snapshots import SNAPSHOT_NAME, restore_snapshot, write_snapshot
 from jobs.demo.preset import demo_spec
 from jobs.ports import free_port
 from tests.support.net import wait_http

@@ -8,8 +8,8 @@ import stat
 import pytest
 from cryptography.fernet import Fernet
 
-from backend.db import Database
-from backend.vault import CredentialError, Vault, mask
+from backend.credentials.vault import CredentialError, Vault, mask
+from backend.database.connection import Database
 
 HF = "hf_abcdefghijklmnopqrstuvwxyz012345"
 SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"

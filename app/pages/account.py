@@ -13,7 +13,7 @@ import pandas as pd
 from app import cards
 from app.formatting import clock
 from app.panel import LOCAL_OWNER, Panel
-from backend.hub_tokens import TokenRefused
+from backend.credentials.hub_tokens import TokenRefused
 
 COLUMNS = ["name", "kind", "value (masked)", "saved"]
 KIND_LABELS = {"hf_token": "HF token", "s3": "bucket keys", "wandb": "W&B key"}

@@ -21,8 +21,8 @@ from app.formatting import clock, number, size
 from app.pages.monitor import run_choices
 from app.panel import Panel
 from backend.api import PanelServices
-from backend.ingest import VERSION_REWARD_STEPS
-from backend.models import AdapterVersion, Run
+from backend.database.models import AdapterVersion, Run
+from backend.ingestion.ingest import VERSION_REWARD_STEPS
 from backend.services.adapters import Comparison
 from backend.services.evaluation import Evaluation, PromptDifference
 from backend.services.queries import HeldOutScore
@@ -31,8 +31,8 @@ from jobs.evaluation.results import TOTAL, VersionEval
 
 REFRESH_SECONDS = 5.0
 PICK_FIRST = "Pick a run and a version first (click a row of the table)."
-# A version's reward is a mean over the steps up to its own (backend.ingest.version_reward): said in its heading,
-# so that it is not read as the header's latest (one-step) reward.
+# A version's reward is a mean over the steps up to its own (backend.ingestion.ingest.version_reward): said in its
+# heading, so that it is not read as the header's latest (one-step) reward.
 REWARD_COLUMN = f"reward ({VERSION_REWARD_STEPS}-step mean)"
 HELD_OUT_COLUMN = "held-out"
 COLUMNS = ["version", "step", REWARD_COLUMN, HELD_OUT_COLUMN, "size", "saved", "alias", "policy audit"]

@@ -32,11 +32,11 @@ from app.launch_form import (
     rewards_of,
 )
 from app.panel import Panel
-from backend import presets
 from backend.api import PanelServices
-from backend.limits import LimitReached
-from backend.preflight import Preflight
-from backend.sandbox import SandboxError
+from backend.launch import presets
+from backend.launch.limits import LimitReached
+from backend.launch.preflight import Preflight
+from backend.sandbox.client import SandboxError
 from backend.services.runs import propose_run_id, run_id_taken
 from jobs.contract import RewardSpec, RunSpec, derived, parse_spec, timeout_seconds
 from jobs.contract.spec import MAX_REPLICAS, SpecError

@@ -24,8 +24,8 @@ from app.charts import training as training_charts
 from app.charts.style import ChartOptions, elapsed_axis
 from app.panel import Panel
 from backend.api import PanelServices
+from backend.database.models import Run
 from backend.launchers.base import TERMINAL
-from backend.models import Run
 from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS as EXPORT_FORMATS
 from backend.services.queries import JobLog, SampleFilters

@@ -17,7 +17,7 @@ from app.charts.runs import Curve, overlay_figure
 from app.formatting import clock, duration, money
 from app.panel import Panel
 from backend.api import PanelServices
-from backend.models import Run
+from backend.database.models import Run
 from backend.services.runs import TERMINAL_STATUSES, propose_run_id
 
 REFRESH_SECONDS = 5.0

@@ -21,7 +21,7 @@ from typing import Literal
 
 import requests
 
-from backend.plan import JobPlan, RunPlan, derived_values
+from backend.launch.plan import JobPlan, RunPlan, derived_values
 from jobs import settings
 from jobs.contract import RunSpec, layout, timeout_seconds
 from jobs.contract.control import JOBS, UPSTREAMS, JobRef, JobsRecord, Upstream, UpstreamsRecord
@@ -166,7 +166,7 @@ class Launcher(ABC):
 
     @abstractmethod
     def plan_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobPlan:
-        """Exactly what `start_job` submits for `role` (see backend/plan.py)."""
+        """Exactly what `start_job` submits for `role` (see backend/launch/plan.py)."""
 
     @abstractmethod
     def trainer_cuda(self, spec: RunSpec) -> bool:

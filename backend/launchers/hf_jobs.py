@@ -32,7 +32,8 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.utils import parse_ratelimit_headers
 from huggingface_hub.utils._http import default_client_factory
 
-from backend.bundle import bootstrap_source, build_bundle, bundle_digest, upload_bundle
+from backend.launch.bundle import bootstrap_source, build_bundle, bundle_digest, upload_bundle
+from backend.launch.plan import JobPlan
 from backend.launchers.base import (
     EVALUATOR_ROLE,
     REPLICA_PORT,
@@ -45,7 +46,6 @@ from backend.launchers.base import (
     job_env,
     job_module_args,
 )
-from backend.plan import JobPlan
 from jobs.contract import RunSpec, layout, parse_storage_uri, timeout_seconds
 from jobs.hub_jobs import cancel_unless_ended
 from jobs.retry import RetryPolicy, retry_call

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 from secrets import token_hex
 
-from backend.db import PROJECT_ROOT
+from backend.database.connection import PROJECT_ROOT
+from backend.launch.plan import PORT, JobPlan
 from backend.launchers.base import TERMINAL, JobHandle, JobState, Launcher, RunSecrets, job_env, job_module_args
-from backend.plan import PORT, JobPlan
 from jobs import settings
 from jobs.contract import RunSpec, timeout_seconds
 from jobs.contract.control import JobRef, JobsRecord

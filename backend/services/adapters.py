@@ -20,7 +20,7 @@ import requests
 from sqlmodel import col, select
 
 from backend.context import PanelContext
-from backend.models import AdapterVersion, Job, MetricPoint, Run
+from backend.database.models import AdapterVersion, Job, MetricPoint, Run
 from backend.services.runs import RunService, RunStateError
 from jobs.contract import BUILTIN_MODELS, RunSpec, derived, layout, parse_spec
 from jobs.evaluation.results import VersionEval

@@ -7,7 +7,7 @@ runs cost nothing. The poller accumulates a run's cost from its jobs' run times 
 from __future__ import annotations
 
 from backend.context import PanelContext
-from backend.models import Run
+from backend.database.models import Run
 from jobs.contract import RunSpec
 
 

@@ -14,13 +14,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.alerts import best_by_training_reward, update_best_version
 from backend.context import PanelContext
+from backend.database.models import AdapterVersion, Run
 from backend.hosting import on_space
-from backend.ingest import ingest_eval
+from backend.ingestion.alerts import best_by_training_reward, update_best_version
+from backend.ingestion.ingest import ingest_eval
 from backend.launchers.base import LaunchError
-from backend.models import AdapterVersion, Run
-from backend.sandbox import SandboxError, SandboxLimits, run_rewards
+from backend.sandbox.client import SandboxError, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService, ensure_generates_here
 from backend.services.evaluation_job import EvaluationJobError, EvaluationJobReport, run_evaluation_job
 from backend.services.runs import RunService

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from secrets import token_hex
 
 from backend.context import PanelContext
+from backend.database.models import Run
 from backend.launchers.base import EVALUATOR_ROLE, TERMINAL, JobHandle, JobState, Launcher
-from backend.models import Run
 from jobs.contract import RunSpec, duration, layout, timeout_seconds
 from jobs.store import ObjectStore, StoreError
 

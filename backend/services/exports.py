@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 from sqlmodel import col, select
 
 from backend.context import PanelContext
-from backend.episodes import read_turns
-from backend.ingest import held_out_scores
-from backend.models import MetricPoint, RolloutSample
+from backend.database.models import MetricPoint, RolloutSample
+from backend.ingestion.episodes import read_turns
+from backend.ingestion.ingest import held_out_scores
 from backend.services.runs import RunService
 
 ExportFormat = Literal["csv", "parquet"]

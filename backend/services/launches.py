@@ -30,9 +30,9 @@ from sqlalchemy import CursorResult, Update, func, update
 from sqlmodel import Session, col, select
 
 from backend.context import PanelContext
-from backend.events import record_event
+from backend.database.models import Job, Launch, Run
+from backend.ingestion.events import record_event
 from backend.launchers.base import JobHandle, JobStart, LaunchError, LaunchInterrupted
-from backend.models import Job, Launch, Run
 from backend.services.costs import flavor_price_per_hour
 from jobs.contract import RunSpec
 

@@ -17,8 +17,17 @@ from sqlalchemy import func, or_
 from sqlmodel import col, select
 
 from backend.context import PanelContext
-from backend.ingest import best_held_out, held_out_scores, latest_proxy_snapshots
-from backend.models import AdapterVersion, Event, Job, MetricPoint, ReplicaStatus, RolloutSample, Run, VersionScore
+from backend.database.models import (
+    AdapterVersion,
+    Event,
+    Job,
+    MetricPoint,
+    ReplicaStatus,
+    RolloutSample,
+    Run,
+    VersionScore,
+)
+from backend.ingestion.ingest import best_held_out, held_out_scores, latest_proxy_snapshots
 
 # A count of dropped samples: summed as a Boolean column, SQLAlchemy reads any total back as True.
 _DROPPED = sqlalchemy.cast(col(RolloutSample.dropped), sqlalchemy.Integer)

@@ -15,10 +15,7 @@ from sqlalchemy import delete
 from sqlmodel import col, select
 
 from backend.context import PanelContext
-from backend.events import record_event
-from backend.hosting import on_space
-from backend.launchers.base import JobHandle
-from backend.models import (
+from backend.database.models import (
     AdapterVersion,
     Event,
     Job,
@@ -32,6 +29,9 @@ from backend.models import (
     Run,
     VersionScore,
 )
+from backend.hosting import on_space
+from backend.ingestion.events import record_event
+from backend.launchers.base import JobHandle
 from backend.services.launches import Launches, job_row
 from jobs.contract import RunSpec, layout
 from jobs.contract.control import JOBS, STOP, UPSTREAMS, JobsRecord, StopRequest, Upstream, UpstreamsRecord

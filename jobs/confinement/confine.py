@@ -1,5 +1,5 @@
 """Confinement of untrusted code, applied by the sandboxed process to itself (the panel's reward sandbox runner,
-backend/sandbox_runner.py).
+backend/sandbox/runner.py).
 
 The runner applies it after exec, in its one thread, before any user code exists: nothing is done in a child forked
 from the threaded panel, where loading a library could deadlock on a lock another thread held at the fork. Layers:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from backend.db import PROJECT_ROOT, Database
+from backend.database.connection import PROJECT_ROOT, Database
 from jobs.ports import free_port
 from tests.browser.helpers import ARTIFACTS, TIMEOUT_MS, RunningPanel
 from tests.support.net import wait_http

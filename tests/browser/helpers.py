@@ -14,7 +14,7 @@ from pathlib import Path
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from playwright.sync_api import Locator, Page
 
-from backend.db import PROJECT_ROOT
+from backend.database.connection import PROJECT_ROOT
 
 ARTIFACTS = PROJECT_ROOT / "artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"

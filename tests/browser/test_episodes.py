@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from playwright.sync_api import Page, expect
 
-from backend.db import PROJECT_ROOT
+from backend.database.connection import PROJECT_ROOT
 from jobs.contract import layout
 from jobs.demo.preset import demo_spec
 from jobs.runtime import write_status

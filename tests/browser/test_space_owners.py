@@ -30,9 +30,9 @@ from playwright.sync_api import Browser, Page, expect
 from sqlmodel import select
 
 from backend.context import PanelContext
-from backend.db import Database
-from backend.models import AdapterVersion, Run
-from backend.poller import Poller
+from backend.database.connection import Database
+from backend.database.models import AdapterVersion, Run
+from backend.ingestion.poller import Poller
 from backend.services.runs import RunService
 from jobs.contract import layout
 from jobs.demo.preset import demo_spec

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from backend.context import PanelContext
-from backend.db import Database
+from backend.database.connection import Database
 from tests.support.hub_emulator import HubEmulator
 from tests.support.moto_s3 import MotoS3Server
 from tests.support.tls import make_server_tls

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 from sqlmodel import select
 
 from backend.context import PanelContext
-from backend.db import Database
-from backend.models import AdapterVersion, Event, MetricPoint, ProxySnapshot, ReplicaStatus, RolloutSample, Run
-from backend.poller import Poller
+from backend.database.connection import Database
+from backend.database.models import AdapterVersion, Event, MetricPoint, ProxySnapshot, ReplicaStatus, RolloutSample, Run
+from backend.ingestion.poller import Poller
 from jobs.contract import layout
 from jobs.demo.preset import demo_spec
 from jobs.runtime import write_status

@@ -6,8 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backend.models import Run
-from backend.poller import Poller
+from backend.database.models import Run
+from backend.ingestion.poller import Poller
 from backend.services.runs import TERMINAL_STATUSES, RunService
 from jobs.contract import RunSpec
 from jobs.demo.preset import demo_spec

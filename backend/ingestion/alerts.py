@@ -11,9 +11,9 @@ import time
 from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
-from backend.db import Database
-from backend.ingest import best_held_out, latest_proxy_snapshots, version_reward
-from backend.models import AdapterVersion, Event, MetricPoint, Run
+from backend.database.connection import Database
+from backend.database.models import AdapterVersion, Event, MetricPoint, Run
+from backend.ingestion.ingest import best_held_out, latest_proxy_snapshots, version_reward
 from jobs.contract import RunSpec
 
 # TRL's `kl` is the k3 estimate of KL between the policy that sampled a step's rollouts (the replicas' log-probs) and

@@ -15,8 +15,8 @@ import time
 from sqlalchemy.dialects.sqlite import insert
 from sqlmodel import Session
 
-from backend.db import Database
-from backend.models import PollCursor
+from backend.database.connection import Database
+from backend.database.models import PollCursor
 
 
 def read(db: Database, run_id: str, stream: str) -> str:

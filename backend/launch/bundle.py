@@ -11,7 +11,7 @@ import io
 import tarfile
 from pathlib import Path
 
-from backend.db import PROJECT_ROOT
+from backend.database.connection import PROJECT_ROOT
 from jobs.contract import layout
 from jobs.store import ObjectStore
 

@@ -26,7 +26,7 @@ from jobs.confinement import landlock, python_paths, run_confined
 from jobs.confinement.confine import UNCONFINABLE_EXIT, Confinement
 from jobs.contract import EnvironmentSpec, RewardSpec
 
-RUNNER = Path(__file__).with_name("sandbox_runner.py")
+RUNNER = Path(__file__).with_name("runner.py")
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, col, select
 from sqlmodel.sql.expression import SelectOfScalar
 
-from backend.episodes import stored_turns
-from backend.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample, VersionScore
+from backend.database.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample, VersionScore
+from backend.ingestion.episodes import stored_turns
 
 # Columns every metric record carries that are not metrics.
 _RECORD_FIELDS = {"step", "time", "attempt"}
@@ -52,7 +52,8 @@ def metric_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[
 
 
 def sample_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per sample; an agent's episode keeps its `turns` too, checked and cut to size (backend/episodes.py)."""
+    """One row per sample; an agent's episode keeps its `turns` too, checked and cut to size
+    (backend/ingestion/episodes.py)."""
     return [
         {
             "run_id": run_id,

@@ -1,11 +1,11 @@
 """The poller: brings everything a run writes to its store, and every job's stage, into SQLite.
 
 Exactly once: a stream is listed after the last key ingested, and each chunk's rows are committed in the same
-transaction as the cursor that moves past it, moved by compare-and-set (`backend.cursors`), so a panel killed at any
-moment resumes where it stopped, and several pollers on one data folder (the panel, `backend follow`, a second panel)
-never ingest a chunk twice. Every run is polled independently; a store or Hub error on one run backs off that run only,
-and the loop itself survives any failed iteration. Each pass also takes over launches whose panel died mid-launch
-(backend/services/launches.py).
+transaction as the cursor that moves past it, moved by compare-and-set (`backend.database.cursors`), so a panel
+killed at any moment resumes where it stopped, and several pollers on one data folder (the panel, `backend follow`, a
+second panel) never ingest a chunk twice. Every run is polled independently; a store or Hub error on one run backs
+off that run only, and the loop itself survives any failed iteration. Each pass also takes over launches whose panel
+died mid-launch (backend/services/launches.py).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from sqlalchemy import func
 from sqlalchemy.dialects.sqlite import insert
 from sqlmodel import Session, select
 
-from backend import alerts, cursors, ingest
 from backend.context import PanelContext
+from backend.database import cursors
+from backend.database.models import AdapterVersion, Job, MetricPoint, ReplicaStatus, Run
+from backend.ingestion import alerts, ingest
 from backend.launchers.base import TERMINAL
-from backend.models import AdapterVersion, Job, MetricPoint, ReplicaStatus, Run
 from backend.services.launches import Launches
 from backend.services.runs import RunService
 from jobs.contract import layout

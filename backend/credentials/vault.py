@@ -17,8 +17,8 @@ from cryptography.fernet import Fernet, InvalidToken
 from sqlmodel import select
 
 from backend import settings
-from backend.db import Database, data_dir
-from backend.models import Credential
+from backend.database.connection import Database, data_dir
+from backend.database.models import Credential
 from jobs.secrets import register_secret
 from jobs.store import StoreCredentials
 

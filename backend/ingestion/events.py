@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from backend.db import Database
-from backend.models import Event, Run
+from backend.database.connection import Database
+from backend.database.models import Event, Run
 
 
 def record_event(db: Database, run_id: str, owner: str, kind: str, message: str, level: str) -> None:

@@ -108,7 +108,9 @@ class RolloutSample(SQLModel, table=True):
     dropped: bool = False  # pulled by the trainer but discarded as too stale
     time: float | None = None
     attempt: int = 1
-    turns_json: str | None = None  # an agent's episode turn by turn (backend/episodes.py); None: a single reply
+    turns_json: str | None = (
+        None  # an agent's episode turn by turn (backend/ingestion/episodes.py); None: a single reply
+    )
 
 
 class VersionScore(SQLModel, table=True):

@@ -1,6 +1,6 @@
-"""Runs inside the reward sandbox (see backend/sandbox.py); not imported by the panel.
+"""Runs inside the reward sandbox (see backend/sandbox/client.py); not imported by the panel.
 
-    python -I sandbox_runner.py <project root> <request.json> <result.json>
+    python -I runner.py <project root> <request.json> <result.json>
 
 Before any user code runs, the runner confines itself (jobs/confinement/confine.py: namespaces, limits, Landlock,
 seccomp), in its one thread, after exec; then an audit hook refuses network access, subprocesses and signals to other

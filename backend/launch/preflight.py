@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from backend.context import PanelContext
-from backend.images import check_images
+from backend.credentials.vault import CredentialError
+from backend.database.models import Run
+from backend.launch.images import check_images
 from backend.launchers.base import LaunchError
 from backend.launchers.hf_jobs import bound_hub_calls
-from backend.models import Run
-from backend.sandbox import RewardTrial, SandboxError, SandboxLimits, rehearse_environment, run_rewards
+from backend.sandbox.client import RewardTrial, SandboxError, SandboxLimits, rehearse_environment, run_rewards
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting, run_id_taken
-from backend.vault import CredentialError
 from jobs.chat_templates import ADDITIONAL_TEMPLATES_DIR, ChatTemplateError, chat_template_in, response_template
 from jobs.contract import BUILTIN_MODELS, RunSpec, SpecError, derived, parse_spec
 from jobs.contract.flavors import flavor
@@ -59,7 +59,7 @@ class Preflight:
     preview: list[dict[str, Any]] = field(default_factory=list)
     trials: list[RewardTrial] = field(default_factory=list)
     cost_per_hour: float | None = None
-    plan: dict[str, Any] | None = None  # what Launch would submit (backend/plan.py), once every check passed
+    plan: dict[str, Any] | None = None  # what Launch would submit (backend/launch/plan.py), once every check passed
     parameters: int | None = None  # the model's parameter count, where the Hub said it (it decides the sharding)
     held_out: HeldOut | None = None  # the prompts versions are evaluated on, when the run evaluates
 

@@ -1,7 +1,7 @@
 """The panel's SQLite database: where it lives, how it is opened.
 
 WAL mode lets the poller write while pages read; a busy timeout absorbs the brief write locks instead of failing.
-Opening it brings its tables up to date (backend/schema.py).
+Opening it brings its tables up to date (backend/database/schema.py).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, create_engine
 
-from backend import schema, settings
+from backend import settings
+from backend.database import schema
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def data_dir() -> Path:

@@ -1,9 +1,10 @@
-"""Alembic's entry point: run the migrations on the connection backend/schema.py hands over (no alembic.ini, no URL)."""
+"""Alembic's entry point: run the migrations on the connection backend/database/schema.py hands over (no alembic.ini,
+no URL)."""
 
 from alembic import context
 from sqlmodel import SQLModel
 
-from backend import models  # noqa: F401  (registers the tables the revisions are compared against)
+from backend.database import models  # noqa: F401  (registers the tables the revisions are compared against)
 
 context.configure(
     connection=context.config.attributes["connection"],

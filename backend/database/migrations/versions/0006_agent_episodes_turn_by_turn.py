@@ -1,5 +1,5 @@
-"""Agent episodes turn by turn: a rollout sample's turns as JSON (backend/episodes.py); NULL for a single reply, as
-every sample ingested before this revision.
+"""Agent episodes turn by turn: a rollout sample's turns as JSON (backend/ingestion/episodes.py); NULL for a single
+reply, as every sample ingested before this revision.
 
 Only where missing, as 0004: a database stamped at the baseline may have been made by `create_all` with it. SQLite
 adds the column in place (no copy of a table that may hold millions of samples).
