@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from jobs.contract.durations import duration
+from jobs.contract.durations import duration as duration  # re-exported: every page formats through here
 
 
 def money(usd: float | None, per_hour: bool = False) -> str:

@@ -27,15 +27,17 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import gradio as gr
 from cachetools import TTLCache
 from gradio.data_classes import FileData
+from gradio.events import api as api_endpoint  # gradio's __all__ leaves `gr.api` out
 
 from app.panel import Panel, SignInRequired
 from backend.api import PanelServices
 from backend.credentials.vault import RunCredentials
+from backend.database.models import AdapterVersion, RolloutSample, Run
 from backend.ingestion.episodes import read_turns
 from backend.launch.limits import LimitReached
 from backend.services.runs import RunStateError
@@ -54,6 +56,10 @@ PUBLIC_ENDPOINTS = (
 MAX_PAGE = 1000  # points or samples one call returns at most
 TOKEN_CACHE_SIZE = 1024  # callers whose Hub user is remembered
 TOKEN_CACHE_SECONDS = 300.0  # how long a token's user is trusted before the Hub is asked again
+
+JsonObject: TypeAlias = dict[str, Any]
+"""An endpoint's answer: plain data that Gradio sends to the caller as a JSON object."""
+T = TypeVar("T")
 
 
 def make_private(app: gr.Blocks) -> None:
@@ -74,7 +80,7 @@ class PublicApi:
     def register(self) -> None:
         """Add the public endpoints to the Blocks being built (see the module's docstring)."""
         for name in PUBLIC_ENDPOINTS:
-            gr.api(getattr(self, name), api_name=name)
+            api_endpoint(getattr(self, name), api_name=name)
 
     # --- who is calling ---------------------------------------------------------------------------------------------
 
@@ -100,19 +106,19 @@ class PublicApi:
         from huggingface_hub import HfApi
 
         try:
-            user = HfApi(endpoint=self.panel.ctx.hub_endpoint).whoami(token=token.strip())["name"]
+            owner: str = HfApi(endpoint=self.panel.ctx.hub_endpoint).whoami(token=token.strip())["name"]
         except Exception as error:
             raise gr.Error(
                 f"The Hugging Face token this call presented was refused by the Hub ({type(error).__name__}); pass "
                 "a valid token: Client(space, token=...)"
             ) from None
         with self._lock:
-            self._users[key] = user
-        return user
+            self._users[key] = owner
+        return owner
 
     # --- the endpoints ------------------------------------------------------------------------------------------------
 
-    def list_runs(self, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> list[dict]:
+    def list_runs(self, request: gr.Request | None = None, profile: gr.OAuthProfile | None = None) -> list[JsonObject]:
         """The caller's runs, newest first: id, name, status, step, max_steps, latest reward, current version."""
         return [_run(run) for run in self._services(request, profile).runs.list()]
 
@@ -122,9 +128,9 @@ class PublicApi:
         store_credential_id: int | None = None,
         hf_credential_id: int | None = None,
         wandb_credential_id: int | None = None,
-        request: gr.Request = None,
+        request: gr.Request | None = None,
         profile: gr.OAuthProfile | None = None,
-    ) -> dict:
+    ) -> JsonObject:
         """Check a run spec (JSON, as `python -m backend plan --spec` reads it) as "Check settings" does, then
         create and launch it. Credentials are the ids the Account and Launch pages list for the caller. A spec that
         fails a check launches nothing; the error names each field and its fix."""
@@ -135,14 +141,17 @@ class PublicApi:
             raise gr.Error(f"spec_json: not JSON ({error.msg} at character {error.pos})") from None
         chosen = RunCredentials(store_credential_id, hf_credential_id, wandb_credential_id)
         result = _found(lambda: services.preflight(data, *chosen))
-        if not result.ok:
+        spec = result.spec
+        if not result.ok or spec is None:  # the same test: a check that passed has a spec
             problems = "; ".join(f"{field}: {message}" for field, message in result.errors.items())
             raise gr.Error(f"Not launched: {problems}")
-        run = _found(lambda: services.runs.create(result.spec, *chosen))
+        run = _found(lambda: services.runs.create(spec, *chosen))
         _found(lambda: services.runs.launch(run.id))
         return _run(services.runs.get(run.id))
 
-    def run_status(self, run_id: str, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> dict:
+    def run_status(
+        self, run_id: str, request: gr.Request | None = None, profile: gr.OAuthProfile | None = None
+    ) -> JsonObject:
         """One run: status and why, step of max_steps, reward, versions (current and best), and each job's state."""
         services = self._services(request, profile)
         run = _found(lambda: services.runs.get(run_id))
@@ -155,9 +164,9 @@ class PublicApi:
         name: str = "reward",
         offset: int = 0,
         limit: int = MAX_PAGE,
-        request: gr.Request = None,
+        request: gr.Request | None = None,
         profile: gr.OAuthProfile | None = None,
-    ) -> dict:
+    ) -> JsonObject:
         """The metric's [step, value] points in step order, `limit` (at most 1000) from `offset`; `names` lists the
         run's metrics (TRL's names), `next_offset` is null on the last page."""
         queries = self._services(request, profile).queries
@@ -171,9 +180,9 @@ class PublicApi:
         run_id: str,
         offset: int = 0,
         limit: int = 50,
-        request: gr.Request = None,
+        request: gr.Request | None = None,
         profile: gr.OAuthProfile | None = None,
-    ) -> dict:
+    ) -> JsonObject:
         """Rollout samples newest step first (prompt, completion, reward, per-reward scores, advantage, policy
         version, staleness; an agent's episode turn by turn in `turns`, null for a single reply), `limit` (at most
         1000) from `offset`; `next_offset` is null on the last page."""
@@ -183,21 +192,27 @@ class PublicApi:
         samples = [_sample(row) for row in rows[:limit]]
         return {"samples": samples, "next_offset": offset + limit if len(rows) > limit else None}
 
-    def list_versions(self, run_id: str, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> list:
+    def list_versions(
+        self, run_id: str, request: gr.Request | None = None, profile: gr.OAuthProfile | None = None
+    ) -> list[JsonObject]:
         """The run's adapter versions: version, step, reward near that step, size, and the policy audit's verdict."""
         adapters = self._services(request, profile).adapters
         return [_version(v) for v in _found(lambda: adapters.versions(run_id))]
 
     def download_version(
-        self, run_id: str, version: int, request: gr.Request = None, profile: gr.OAuthProfile | None = None
+        self, run_id: str, version: int, request: gr.Request | None = None, profile: gr.OAuthProfile | None = None
     ) -> FileData:
         """A zip of one adapter version, verified against its manifest; unzip and `PeftModel.from_pretrained` it."""
         adapters = self._services(request, profile).adapters
         return FileData(path=str(_found(lambda: adapters.download_zip(run_id, version))))
 
     def evaluate_versions(
-        self, run_id: str, versions: str = "0 last", request: gr.Request = None, profile: gr.OAuthProfile | None = None
-    ) -> dict:
+        self,
+        run_id: str,
+        versions: str = "0 last",
+        request: gr.Request | None = None,
+        profile: gr.OAuthProfile | None = None,
+    ) -> JsonObject:
         """Score versions on the run's held-out prompts (never trained on), as `python -m backend eval` does:
         `versions` holds numbers (0: the base model), `last`, `all`, `every:N` (every Nth version and the last) or
         `best-reward` (the highest training reward), separated by spaces. Per version, each score's mean with its
@@ -207,13 +222,15 @@ class PublicApi:
         numbers = _found(lambda: evaluation.versions_named(run_id, versions.split()))
         return evaluation.report(_found(lambda: evaluation.evaluate(run_id, numbers)))
 
-    def stop_run(self, run_id: str, request: gr.Request = None, profile: gr.OAuthProfile | None = None) -> dict:
+    def stop_run(
+        self, run_id: str, request: gr.Request | None = None, profile: gr.OAuthProfile | None = None
+    ) -> JsonObject:
         """Ask the run to stop: the trainer checkpoints, publishes its last version and stops its replicas."""
         runs = self._services(request, profile).runs
         return _run(_found(lambda: runs.stop(run_id, reason="stopped through the API")))
 
 
-def _found(call: Callable[[], Any]) -> Any:
+def _found(call: Callable[[], T]) -> T:
     """The call's result; a run or version the caller does not own or that does not exist is one clear error."""
     try:
         return call()
@@ -221,28 +238,28 @@ def _found(call: Callable[[], Any]) -> Any:
         raise gr.Error(str(error)) from None
 
 
-def _page(items: list, offset: int, limit: int) -> tuple[list, int | None]:
+def _page(items: list[T], offset: int, limit: int) -> tuple[list[T], int | None]:
     offset, limit = max(0, offset), max(1, min(limit, MAX_PAGE))
     following = offset + limit if offset + limit < len(items) else None
     return items[offset : offset + limit], following
 
 
-def _pick(row, *columns: str, **renamed: str) -> dict:
+def _pick(row: object, *columns: str, **renamed: str) -> JsonObject:
     """A database row's `columns` as a JSON object, and `renamed` ones under the API's name (api name -> column)."""
     named = {column: column for column in columns} | renamed
     return {name: getattr(row, column) for name, column in named.items()}
 
 
-def _run(run) -> dict:
+def _run(run: Run) -> JsonObject:
     return _pick(run, "name", "status", "step", "max_steps", "latest_reward", "current_version", "created_at",
                  run_id="id", message="status_message")  # fmt: skip
 
 
-def _version(row) -> dict:
+def _version(row: AdapterVersion) -> JsonObject:
     return _pick(row, "version", "step", "reward", "size_bytes", "audit_ok", "audit_max_diff")
 
 
-def _sample(row) -> dict:
+def _sample(row: RolloutSample) -> JsonObject:
     columns = ("step", "policy_version", "staleness", "group_id", "prompt", "completion", "reward", "advantage")
     turns = read_turns(row.turns_json)
     return {

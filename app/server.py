@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from types import FrameType
 
 from app.panel import Panel
 from app.theme import CSS, HEAD, theme
@@ -71,5 +72,5 @@ def main() -> None:
             snapshots.stop()
 
 
-def _interrupt(_signum, _frame) -> None:
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
     raise KeyboardInterrupt

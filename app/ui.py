@@ -6,8 +6,11 @@ the Launch page costs nothing, and the background poller (not the page) keeps in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gradio as gr
 
+from app.events import Updates
 from app.pages.account import AccountPage
 from app.pages.adapters import AdaptersPage
 from app.pages.launch import LaunchPage
@@ -18,6 +21,7 @@ from app.public_api import PublicApi, make_private
 
 
 def build_app(panel: Panel) -> gr.Blocks:
+    app: gr.Blocks  # Gradio's `__enter__` is untyped
     # delete_cache: the zips handed out for download leave Gradio's cache after an hour.
     with gr.Blocks(title="Async GRPO control panel", analytics_enabled=False, delete_cache=(1800, 3600)) as app:
         with gr.Row(equal_height=True):
@@ -50,18 +54,28 @@ def build_app(panel: Panel) -> gr.Blocks:
     return app
 
 
-def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, account, tab_of: dict) -> None:
+def _wire(
+    app: gr.Blocks,
+    panel: Panel,
+    tabs: gr.Tabs,
+    launch: LaunchPage,
+    runs: RunsPage,
+    monitor: MonitorPage,
+    adapters: AdaptersPage,
+    account: AccountPage,
+    tab_of: dict[str, gr.Tab],
+) -> None:
     timer_of = {"runs": runs.timer, "monitor": monitor.timer, "adapters": adapters.timer}
     timers = list(timer_of.values())
 
-    def _timers(page: str) -> dict:
+    def _timers(page: str) -> Updates:
         """Only the open page's timer runs."""
         return {timer: gr.Timer(active=page == name) for name, timer in timer_of.items()}
 
-    def _opened(page: str):
+    def _opened(page: str) -> Callable[[], Updates]:
         return lambda: _timers(page)
 
-    def navigate(run_id: str, profile: gr.OAuthProfile | None = None) -> dict:
+    def navigate(run_id: str, profile: gr.OAuthProfile | None = None) -> Updates:
         """Open `run_id` in the monitor."""
         choices = run_choices(panel.services_or_none(profile))
         return {tabs: gr.Tabs(selected="monitor"), monitor.run: gr.Dropdown(choices=choices, value=run_id)} | _timers(
@@ -92,7 +106,7 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     )
     child = gr.State(None)
 
-    def follow_branch(run_id: str | None, started: bool, profile: gr.OAuthProfile | None = None) -> dict:
+    def follow_branch(run_id: str | None, started: bool, profile: gr.OAuthProfile | None = None) -> Updates:
         return navigate(run_id, profile) if run_id and started else {}
 
     runs.branch_button.click(
@@ -102,7 +116,7 @@ def _wire(app: gr.Blocks, panel: Panel, tabs, launch, runs, monitor, adapters, a
     )
 
     # A branch from the Adapters page: show it in Runs, overlaid on its parent.
-    def show_branch(run_id: str, parent_id: str, profile: gr.OAuthProfile | None = None) -> dict:
+    def show_branch(run_id: str, parent_id: str, profile: gr.OAuthProfile | None = None) -> Updates:
         return (
             {tabs: gr.Tabs(selected="runs")} | _timers("runs") | runs.refresh_now([parent_id, run_id], profile=profile)
         )

@@ -10,12 +10,13 @@ services.adapters.download_zip(run_id, 3)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from backend.context import PanelContext
 from backend.credentials.hub_tokens import HubIdentity, check_hf_token
 from backend.database.models import Run
 from backend.launch.preflight import Preflight, run_preflight
+from backend.launchers.hf_jobs import HfJobsLauncher
 from backend.sandbox.client import RewardTrial, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService
 from backend.services.evaluation import EvaluationService
@@ -79,7 +80,7 @@ class PanelServices:
             created_at=0.0,
             hf_credential_id=hf_credential_id,
         )
-        return self.ctx.launcher_for(probe).prices_per_hour()
+        return cast(HfJobsLauncher, self.ctx.launcher_for(probe)).prices_per_hour()  # the probe's backend is hf_jobs
 
     def smoke_test(
         self,
@@ -116,7 +117,9 @@ class PanelServices:
         credentials = self.ctx.vault.store_credentials(self.owner, store_credential_id) if store_credential_id else None
         store = open_store(location, credentials)
         imported = []
-        for run_id in store.list_dirs(layout.RUNS + "/"):
+        # Typed here: in ObjectStore (jobs/store/base.py) its own `list` method shadows the builtin `list[str]`.
+        run_ids: list[str] = store.list_dirs(layout.RUNS + "/")
+        for run_id in run_ids:
             try:
                 spec = RunSpec.from_json(store.get_bytes(layout.spec_key(run_id)))
             except Exception:

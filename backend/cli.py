@@ -23,7 +23,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TextIO, cast
 
 from backend.api import PanelServices
 from backend.context import PanelContext
@@ -45,7 +47,7 @@ def _bar(step: int, total: int, width: int = 30) -> str:
     return "#" * filled + "." * (width - filled)
 
 
-def follow(ctx: PanelContext, run_id: str, poller: Poller, out=sys.stdout, interval: float = 1.0) -> str:
+def follow(ctx: PanelContext, run_id: str, poller: Poller, out: TextIO = sys.stdout, interval: float = 1.0) -> str:
     """Poll the run and print one progress line until it ends; Ctrl-C asks it to stop gracefully."""
     service, queries = RunService(ctx, LOCAL_OWNER), QueryService(ctx, LOCAL_OWNER)
     try:
@@ -123,7 +125,7 @@ def launch(args: argparse.Namespace) -> int:
         return 2
     if result.cost_per_hour:
         print(f"estimated cost: ${result.cost_per_hour:.2f}/hour")
-    run = services.runs.create(result.spec, *chosen)
+    run = services.runs.create(cast(RunSpec, result.spec), *chosen)  # ok: the spec parsed
     services.runs.launch(run.id, wait=True)
     return 0 if follow(services.ctx, run.id, Poller(services.ctx)) == "finished" else 1
 
@@ -195,7 +197,7 @@ def _credential_ids(ctx: PanelContext, args: argparse.Namespace) -> RunCredentia
     )
 
 
-def _assign(data: dict, assignment: str) -> None:
+def _assign(data: dict[str, Any], assignment: str) -> None:
     """Apply `section.field=value` to a spec dict (the value read as JSON where it parses, else as text)."""
     path, separator, text = assignment.partition("=")
     if not separator or "." not in path:
@@ -380,7 +382,7 @@ def make_current(args: argparse.Namespace) -> int:
 
 
 def branch(args: argparse.Namespace) -> int:
-    overrides: dict = {}
+    overrides: dict[str, Any] = {}
     for assignment in args.set:
         _assign(overrides, assignment)
     child = _services(args).adapters.branch(args.run, args.version, args.new_run_id, overrides, launch=not args.draft)
@@ -429,7 +431,16 @@ def _run_and_version(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("version", type=int, help="an adapter version of the run (`versions RUN` lists them)")
 
 
-def _command(commands, name: str, handler, summary: str, *examples: str) -> argparse.ArgumentParser:
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    handler: Handler,
+    summary: str,
+    *examples: str,
+) -> argparse.ArgumentParser:
     """One subcommand with its help line and examples (shown by `python -m backend NAME --help`)."""
     epilog = "examples:\n" + "\n".join(f"  python -m backend {example}" for example in examples) if examples else None
     parser = commands.add_parser(
@@ -619,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         args = _build_parser().parse_args(argv)
-        return args.handler(args)
+        handler: Handler = args.handler  # set by `_command`
+        return handler(args)
     except BrokenPipeError:
         # The reader went away (`python -m backend versions my-run | head`) with what it wanted. Point stdout at
         # /dev/null, or flushing it at exit raises again, and end as a program SIGPIPE ended.

@@ -67,8 +67,12 @@ class PanelContext:
         """The run's HF token, bucket keys and W&B key (only if it reports to W&B) from the vault, with a fresh
         replica token that nothing keeps."""
         hf_token = self.vault.hf_token(run.owner, run.hf_credential_id) if run.hf_credential_id is not None else None
-        reports_to_wandb = run.wandb_credential_id is not None and self.spec(run).reporting.wandb
-        wandb_key = self.vault.wandb_key(run.owner, run.wandb_credential_id) if reports_to_wandb else None
+        wandb_id = run.wandb_credential_id  # only a run that reports to W&B gets its key
+        wandb_key = (
+            self.vault.wandb_key(run.owner, wandb_id)
+            if wandb_id is not None and self.spec(run).reporting.wandb
+            else None
+        )
         store = (
             self.vault.store_credentials(run.owner, run.store_credential_id)
             if run.store_credential_id is not None

@@ -84,7 +84,16 @@ TARGETS = (
     ),
     Target(
         "poller-ingest",
-        modules=("backend/ingestion/poller.py", "backend/ingestion/ingest.py", "backend/database/cursors.py"),
+        modules=(
+            "backend/ingestion/poller.py",
+            "backend/ingestion/streams.py",
+            "backend/ingestion/versions.py",
+            "backend/ingestion/job_stages.py",
+            "backend/ingestion/run_status.py",
+            "backend/ingestion/cost_cap.py",
+            "backend/ingestion/ingest.py",
+            "backend/database/cursors.py",
+        ),
         tests=("tests/test_poller.py", "tests/test_poller_interleavings.py"),
         env={"GRPO_INTERLEAVING_EXAMPLES": "8"},
     ),

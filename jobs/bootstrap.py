@@ -7,11 +7,16 @@ presigned URL, so nothing in the job's command or environment grants access to a
 (a gateway's CDN) is followed without those credentials —, checks its sha256, unpacks it, installs the pinned
 requirements only if the image lacks one of them at its pinned version (jobs/pins.py, read from the bundle), and
 execs `python -m <module> <args>`.
+
+Annotations stay unevaluated strings (the __future__ import): an image's older Python never reads `str | None`.
 """
+
+from __future__ import annotations
 
 import datetime
 import hashlib
 import hmac
+import http.client
 import io
 import os
 import shutil
@@ -21,13 +26,17 @@ import tarfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Mapping
+from typing import IO
 
 
-def _hmac(key, text):
+def _hmac(key: bytes, text: str) -> bytes:
     return hmac.new(key, text.encode(), hashlib.sha256).digest()
 
 
-def signed_get(endpoint, region, bucket, key, environ):
+def signed_get(
+    endpoint: str | None, region: str, bucket: str, key: str, environ: Mapping[str, str]
+) -> urllib.request.Request:
     """A path-style S3 GET request signed with AWS Signature Version 4 (header form)."""
     base = endpoint.rstrip("/") if endpoint else f"https://s3.{region}.amazonaws.com"
     url = f"{base}/{bucket}/{urllib.parse.quote(key, safe='/-_.~')}"
@@ -65,7 +74,15 @@ class CredentialFreeRedirects(urllib.request.HTTPRedirectHandler):
     URL, which refuses a second auth mechanism, and no other host may ever see the bucket's credentials. (urllib
     would re-send every header but the body's.)"""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: http.client.HTTPMessage,
+        newurl: str,
+    ) -> urllib.request.Request | None:
         new = super().redirect_request(req, fp, code, msg, headers, newurl)
         if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
             for name in list(new.headers):
@@ -77,11 +94,12 @@ class CredentialFreeRedirects(urllib.request.HTTPRedirectHandler):
 _opener = urllib.request.build_opener(CredentialFreeRedirects)
 
 
-def fetch(request_factory, attempts=5):
+def fetch(request_factory: Callable[[], urllib.request.Request], attempts: int = 5) -> bytes:
     for attempt in range(attempts):
         try:
             with _opener.open(request_factory(), timeout=120) as response:
-                return response.read()
+                data: bytes = response.read()
+                return data
         except OSError as error:
             if attempt == attempts - 1:
                 raise SystemExit(f"bootstrap: could not fetch the code bundle: {error}") from None
@@ -89,7 +107,7 @@ def fetch(request_factory, attempts=5):
     raise AssertionError("unreachable")
 
 
-def install(requirements, attempts=5):
+def install(requirements: str, attempts: int = 5) -> None:
     for attempt in range(attempts):
         if subprocess.call([sys.executable, "-m", "pip", "install", "-q", "-r", requirements]) == 0:
             return
@@ -97,13 +115,14 @@ def install(requirements, attempts=5):
     raise SystemExit("bootstrap: pip could not install the job requirements")
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
     if len(argv) < 6:
         raise SystemExit("usage: bootstrap <sha256> <endpoint|-> <region> <bucket> <key> <module> [args...]")
-    digest, endpoint, region, bucket, key, module, args = *argv[:6], argv[6:]
+    digest, given_endpoint, region, bucket, key, module = argv[:6]
+    args = argv[6:]
     root = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"grpo-bundle-{digest[:16]}")
     if not os.path.isdir(root):
-        endpoint = None if endpoint == "-" else endpoint
+        endpoint = None if given_endpoint == "-" else given_endpoint
         data = fetch(lambda: signed_get(endpoint, region, bucket, key, os.environ))
         if hashlib.sha256(data).hexdigest() != digest:
             raise SystemExit("bootstrap: the code bundle does not match its digest; refusing to run it")

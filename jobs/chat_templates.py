@@ -35,7 +35,9 @@ class ChatTemplateError(ValueError):
     """The model's chat template cannot be used for training; the message names the field and the fix."""
 
 
-def response_template(chat_template: str | dict | None, model_id: str, tools: bool = False) -> dict[str, Any] | None:
+def response_template(
+    chat_template: str | dict[str, str] | None, model_id: str, tools: bool = False
+) -> dict[str, Any] | None:
     """None when TRL recognises `chat_template` itself, the ChatML response template for another ChatML template;
     ChatTemplateError for any other template (or none). With `tools` (an agent run), only a template TRL recognises
     will do: the ChatML response template reads a reply's text, never its tool calls."""
@@ -79,7 +81,7 @@ def _recognised_by_trl(chat_template: str) -> bool:
 ADDITIONAL_TEMPLATES_DIR = "additional_chat_templates"  # transformers' folder of named `<name>.jinja` templates
 
 
-def chat_template_in(folder: str | Path) -> str | dict | None:
+def chat_template_in(folder: str | Path) -> str | dict[str, str] | None:
     """The chat template a tokenizer saved in `folder` loads with, read as transformers reads it: template files
     (`chat_template.jinja` as "default", `additional_chat_templates/<name>.jinja` by name) take priority over the
     `chat_template` of `tokenizer_config.json`; one default file is a plain template, several are named ones."""
@@ -94,13 +96,13 @@ def chat_template_in(folder: str | Path) -> str | dict | None:
     config = folder / "tokenizer_config.json"
     if not config.is_file():
         return None
-    template = json.loads(config.read_text()).get("chat_template")
+    template: str | list[dict[str, str]] | None = json.loads(config.read_text()).get("chat_template")
     if isinstance(template, list):  # named variants, as transformers turns them into a dict
         return {item["name"]: item["template"] for item in template}
     return template
 
 
-def fit_tokenizer(tokenizer, model_id: str, tools: bool = False) -> None:
+def fit_tokenizer(tokenizer: Any, model_id: str, tools: bool = False) -> None:
     """Give `tokenizer` the response template TRL's rollout worker needs for it, if TRL has none of its own; raise
     ChatTemplateError when its replies cannot be read at all (preflight refuses such a model before launch)."""
     template = response_template(tokenizer.chat_template, model_id, tools)

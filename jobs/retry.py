@@ -14,9 +14,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from tenacity import AsyncRetrying, RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+from tenacity import AsyncRetrying, BaseRetrying, RetryCallState, Retrying, retry_if_exception, stop_after_attempt
 
 T = TypeVar("T")
+R = TypeVar("R", bound=BaseRetrying)  # Retrying or AsyncRetrying
 Wait = Callable[[BaseException, float], float]  # (the error, the policy's delay) -> the seconds to wait instead
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,9 @@ async def retry_async(
     return await _retrying(AsyncRetrying, is_transient, policy, what, wait)(fn)
 
 
-def _retrying(kind, is_transient, policy: RetryPolicy, what: str, wait: Wait | None):
+def _retrying(
+    kind: type[R], is_transient: Callable[[BaseException], bool], policy: RetryPolicy, what: str, wait: Wait | None
+) -> R:
     def delay(state: RetryCallState) -> float:
         planned = policy.delay(state.attempt_number)
         return wait(_error(state), planned) if wait is not None else planned
@@ -77,7 +80,9 @@ def _retrying(kind, is_transient, policy: RetryPolicy, what: str, wait: Wait | N
 
 def _error(state: RetryCallState) -> BaseException:
     assert state.outcome is not None and state.outcome.failed
-    return state.outcome.exception()
+    error = state.outcome.exception()
+    assert error is not None  # a failed outcome holds its exception
+    return error
 
 
 def _short(error: BaseException) -> str:

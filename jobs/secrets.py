@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable
+from typing import Any
 
 MASK = "***"
 
@@ -80,10 +82,10 @@ def _mask_match(match: re.Match[str]) -> str:
 class _RedactingRecordFactory:
     """Wraps the log record factory so every record, from every logger, is redacted when it is created."""
 
-    def __init__(self, inner):
+    def __init__(self, inner: Callable[..., logging.LogRecord]):
         self.inner = inner
 
-    def __call__(self, *args, **kwargs) -> logging.LogRecord:
+    def __call__(self, *args: Any, **kwargs: Any) -> logging.LogRecord:
         record = self.inner(*args, **kwargs)
         try:
             message = record.getMessage()

@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
+from typing import Any, TypedDict, cast
 
 from jobs import settings
 from jobs.contract import duration, layout
@@ -28,6 +29,22 @@ from jobs.runtime import add_run_arguments, open_run, setup_logging
 
 log = logging.getLogger("jobs.smoke")
 CHECKED_PACKAGES = ("torch", "transformers", "trl", "peft", "vllm")
+
+
+class StepRecord(TypedDict):
+    """A Step as the job's `/health` report carries it."""
+
+    name: str
+    seconds: float
+    ok: bool
+    detail: str
+
+
+class SmokeReport(TypedDict):
+    """The JSON body of the job's `/health`, which the panel reads (backend/services/smoke.py)."""
+
+    job_id: str
+    steps: list[StepRecord]
 
 
 @dataclass
@@ -81,7 +98,7 @@ def run_steps(args: argparse.Namespace, job_id: str) -> list[Step]:
     return steps
 
 
-def serve(host: str, port: int, report: dict, serve_for: float) -> None:
+def serve(host: str, port: int, report: SmokeReport, serve_for: float) -> None:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path.split("?")[0] != "/health":
@@ -94,7 +111,7 @@ def serve(host: str, port: int, report: dict, serve_for: float) -> None:
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, *args) -> None:
+        def log_message(self, *args: Any) -> None:
             pass
 
     server = ThreadingHTTPServer((host, port), Handler)
@@ -118,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     steps = run_steps(args, job_id)
     for step in steps:
         log.info("%s: %s in %.2fs (%s)", step.name, "ok" if step.ok else "FAILED", step.seconds, step.detail)
-    serve(args.host, args.port, {"job_id": job_id, "steps": [asdict(step) for step in steps]}, args.serve_for)
+    records = [cast(StepRecord, asdict(step)) for step in steps]  # asdict gives exactly StepRecord's keys
+    serve(args.host, args.port, {"job_id": job_id, "steps": records}, args.serve_for)
     return 0
 
 

@@ -11,6 +11,7 @@ import gradio as gr
 import pytest
 from huggingface_hub import HfApi
 
+from app.events import Updates
 from app.pages.monitor import MonitorPage, log_label
 from app.panel import Panel
 from backend.context import PanelContext
@@ -57,7 +58,7 @@ def local_job_with_log(panel: Panel, run_id: str, log: str) -> int:
     return job.id
 
 
-def shown(page: MonitorPage, update: dict[object, object]) -> tuple[str, str]:
+def shown(page: MonitorPage, update: Updates) -> tuple[str, str]:
     """(label, text) of the log view in a `show_log` answer."""
     view = update[page.log_text]
     assert isinstance(view, gr.Code)

@@ -23,7 +23,8 @@ def routing_figure(snapshots: list[Snapshot]) -> go.Figure:
     if len(points) < 2:
         return empty_figure(title, NO_PROXY if not points else "Routing shares appear with the second snapshot")
     start = points[0].get("started") or points[0]["time"]
-    elapsed, shares = [], {"affinity": [], "followed": [], "unmatched": [], "spilled": []}
+    elapsed: list[float] = []
+    shares: dict[str, list[float]] = {"affinity": [], "followed": [], "unmatched": [], "spilled": []}
     for before, after in pairwise(points):
         if after.get("started") != before.get("started"):
             continue  # the proxy restarted: its counters restarted too

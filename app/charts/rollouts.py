@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import plotly.graph_objects as go
 
 from app.charts.style import COLORS, base_figure, empty_figure, integer_steps
@@ -91,10 +93,11 @@ def sample_versions_figure(uses: list[VersionUse]) -> go.Figure:
         return empty_figure(title, "Appears when the first rollout samples arrive")
     figure = base_figure(title, y_title="adapter version")
     biggest = max(use.samples for use in uses) or 1
-    for label, count, color in (
+    counts: tuple[tuple[str, Callable[[VersionUse], int], str], ...] = (
         ("trained on (size = count)", lambda use: use.samples - use.dropped, COLORS["reward"]),
         ("dropped as too stale", lambda use: use.dropped, COLORS["backpressure"]),
-    ):
+    )
+    for label, count, color in counts:
         shown = [use for use in uses if count(use)]
         figure.add_scatter(
             x=[use.step for use in shown],

@@ -7,10 +7,13 @@ token is kept so your runs can start Jobs as you. On this machine there is one o
 
 from __future__ import annotations
 
+from typing import cast
+
 import gradio as gr
 import pandas as pd
 
 from app import cards
+from app.events import Outputs, Updates
 from app.formatting import clock
 from app.panel import LOCAL_OWNER, Panel
 from backend.credentials.hub_tokens import TokenRefused
@@ -64,10 +67,10 @@ class AccountPage:
         self.cancel_button.click(lambda: {self.confirm_row: gr.Row(visible=False)}, None, [self.confirm_row])
         self.confirm_button.click(self.delete, [self.delete_id], [*confirm, *self.refresh_outputs()])
 
-    def refresh_outputs(self) -> list:
+    def refresh_outputs(self) -> Outputs:
         return [self.who, self.table, self.delete_id]
 
-    def refresh(self, profile: gr.OAuthProfile | None = None, token: gr.OAuthToken | None = None) -> dict:
+    def refresh(self, profile: gr.OAuthProfile | None = None, token: gr.OAuthToken | None = None) -> Updates:
         """On page load and after changes; in a Space this also keeps the sign-in token for the user's Jobs."""
         self.panel.remember_oauth_token(profile, token)
         services = self.panel.services_or_none(profile)
@@ -99,10 +102,10 @@ class AccountPage:
         )
         if not saved:
             table = pd.DataFrame([["No credentials saved yet", "", "", ""]], columns=COLUMNS)
-        choices = [(f"{c.name} · {c.masked}", c.id) for c in saved]
+        choices = [(f"{c.name} · {c.masked}", cast(int, c.id)) for c in saved]  # saved rows have their id
         return {self.who: who, self.table: table, self.delete_id: gr.Dropdown(choices=choices, value=None)}
 
-    def save_token(self, name: str, token: str, profile: gr.OAuthProfile | None = None) -> dict:
+    def save_token(self, name: str, token: str, profile: gr.OAuthProfile | None = None) -> Updates:
         """Ask the Hub who the token is, then keep it; a token the Hub refuses is not kept."""
         services = self.panel.services(profile)
         if not (token or "").strip():
@@ -122,7 +125,7 @@ class AccountPage:
             saved = cards.note(f"Saved {credential.name} ({credential.masked}): {identity.describe()}.", "good")
         return {self.result: saved, self.token: "", **self.refresh(profile)}
 
-    def save_wandb_key(self, name: str, key: str, profile: gr.OAuthProfile | None = None) -> dict:
+    def save_wandb_key(self, name: str, key: str, profile: gr.OAuthProfile | None = None) -> Updates:
         """Keep a W&B key. W&B is not asked from here: the trainer logs in with it when its run reports to W&B."""
         services = self.panel.services(profile)
         key = (key or "").strip()
@@ -142,7 +145,7 @@ class AccountPage:
         )
         return {self.result: saved, self.wandb_key: "", **self.refresh(profile)}
 
-    def ask_delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> dict:
+    def ask_delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> Updates:
         """Deleting cannot be undone: say what goes, and wait for a second click."""
         services = self.panel.services(profile)
         if credential_id is None:
@@ -158,7 +161,7 @@ class AccountPage:
         )
         return {self.confirm_row: gr.Row(visible=True), self.confirm_text: question, self.result: ""}
 
-    def delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> dict:
+    def delete(self, credential_id: int | None, profile: gr.OAuthProfile | None = None) -> Updates:
         services = self.panel.services(profile)
         hidden = {self.confirm_row: gr.Row(visible=False), self.confirm_text: ""}
         if credential_id is None:
@@ -167,7 +170,9 @@ class AccountPage:
         return {**hidden, self.result: cards.note("Deleted.", "good"), **self.refresh(profile)}
 
 
-def _secret_row(name: str, label: str, placeholder: str, button: str, key: str) -> tuple:
+def _secret_row(
+    name: str, label: str, placeholder: str, button: str, key: str
+) -> tuple[gr.Textbox, gr.Textbox, gr.Button]:
     """A row to save one secret under a name: (name box, secret box, save button), ids `account-<key>` and
     `save-<key>`."""
     with gr.Row(elem_classes="gp-align-end"):

@@ -17,6 +17,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from app import cards
 from app.actions import branch_from
 from app.charts.adapters import norms_heatmap
+from app.events import Outputs, Updates
 from app.formatting import clock, number, size
 from app.pages.monitor import run_choices
 from app.panel import Panel
@@ -260,7 +261,7 @@ class AdaptersPage:
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
-    def _listing_outputs(self) -> list:
+    def _listing_outputs(self) -> Outputs:
         return [self.lineage, self.table, self.version, self.version_a, self.version_b, self.listed]
 
     def _wire(self) -> None:
@@ -302,7 +303,7 @@ class AdaptersPage:
 
     # --- handlers -----------------------------------------------------------------------------------------------
 
-    def open(self, run_id: str | None, current: str | None, profile: gr.OAuthProfile | None = None) -> dict:
+    def open(self, run_id: str | None, current: str | None, profile: gr.OAuthProfile | None = None) -> Updates:
         """The page was opened: list the owner's runs, keeping the one shown (or the monitor's) selected, and
         propose a free id for a branch (the last one proposed may have been used since)."""
         choices = run_choices(self.panel.services_or_none(profile))
@@ -313,7 +314,7 @@ class AdaptersPage:
             self.branch_id: propose_run_id(self.panel.ctx, "branch"),
         }
 
-    def show_run(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> dict:
+    def show_run(self, run_id: str | None, profile: gr.OAuthProfile | None = None) -> Updates:
         """A run was picked: list its versions and preselect the current one, and the pair to compare."""
         services = self.panel.services_or_none(profile)
         if services is None or not run_id:
@@ -341,10 +342,12 @@ class AdaptersPage:
             self.download: gr.DownloadButton(visible=False),
         }
 
-    def refresh(self, run_id: str | None, listed: list | None = None, profile: gr.OAuthProfile | None = None) -> dict:
+    def refresh(
+        self, run_id: str | None, listed: list[object] | None = None, profile: gr.OAuthProfile | None = None
+    ) -> Updates:
         """A tick: when versions were added (or an alias moved), update the list, keeping every selection."""
         # "Nothing changed" names one output: Gradio takes an empty dict for a single value and fails the tick.
-        unchanged = {self.listed: gr.skip()}
+        unchanged: Updates = {self.listed: gr.skip()}
         services = self.panel.services_or_none(profile)
         if services is None or not run_id:
             return unchanged
@@ -357,7 +360,9 @@ class AdaptersPage:
             picker: gr.Dropdown(choices=choices) for picker in (self.version, self.version_a, self.version_b)
         }
 
-    def _listing(self, services: PanelServices, run: Run, versions: list[AdapterVersion]) -> tuple[dict, list]:
+    def _listing(
+        self, services: PanelServices, run: Run, versions: list[AdapterVersion]
+    ) -> tuple[Updates, list[tuple[str, int]]]:
         """The lineage, the versions table and what they were drawn from; the versions as choices."""
         children = [r for r in services.runs.list() if r.parent_run_id == run.id]
         lineage = cards.lineage(run, children)
@@ -372,7 +377,9 @@ class AdaptersPage:
         table = versions_table(run, versions, held_out)
         return {self.lineage: lineage, self.table: table, self.listed: key}, version_choices(run, versions, held_out)
 
-    def prepare_download(self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None) -> dict:
+    def prepare_download(
+        self, run_id: str | None, version: int | None, profile: gr.OAuthProfile | None = None
+    ) -> Updates:
         services = self.panel.services(profile)
         if not run_id or version is None:  # said beside the buttons, where the last outcome is, not in a toast
             return {self.download: gr.DownloadButton(visible=False), self.action: cards.note(PICK_FIRST, "warn")}
@@ -419,7 +426,7 @@ class AdaptersPage:
 
     def compare(
         self, run_id: str | None, version_a: int | None, version_b: int | None, profile: gr.OAuthProfile | None = None
-    ) -> dict:
+    ) -> Updates:
         services = self.panel.services(profile)
         if not run_id or version_a is None or version_b is None:
             return {self.summary: cards.note("Pick two versions to compare (A and B above).", "warn")}
@@ -441,7 +448,7 @@ class AdaptersPage:
         version_b: int | None,
         profile: gr.OAuthProfile | None = None,
         progress: gr.Progress = gr.Progress(),
-    ) -> dict:
+    ) -> Updates:
         """Versions A and B scored on the run's held-out prompts: the paired difference, and where they differ most.
         A run on HF Jobs is evaluated by a job there; how it goes is shown as progress, and Cancel ends it."""
         services = self.panel.services(profile)
@@ -474,7 +481,7 @@ class AdaptersPage:
         words: str,
         profile: gr.OAuthProfile | None = None,
         progress: gr.Progress = gr.Progress(),
-    ) -> dict:
+    ) -> Updates:
         """The versions named by `words` scored on the run's held-out prompts, the best marked. A run on HF Jobs is
         evaluated by one job there; how it goes is shown as progress, and Cancel ends it."""
         services = self.panel.services(profile)

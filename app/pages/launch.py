@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import gradio as gr
 import pandas as pd
-from gradio.components import Component
+from gradio.blocks import Block
 from pydantic import ValidationError
 
 from app import cards
 from app.credential_choices import NONE, credential_choices
+from app.events import Outputs, Updates, Values
 from app.formatting import money
 from app.launch_form import (
     BUCKET_HINTS,
@@ -36,7 +37,7 @@ from backend.api import PanelServices
 from backend.launch import presets
 from backend.launch.limits import LimitReached
 from backend.launch.preflight import Preflight
-from backend.sandbox.client import SandboxError
+from backend.sandbox.client import RewardTrial, SandboxError
 from backend.services.runs import propose_run_id, run_id_taken
 from jobs.contract import RewardSpec, RunSpec, derived, parse_spec, timeout_seconds
 from jobs.contract.spec import MAX_REPLICAS, SpecError
@@ -80,7 +81,9 @@ _COST_INPUTS = (
     "compute.backend", "hf_credential", "compute.trainer_flavor", "compute.replica_flavor", "compute.replicas",
     "compute.timeout",
 )  # fmt: skip
-_GENERATED_WIDGETS: dict[str, Callable[..., Component]] = {
+FormWidget: TypeAlias = gr.Textbox | gr.Number | gr.Checkbox | gr.Dropdown | gr.Radio | gr.Slider | gr.Code
+"""What a form field is shown in: a widget with a value, and `change` and `input` events."""
+_GENERATED_WIDGETS: dict[str, Callable[..., FormWidget]] = {
     "bool": gr.Checkbox,
     "choice": gr.Dropdown,
     "int": gr.Number,
@@ -96,7 +99,7 @@ def _widget_options(form_field: FormField) -> dict[str, Any]:
     return {"precision": 0} if form_field.kind == "int" else {}
 
 
-def _short(text: Any, limit: int = PREVIEW_CHARS) -> str:
+def _short(text: object, limit: int = PREVIEW_CHARS) -> str:
     text = str(text)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -111,7 +114,7 @@ def preview_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     if not rows:
         return pd.DataFrame({"": ["Press “Preview rows” (or Check settings) to load the first rows."]})
     columns = ["prompt", "answer"] + [k for k in rows[0] if k not in ("prompt", "answer")]
-    data = {"#": list(range(1, len(rows) + 1))}
+    data: dict[str, list[Any]] = {"#": list(range(1, len(rows) + 1))}
     for column in columns:
         data[column] = [
             _short(_prompt_text(row.get(column, "")) if column == "prompt" else row.get(column, "")) for row in rows
@@ -119,7 +122,7 @@ def preview_table(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return pd.DataFrame(data)
 
 
-def trials_table(rows: list[dict[str, Any]], completions: list[str], trials: list) -> pd.DataFrame:
+def trials_table(rows: list[dict[str, Any]], completions: list[str], trials: list[RewardTrial]) -> pd.DataFrame:
     data: dict[str, list[Any]] = {
         "#": list(range(1, len(rows) + 1)),
         "prompt": [_short(_prompt_text(row.get("prompt", "")), 120) for row in rows],
@@ -139,7 +142,7 @@ class LaunchPage:
         self.panel = panel
         self.form = form
         self.initial: dict[str, Any] = {}
-        self.inputs: dict[str, gr.components.Component] = {}
+        self.inputs: dict[str, FormWidget] = {}
         self.slots: dict[str, gr.HTML] = {}
 
     # --- layout -------------------------------------------------------------------------------------------------
@@ -147,7 +150,7 @@ class LaunchPage:
     def _slot(self, name: str) -> None:
         self.slots[name] = gr.HTML("", elem_id=f"error-{name}", padding=False, visible=False)
 
-    def _field(self, path: str, component: Callable[..., Component], **options: Any) -> Component:
+    def _field(self, path: str, component: Callable[..., FormWidget], **options: Any) -> FormWidget:
         """The widget of spec field `path`, of a kind the page chooses, labelled and explained by the spec."""
         form_field = self.form.by_path[path]
         if form_field.kind == "choice" and component in (gr.Radio, gr.Dropdown):
@@ -396,10 +399,10 @@ class LaunchPage:
 
     # --- wiring -------------------------------------------------------------------------------------------------
 
-    def _form_inputs(self) -> set:
+    def _form_inputs(self) -> set[Block]:
         return set(self.inputs.values())
 
-    def _form(self, values: dict) -> dict[str, Any]:
+    def _form(self, values: Values) -> dict[str, Any]:
         return {key: values[component] for key, component in self.inputs.items()}
 
     def _wire(self) -> None:
@@ -454,7 +457,7 @@ class LaunchPage:
             [self.slots["storage"], i["store_credential"], self.access_key, self.secret_key],
         )
 
-    def _check_outputs(self) -> list:
+    def _check_outputs(self) -> Outputs:
         return [
             *self.slots.values(),
             self.preview,
@@ -469,7 +472,7 @@ class LaunchPage:
             self.plan,
         ]
 
-    def load_outputs(self) -> list:
+    def load_outputs(self) -> Outputs:
         """What refreshes when the page is opened: the credential dropdowns (they may have changed elsewhere), and
         the run id when a run has taken it meanwhile (a page reloaded after a launch still shows the launched id)."""
         return [
@@ -481,10 +484,10 @@ class LaunchPage:
 
     def on_open(
         self, store_value: str, hf_value: str, wandb_value: str, run_id: str, profile: gr.OAuthProfile | None
-    ) -> dict:
+    ) -> Updates:
         services = self.panel.services_or_none(profile)
         run_id = (run_id or "").strip()
-        fresh = {}
+        fresh: Updates = {}
         if not run_id or run_id_taken(self.panel.ctx, run_id):
             fresh = {self.inputs["run_id"]: propose_run_id(self.panel.ctx, run_id.split("-")[0] or "run")}
         store = credential_choices(services, "s3", "no keys")
@@ -508,7 +511,7 @@ class LaunchPage:
         store = f"file://{self.panel.ctx.folder / 'store'}"
         return presets.LOCAL[preset](propose_run_id(self.panel.ctx, preset), store)
 
-    def _preset_outputs(self) -> list:
+    def _preset_outputs(self) -> Outputs:
         return [
             *self.inputs.values(),
             *self.slots.values(),
@@ -523,13 +526,13 @@ class LaunchPage:
             self.completion,
         ]
 
-    def apply_preset(self, preset: str, profile: gr.OAuthProfile | None = None) -> dict:
+    def apply_preset(self, preset: str, profile: gr.OAuthProfile | None = None) -> Updates:
         form = self.form.form_from_spec(self._preset_spec(preset, self.panel.owner(profile)))
         kind = form["bucket_kind"]
         remote = kind != "local"
         uri_hint, endpoint_hint, region_hint = BUCKET_HINTS[kind]
         i = self.inputs
-        updates: dict = {i[key]: value for key, value in form.items()}
+        updates: Updates = {i[key]: value for key, value in form.items()}
         updates |= {
             i["storage.uri"]: gr.update(value=form["storage.uri"], placeholder=uri_hint),
             i["storage.endpoint"]: gr.update(
@@ -557,7 +560,7 @@ class LaunchPage:
             self.preview: preview_table([]),
         }
 
-    def on_bucket_kind(self, kind: str, uri: str) -> dict:
+    def on_bucket_kind(self, kind: str, uri: str) -> Updates:
         uri_hint, endpoint_hint, region_hint = BUCKET_HINTS[kind]
         scheme = {"local": "file://", "hf": "hf://"}.get(kind, "s3://")
         remote = kind != "local"
@@ -570,7 +573,7 @@ class LaunchPage:
             self.keys_row: gr.Row(visible=remote),
         }
 
-    def mark_changed(self, checked: str) -> dict:
+    def mark_changed(self, checked: str) -> Updates:
         if not checked:
             return {self.launch_button: gr.Button(interactive=False)}
         return self._launch_status("Settings changed since the last check: press Check settings again.", "warn") | {
@@ -610,7 +613,7 @@ class LaunchPage:
             f"{money(prices[replica], per_hour=True)}{cap}",
         )
 
-    def estimate_cost(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
+    def estimate_cost(self, values: Values, profile: gr.OAuthProfile | None = None) -> Updates:
         form = {key: values[self.inputs[key]] for key in _COST_INPUTS}
         prices, problem = self._prices(form, self.panel.services_or_none(profile))
         flavors = sorted(prices) if prices else COMMON_FLAVORS
@@ -620,7 +623,7 @@ class LaunchPage:
             self.inputs["compute.replica_flavor"]: gr.Dropdown(choices=flavors),
         }
 
-    def check(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
+    def check(self, values: Values, profile: gr.OAuthProfile | None = None) -> Updates:
         """Run the backend's preflight on the form; enable Launch only if it passes."""
         services = self.panel.services(profile)
         form = self._form(values)
@@ -661,7 +664,7 @@ class LaunchPage:
             return self._cost_html(form, None)
         return cards.cost_line(money(result.cost_per_hour, per_hour=True), "at the Hub's current prices")
 
-    def test_rewards(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
+    def test_rewards(self, values: Values, profile: gr.OAuthProfile | None = None) -> Updates:
         """Score sample rows with the rewards and eval metrics on screen, in the sandbox; each error goes next to its
         function."""
         services = self.panel.services(profile)
@@ -712,7 +715,7 @@ class LaunchPage:
             self.preview: preview,
         }
 
-    def test_connection(self, values: dict, profile: gr.OAuthProfile | None = None) -> dict:
+    def test_connection(self, values: Values, profile: gr.OAuthProfile | None = None) -> Updates:
         """Save typed keys to the vault (never echoed back), then probe the bucket with them."""
         services = self.panel.services(profile)
         form = self._form(values)
@@ -746,7 +749,7 @@ class LaunchPage:
             self.secret_key: "",
         }
 
-    def smoke_test(self, values: dict, profile: gr.OAuthProfile | None = None) -> str:
+    def smoke_test(self, values: Values, profile: gr.OAuthProfile | None = None) -> str:
         """Run the smoke test on the settings that passed the check (it submits a job: no unchecked settings)."""
         services = self.panel.services(profile)
         form = self._form(values)
@@ -763,7 +766,7 @@ class LaunchPage:
             return cards.note(f"Smoke test not started: {error}", "bad")
         return cards.smoke_report(report)
 
-    def launch(self, values: dict, profile: gr.OAuthProfile | None = None) -> tuple[str | None, dict]:
+    def launch(self, values: Values, profile: gr.OAuthProfile | None = None) -> tuple[str | None, Updates]:
         """Create and start the run whose settings passed the check; returns its id (None if nothing launched)."""
         services = self.panel.services(profile)
         form = self._form(values)
@@ -780,7 +783,7 @@ class LaunchPage:
             return None, self._launch_status(f"Not launched: {error}", "bad")
         return run.id, self._launch_status(f"Launched {run.id}: its jobs are starting. Opening the monitor…", "good")
 
-    def _launch_status(self, message: str, tone: str) -> dict:
+    def _launch_status(self, message: str, tone: str) -> Updates:
         """After Launch was pressed it stays disabled: a launched run needs a new check, a refused one too."""
         return {self.launch_button: gr.Button(interactive=False), self.status: cards.note(message, tone)}
 
@@ -792,10 +795,10 @@ class LaunchPage:
             return ""
         return json.dumps({"spec": spec, "credentials": list(credentials(form))}, sort_keys=True)
 
-    def wire_launch(self, navigate, outputs: list) -> None:
+    def wire_launch(self, navigate: Callable[[str, gr.OAuthProfile | None], Updates], outputs: Outputs) -> None:
         """Launch, then open the new run: `navigate(run_id, profile)` gives the updates for `outputs`."""
 
-        def launch_and_open(values: dict, profile: gr.OAuthProfile | None = None) -> dict:
+        def launch_and_open(values: Values, profile: gr.OAuthProfile | None = None) -> Updates:
             run_id, updates = self.launch(values, profile)
             if not run_id:
                 return updates

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias, TypedDict, TypeVar, cast
 
 import gradio as gr
 import pandas as pd
@@ -22,12 +23,14 @@ from app.charts import replicas as replica_charts
 from app.charts import rollouts as rollout_charts
 from app.charts import training as training_charts
 from app.charts.style import ChartOptions, elapsed_axis
+from app.events import Outputs, Updates
 from app.panel import Panel
 from backend.api import PanelServices
-from backend.database.models import Run
+from backend.database.models import RolloutSample, Run
 from backend.launchers.base import TERMINAL
 from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS as EXPORT_FORMATS
+from backend.services.exports import ExportFormat
 from backend.services.queries import JobLog, SampleFilters
 from backend.services.runs import TERMINAL_STATUSES, RunNotFound
 from jobs.contract import RunSpec, derived
@@ -40,7 +43,21 @@ SUBTABS = ("training", "rollouts", "replicas", "samples", "jobs")
 SAMPLE_COLUMNS = ["step", "group", "reward", "advantage", "version", "staleness", "scores", "prompt", "completion"]
 SAMPLES_PER_PAGE = 200
 CHART_STORAGE_KEY = "grpo-panel.monitor.charts"
-CHART_DEFAULTS = {"smoothing": 0, "log_y": False, "x_axis": "step", "more_metrics": []}
+
+
+class SavedCharts(TypedDict, total=False):
+    """The Training tab's chart controls as the browser keeps them (`keep_charts`); what it sends back is checked
+    again, as it may come from an older panel."""
+
+    smoothing: float
+    log_y: bool
+    x_axis: str
+    more_metrics: list[str]
+
+
+CHART_DEFAULTS: SavedCharts = {"smoothing": 0, "log_y": False, "x_axis": "step", "more_metrics": []}
+Drawn: TypeAlias = dict[str, list[object]]
+"""Sub-tab -> the run state its figures were drawn from (kept in a `gr.State` between ticks)."""
 
 
 def run_choices(services: PanelServices | None) -> list[tuple[str, str]]:
@@ -202,7 +219,7 @@ class MonitorPage:
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
-    def refresh_outputs(self) -> list:
+    def refresh_outputs(self) -> Outputs:
         """Everything a tick may redraw; each tick answers only what changed (`refresh`)."""
         return [
             self.header,
@@ -217,11 +234,11 @@ class MonitorPage:
             *(self.jobs, self.log_job, self.alert_list, self.alert_pick, self.dismiss_button),
         ]
 
-    def sample_filters(self) -> list:
+    def sample_filters(self) -> Outputs:
         """The Samples tab's filters, in the order every handler that lists samples takes them."""
         return [self.min_reward, self.max_reward, self.search, self.version, self.all_steps, self.page, self.turns]
 
-    def refresh_inputs(self) -> list:
+    def refresh_inputs(self) -> Outputs:
         return [
             self.run,
             self.subtab,
@@ -232,12 +249,12 @@ class MonitorPage:
             *self.chart_controls(),
         ]
 
-    def redraw_inputs(self) -> list:
+    def redraw_inputs(self) -> Outputs:
         """A tick's inputs with nothing drawn yet: the visible sub-tab is redrawn even if the run logged nothing new
         (another run, sub-tab or chart option was picked)."""
         return [self.undrawn if component is self.drawn else component for component in self.refresh_inputs()]
 
-    def chart_controls(self) -> list:
+    def chart_controls(self) -> Outputs:
         """The Training tab's chart controls, in the order the refresh handlers take them (and CHART_DEFAULTS lists)."""
         return [self.smoothing, self.log_y, self.x_axis, self.more_metrics]
 
@@ -285,7 +302,7 @@ class MonitorPage:
 
     # --- handlers -----------------------------------------------------------------------------------------------
 
-    def open(self, run_id: str | None, saved: dict | None, profile: gr.OAuthProfile | None = None) -> dict:
+    def open(self, run_id: str | None, saved: SavedCharts | None, profile: gr.OAuthProfile | None = None) -> Updates:
         """The tab was opened: refresh the run list, keeping the run shown (or the newest) selected, and set the chart
         controls as this browser last left them, in the same answer: the drawing that a newly picked run starts is
         asked with them (restored on their own, on page load, they could arrive after it, and only a tick redrew)."""
@@ -294,14 +311,14 @@ class MonitorPage:
         picked = run_id if run_id in ids else (ids[0] if ids else None)
         return {self.run: gr.Dropdown(choices=choices, value=picked)} | self.restore_charts(saved)
 
-    def open_outputs(self) -> list:
+    def open_outputs(self) -> Outputs:
         return [self.run, *self.chart_controls()]
 
     def refresh(
         self,
         run_id: str | None,
         subtab: str,
-        drawn: dict | None,
+        drawn: Drawn | None,
         step: float | None,
         follow: bool,
         min_reward: str,
@@ -316,7 +333,7 @@ class MonitorPage:
         x_axis: str = "step",
         more_metrics: list[str] | None = None,
         profile: gr.OAuthProfile | None = None,
-    ) -> dict:
+    ) -> Updates:
         """One tick: the header and alerts always; the visible sub-tab only when the run logged something new
         (what a tick leaves out of its answer stays as it is on the page)."""
         services = self.panel.services_or_none(profile)
@@ -353,7 +370,7 @@ class MonitorPage:
         else:
             banner = cards.alert_banner(alerts)
         drawn = dict(drawn or {})
-        figures: dict = {}
+        figures: Updates = {}
         if subtab == "jobs":
             figures = self._jobs(services, run)
         elif subtab == "samples":
@@ -370,7 +387,7 @@ class MonitorPage:
         stoppable = run.status not in (*TERMINAL_STATUSES, "draft", "stopping")
         return self._frame(header, banner, drawn, stoppable) | figures
 
-    def _frame(self, header: str, banner: str, drawn: dict, stoppable: bool) -> dict:
+    def _frame(self, header: str, banner: str, drawn: Drawn, stoppable: bool) -> Updates:
         """What every tick answers: the header, the alert banner (hidden when empty), what has been drawn, and
         whether Stop has anything to stop."""
         return {
@@ -380,13 +397,15 @@ class MonitorPage:
             self.stop_button: gr.Button(interactive=stoppable),
         }
 
-    def _jobs(self, services: PanelServices, run: Run) -> dict:
+    def _jobs(self, services: PanelServices, run: Run) -> Updates:
         """Job cards, and the run's alert history with the alerts still in force to dismiss."""
         jobs, beats = services.queries.jobs(run.id), services.queries.heartbeats(run.id)
         history = services.queries.alert_history(run.id)
-        in_force = [(f"{a.kind.replace('_', ' ')} · {a.message[:80]}", a.id) for a in history if a.active]
+        in_force = [(f"{a.kind.replace('_', ' ')} · {a.message[:80]}", cast(int, a.id)) for a in history if a.active]
         return {
-            self.log_job: gr.Dropdown(choices=[(f"{job.role} (attempt {job.attempt})", job.id) for job in jobs]),
+            self.log_job: gr.Dropdown(
+                choices=[(f"{job.role} (attempt {job.attempt})", cast(int, job.id)) for job in jobs]  # stored: ids set
+            ),
             self.jobs: cards.job_cards(jobs, beats, local=run.backend == "local"),
             self.alert_list: cards.alert_history(history),
             self.alert_pick: gr.Dropdown(choices=in_force, visible=bool(in_force)),
@@ -397,7 +416,7 @@ class MonitorPage:
         self,
         run_id: str | None,
         subtab: str,
-        drawn: dict | None,
+        drawn: Drawn | None,
         step: float | None,
         follow: bool,
         min_reward: str,
@@ -412,7 +431,7 @@ class MonitorPage:
         x_axis: str,
         more_metrics: list[str] | None,
         profile: gr.OAuthProfile | None = None,
-    ) -> dict:
+    ) -> Updates:
         """A chart control changed: redraw (`refresh`, same inputs), and keep the controls in the browser in the same
         answer, so that a reload right after the change keeps it."""
         filters = (min_reward, max_reward, search, version, all_steps, page, turns)
@@ -420,7 +439,7 @@ class MonitorPage:
         shown = self.refresh(run_id, subtab, drawn, step, follow, *filters, *charts, profile=profile)
         return shown | {self.saved_charts: remember_charts(*charts)}
 
-    def restore_charts(self, saved: dict | None) -> dict:
+    def restore_charts(self, saved: SavedCharts | None) -> Updates:
         """The chart controls as this browser last left them."""
         saved = {**CHART_DEFAULTS, **(saved or {})}
         more = [name for name in saved["more_metrics"] if isinstance(name, str)]
@@ -431,7 +450,7 @@ class MonitorPage:
             self.more_metrics: gr.Dropdown(choices=more, value=more, multiselect=True),
         }
 
-    def _training(self, services: PanelServices, run: Run, options: ChartOptions, more: list[str]) -> dict:
+    def _training(self, services: PanelServices, run: Run, options: ChartOptions, more: list[str]) -> Updates:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
         functions = {r.name: series(run.id, f"rewards/{r.name}", MAX_POINTS) for r in spec.rewards}
@@ -463,7 +482,7 @@ class MonitorPage:
             ),
         }
 
-    def _rollouts(self, services: PanelServices, run: Run) -> dict:
+    def _rollouts(self, services: PanelServices, run: Run) -> Updates:
         series = services.queries.metric_series
         spec = RunSpec.from_json(run.spec_json)
         queue_max = derived.rollout_limits(spec).queue
@@ -482,7 +501,7 @@ class MonitorPage:
             self.versions_plot: rollout_charts.sample_versions_figure(services.queries.sample_versions(run.id)),
         }
 
-    def _replicas(self, services: PanelServices, run: Run) -> dict:
+    def _replicas(self, services: PanelServices, run: Run) -> Updates:
         snapshots = services.queries.proxy_snapshots(run.id, limit=360)
         latest = snapshots[-1] if snapshots else None
         versions = services.queries.versions(run.id)
@@ -494,7 +513,9 @@ class MonitorPage:
             self.sync_plot: replica_charts.sync_figure(latest),
         }
 
-    def _samples(self, services, run, step, follow, wanted: SampleFilter, fresh: bool) -> dict:
+    def _samples(
+        self, services: PanelServices, run: Run, step: float | None, follow: bool, wanted: SampleFilter, fresh: bool
+    ) -> Updates:
         if not fresh:  # nothing new arrived since the last draw; the filters redraw through their own events
             return {}
         bounds = services.queries.sample_steps(run.id)
@@ -517,7 +538,7 @@ class MonitorPage:
         slider = {self.step: gr.Slider(minimum=low, maximum=max(high, low + 1), value=target)}
         return slider | self._browse(services, run.id, target, wanted)
 
-    def _browse(self, services, run_id, step, wanted: SampleFilter) -> dict:
+    def _browse(self, services: PanelServices, run_id: str, step: int, wanted: SampleFilter) -> Updates:
         """One page of the samples of one step (or of every step) that pass the filters, how many there are, and the
         best and worst of the group listed first. A filter box that cannot be read lists nothing and says why: a
         table that ignored it would look filtered."""
@@ -540,7 +561,7 @@ class MonitorPage:
             services, run_id, *first
         )
 
-    def _group_cards(self, services, run_id, step, group) -> dict:
+    def _group_cards(self, services: PanelServices, run_id: str, step: int, group: int | None) -> Updates:
         if group is None:
             return {
                 self.best: cards.empty_state("No sample matches these filters."),
@@ -566,7 +587,7 @@ class MonitorPage:
         page: float | None = 1,
         turns: str = "",
         profile: gr.OAuthProfile | None = None,
-    ) -> dict:
+    ) -> Updates:
         services = self.panel.services(profile)
         if not run_id:
             return {self.samples: gr.skip()}  # not {}: Gradio takes an empty dict for a single value
@@ -575,12 +596,12 @@ class MonitorPage:
 
     def pick_group(
         self, run_id: str, table: pd.DataFrame, event: gr.SelectData, profile: gr.OAuthProfile | None = None
-    ) -> dict:
+    ) -> Updates:
         services = self.panel.services(profile)
         row = table.iloc[event.index[0] if isinstance(event.index, list | tuple) else event.index]
         return self._group_cards(services, run_id, int(row["step"]), int(row["group"]))
 
-    def export(self, run_id: str | None, fmt: str, profile: gr.OAuthProfile | None = None) -> dict:
+    def export(self, run_id: str | None, fmt: ExportFormat, profile: gr.OAuthProfile | None = None) -> Updates:
         """The run's metrics and samples as files to save (the same files `python -m backend export` writes)."""
         services = self.panel.services(profile)
         if not run_id:
@@ -591,7 +612,7 @@ class MonitorPage:
 
     def show_log(
         self, run_id: str | None, job_id: int | None, search: str, profile: gr.OAuthProfile | None = None
-    ) -> dict:
+    ) -> Updates:
         """One job's log as its launcher has it now, followed while the job runs, only the lines holding `search`
         if given; the whole of it to download either way."""
         services = self.panel.services(profile)
@@ -682,7 +703,10 @@ class SampleFilter:
         )
 
 
-def _number(text: str | None, kind: type[float] | type[int], box: str, example: str, refused: list[str]) -> Any:
+Number = TypeVar("Number", int, float)
+
+
+def _number(text: str | None, kind: type[Number], box: str, example: str, refused: list[str]) -> Number | None:
     """The number typed in a filter box, None when it is empty; one that is not a number is added to `refused`."""
     text = (text or "").strip()
     if not text:
@@ -705,7 +729,7 @@ def keep_charts() -> gr.BrowserState:
     return gr.BrowserState(dict(CHART_DEFAULTS), storage_key=CHART_STORAGE_KEY, secret=CHART_STORAGE_KEY)
 
 
-def remember_charts(smoothing: float, log_y: bool, x_axis: str, more_metrics: list[str] | None) -> dict:
+def remember_charts(smoothing: float, log_y: bool, x_axis: str, more_metrics: list[str] | None) -> SavedCharts:
     """What the browser keeps of the chart controls (CHART_DEFAULTS's keys)."""
     return {"smoothing": smoothing, "log_y": log_y, "x_axis": x_axis, "more_metrics": list(more_metrics or [])}
 
@@ -733,7 +757,7 @@ def _current_step(services: PanelServices, run: Run) -> int | None:
         return None
 
 
-def _constant(value: str):
+def _constant(value: str) -> Callable[[], str]:
     """A handler that returns `value` (a closure per sub-tab: which one is visible now)."""
     return lambda: value
 
@@ -742,8 +766,8 @@ def _shortened(text: str, limit: int) -> str:
     return text[:limit] + ("…" if len(text) > limit else "")
 
 
-def _samples_table(rows: list) -> pd.DataFrame:
-    def scores(sample) -> str:
+def _samples_table(rows: list[RolloutSample]) -> pd.DataFrame:
+    def scores(sample: RolloutSample) -> str:
         values = json.loads(sample.rewards_json or "{}")
         return ", ".join(f"{k} {v:.2f}" for k, v in values.items() if isinstance(v, int | float))
 

@@ -7,6 +7,7 @@ parent did from the same point.
 from __future__ import annotations
 
 import time
+from typing import TypedDict
 
 import gradio as gr
 import pandas as pd
@@ -14,6 +15,7 @@ import pandas as pd
 from app import cards
 from app.actions import branch_from
 from app.charts.runs import Curve, overlay_figure
+from app.events import Outputs, Updates
 from app.formatting import clock, duration, money
 from app.panel import Panel
 from backend.api import PanelServices
@@ -22,7 +24,18 @@ from backend.services.runs import TERMINAL_STATUSES, propose_run_id
 
 REFRESH_SECONDS = 5.0
 OVERLAY_STORAGE_KEY = "grpo-panel.runs.overlay"
-OVERLAY_DEFAULTS = {"ticked": [], "metric": "reward", "smoothing": 0}
+
+
+class SavedOverlay(TypedDict, total=False):
+    """The overlay's choices as the browser keeps them (`keep_overlay`); what it sends back is checked again, as it
+    may come from an older panel."""
+
+    ticked: list[str] | None
+    metric: str
+    smoothing: float
+
+
+OVERLAY_DEFAULTS: SavedOverlay = {"ticked": [], "metric": "reward", "smoothing": 0}
 # The key facts first: on a phone only the first columns fit without scrolling sideways.
 COLUMNS = ["run id", "status", "step", "latest reward", "name", "elapsed", "cost", "branch of", "created"]
 
@@ -113,10 +126,10 @@ class RunsPage:
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
-    def refresh_outputs(self) -> list:
+    def refresh_outputs(self) -> Outputs:
         return [self.phone_list, self.table, self.compare, self.metric, self.overlay, self.drawn, self.empty]
 
-    def overlay_controls(self) -> list:
+    def overlay_controls(self) -> Outputs:
         """What the overlay is drawn from, in the order `refresh_now` takes it (and OVERLAY_DEFAULTS lists)."""
         return [self.compare, self.metric, self.smoothing]
 
@@ -157,18 +170,18 @@ class RunsPage:
         metric: str = "reward",
         smoothing: float = 0,
         profile: gr.OAuthProfile | None = None,
-    ) -> dict:
+    ) -> Updates:
         """Like a tick, but redraws the overlay even if no run moved on (runs ticked or another metric picked)."""
         return self.refresh(ticked, None, metric, smoothing, profile)
 
     def redraw_and_remember(
         self, ticked: list[str] | None, metric: str, smoothing: float, profile: gr.OAuthProfile | None = None
-    ) -> dict:
+    ) -> Updates:
         """The overlay's runs, metric or smoothing changed: redraw, and keep them in the browser in the same answer."""
         shown = self.refresh_now(ticked, metric, smoothing, profile)
         return shown | {self.saved_overlay: remember_overlay(ticked, metric, smoothing)}
 
-    def restore(self, saved: dict | None, profile: gr.OAuthProfile | None = None) -> dict:
+    def restore(self, saved: SavedOverlay | None, profile: gr.OAuthProfile | None = None) -> Updates:
         """The overlay as this browser last left it (on every page load): the same runs, metric and smoothing."""
         saved = {**OVERLAY_DEFAULTS, **(saved or {})}
         ticked = [run_id for run_id in saved["ticked"] or [] if isinstance(run_id, str)]
@@ -181,11 +194,11 @@ class RunsPage:
     def refresh(
         self,
         ticked: list[str] | None,
-        drawn: list | None = None,
+        drawn: list[object] | None = None,
         metric: str = "reward",
         smoothing: float = 0,
         profile: gr.OAuthProfile | None = None,
-    ) -> dict:
+    ) -> Updates:
         """The table, the run choices, the metrics they logged, and the overlay of `metric` (redrawn only when a
         ticked run moved on or another metric was picked)."""
         services = self.panel.services_or_none(profile)
@@ -238,7 +251,7 @@ class RunsPage:
             )
         return curves
 
-    def select(self, table: pd.DataFrame, event: gr.SelectData, profile: gr.OAuthProfile | None = None) -> dict:
+    def select(self, table: pd.DataFrame, event: gr.SelectData, profile: gr.OAuthProfile | None = None) -> Updates:
         services = self.panel.services(profile)
         row = event.index[0] if isinstance(event.index, list | tuple) else event.index
         run = services.runs.get(str(table.iloc[row]["run id"]))
@@ -300,6 +313,6 @@ def keep_overlay() -> gr.BrowserState:
     return gr.BrowserState(dict(OVERLAY_DEFAULTS), storage_key=OVERLAY_STORAGE_KEY, secret=OVERLAY_STORAGE_KEY)
 
 
-def remember_overlay(ticked: list[str] | None, metric: str, smoothing: float) -> dict:
+def remember_overlay(ticked: list[str] | None, metric: str, smoothing: float) -> SavedOverlay:
     """What the browser keeps of the overlay (OVERLAY_DEFAULTS's keys)."""
     return {"ticked": list(ticked or []), "metric": metric or "reward", "smoothing": smoothing}

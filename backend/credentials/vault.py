@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from cryptography.fernet import Fernet, InvalidToken
-from sqlmodel import select
+from sqlmodel import Session, select
 
 from backend import settings
 from backend.database.connection import Database, data_dir
@@ -108,7 +108,7 @@ class Vault:
             session.delete(credential)
             session.commit()
 
-    def _get(self, session, owner: str, credential_id: int) -> Credential:
+    def _get(self, session: Session, owner: str, credential_id: int) -> Credential:
         credential = session.get(Credential, credential_id)
         if credential is None or credential.owner != owner:
             raise CredentialError(f"no credential {credential_id} for this account")

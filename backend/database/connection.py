@@ -13,6 +13,8 @@ from pathlib import Path
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
+from sqlalchemy.engine.interfaces import DBAPIConnection
+from sqlalchemy.pool import ConnectionPoolEntry
 from sqlmodel import Session, create_engine
 
 from backend import settings
@@ -33,7 +35,7 @@ def default_db_path() -> Path:
 
 
 class Database:
-    def __init__(self, path: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike[str] | None = None):
         self.path = Path(path) if path is not None else default_db_path()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.engine: Engine = create_engine(
@@ -59,7 +61,7 @@ class Database:
         self.engine.dispose()
 
 
-def _configure_connection(connection, _record) -> None:
+def _configure_connection(connection: DBAPIConnection, _record: ConnectionPoolEntry) -> None:
     cursor = connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")

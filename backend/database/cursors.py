@@ -11,9 +11,11 @@ nothing (it lists again from wherever the winner got to).
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
+from sqlalchemy import CursorResult
 from sqlalchemy.dialects.sqlite import insert
-from sqlmodel import Session
+from sqlmodel import Session, col
 
 from backend.database.connection import Database
 from backend.database.models import PollCursor
@@ -38,7 +40,8 @@ def advance(session: Session, run_id: str, stream: str, expected: str, to: str) 
         .on_conflict_do_update(
             index_elements=[PollCursor.run_id, PollCursor.stream],
             set_={"cursor": to, "updated_at": now},
-            where=PollCursor.cursor == expected,
+            where=col(PollCursor.cursor) == expected,
         )
     )
-    return session.execute(statement).rowcount == 1
+    result = cast("CursorResult[Any]", session.execute(statement))  # an INSERT's: it counts the rows written
+    return result.rowcount == 1

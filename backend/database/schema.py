@@ -22,11 +22,12 @@ import fcntl
 import functools
 import tempfile
 from pathlib import Path
+from typing import cast
 
 from alembic import command
 from alembic.config import Config
 from alembic.migration import MigrationContext
-from alembic.script import ScriptDirectory
+from alembic.script import Script, ScriptDirectory
 from sqlalchemy import create_engine, inspect
 from sqlalchemy.engine import Connection, Engine
 from sqlmodel import SQLModel
@@ -83,7 +84,11 @@ def new_revision(message: str) -> Path:
         with engine.begin() as connection:  # every revision replayed, then compared with the models
             command.upgrade(_config(connection), "head")
         with engine.begin() as connection:  # named <number>_<message as a slug>.py, Alembic's default
-            script = command.revision(_config(connection), message, autogenerate=True, rev_id=f"{int(head()) + 1:04d}")
+            # One script: the revisions have one head, and no branch is asked for.
+            script = cast(
+                Script,
+                command.revision(_config(connection), message, autogenerate=True, rev_id=f"{int(head()) + 1:04d}"),
+            )
         engine.dispose()
     return Path(script.path)
 

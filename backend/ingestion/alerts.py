@@ -13,7 +13,7 @@ from sqlmodel import Session, col, select
 
 from backend.database.connection import Database
 from backend.database.models import AdapterVersion, Event, MetricPoint, Run
-from backend.ingestion.ingest import best_held_out, latest_proxy_snapshots, version_reward
+from backend.ingestion.ingest import best_held_out, latest_proxy_snapshot, version_reward
 from jobs.contract import RunSpec
 
 # TRL's `kl` is the k3 estimate of KL between the policy that sampled a step's rollouts (the replicas' log-probs) and
@@ -44,7 +44,7 @@ def _series(session: Session, run_id: str, name: str, last: int) -> list[float]:
     rows = session.exec(
         select(MetricPoint.value)
         .where(MetricPoint.run_id == run_id, MetricPoint.name == name)
-        .order_by(MetricPoint.step.desc())
+        .order_by(col(MetricPoint.step).desc())
         .limit(last)
     ).all()
     return list(rows)
@@ -109,10 +109,9 @@ def _clear_warnings(session: Session, run: Run) -> None:
 
 def _replica_lag(session: Session, run: Run) -> str:
     """Healthy replicas missing a version the proxy considers live, in the proxy's latest snapshot."""
-    latest = latest_proxy_snapshots(session, run.id)
-    if not latest:
+    stats = latest_proxy_snapshot(session, run.id)
+    if stats is None:
         return ""
-    stats = latest[0]
     live = set((stats.get("adapters") or {}).get("live") or [])
     lagging = []
     for replica in stats.get("replicas") or []:

@@ -2,7 +2,9 @@
 
 One function per stream; each takes the records of one chunk and inserts them with a single executemany, inside the
 caller's transaction (the poller commits the rows and its cursor together, which is what makes ingestion exactly
-once).
+once). Each takes its records as decoded from the job's JSON, and gives them their stream's shape
+(backend/ingestion/records.py) where it reads them: what a job sends may hold anything, so every field is still
+checked or coerced here.
 """
 
 from __future__ import annotations
@@ -10,29 +12,46 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from sqlalchemy import ScalarSelect, delete, func, insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlmodel import Session, col, select
+from sqlmodel import Session, SQLModel, col, select
 from sqlmodel.sql.expression import SelectOfScalar
 
 from backend.database.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample, VersionScore
 from backend.ingestion.episodes import stored_turns
 
+if TYPE_CHECKING:
+    from jobs.proxy import stats as proxy_stats  # the snapshot's shape, as the proxy writes it
+
+from backend.ingestion.records import (
+    EvalColumns,
+    EvalRecord,
+    EvalRow,
+    EvalScore,
+    EventRecord,
+    JsonRecord,
+    MetricRecord,
+    MetricRow,
+    SampleRecord,
+    SampleRow,
+)
+
 # Columns every metric record carries that are not metrics.
 _RECORD_FIELDS = {"step", "time", "attempt"}
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
 
 
-def metric_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    for record in records:
+def metric_rows(run_id: str, owner: str, records: Sequence[JsonRecord]) -> list[MetricRow]:
+    rows: list[MetricRow] = []
+    for record in cast("Sequence[MetricRecord]", records):
         step, when, attempt = int(record.get("step", 0)), record.get("time"), int(record.get("attempt", 1))
         for name, value in record.items():
             number = _number(value)
@@ -51,7 +70,7 @@ def metric_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[
     return rows
 
 
-def sample_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def sample_rows(run_id: str, owner: str, records: Sequence[JsonRecord]) -> list[SampleRow]:
     """One row per sample; an agent's episode keeps its `turns` too, checked and cut to size
     (backend/ingestion/episodes.py)."""
     return [
@@ -72,30 +91,30 @@ def sample_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[
             "attempt": int(record.get("attempt", 1)),
             "turns_json": stored_turns(record.get("turns")),
         }
-        for record in records
+        for record in cast("Sequence[SampleRecord]", records)
     ]
 
 
-def _whole(value: Any) -> int | None:
+def _whole(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def eval_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def eval_rows(run_id: str, owner: str, records: Sequence[JsonRecord]) -> list[EvalRow]:
     """One row per (record, score name). A record without a version, step or settings key, and a score without a
     finite mean, are left out (nothing could place them); a bound that is not finite is None, an unbounded interval."""
-    rows = []
-    for record in records:
+    rows: list[EvalRow] = []
+    for record in cast("Sequence[EvalRecord]", records):
         shared = _version_columns(run_id, owner, record)
         scores = record.get("scores")
         if shared is None or not isinstance(scores, dict):
             continue
         for name, score in scores.items():
-            values = score if isinstance(score, dict) else {}
+            values: EvalScore = score if isinstance(score, dict) else {}
             mean = _number(values.get("mean"))
             if mean is not None:
                 rows.append(
-                    shared
-                    | {
+                    {
+                        **shared,
                         "name": str(name),
                         "mean": mean,
                         "low": _number(values.get("low")),
@@ -106,7 +125,7 @@ def eval_rows(run_id: str, owner: str, records: list[dict[str, Any]]) -> list[di
     return rows
 
 
-def _version_columns(run_id: str, owner: str, record: dict[str, Any]) -> dict[str, Any] | None:
+def _version_columns(run_id: str, owner: str, record: EvalRecord) -> EvalColumns | None:
     """The columns an eval record's scores share, or None when it does not say which version under which settings."""
     version, step, key = _whole(record.get("version")), _whole(record.get("step")), record.get("key")
     if version is None or step is None or not isinstance(key, str) or not key:
@@ -123,7 +142,7 @@ def _version_columns(run_id: str, owner: str, record: dict[str, Any]) -> dict[st
     }
 
 
-def _bulk_insert(session: Session, table, rows: list[dict[str, Any]]) -> int:
+def _bulk_insert(session: Session, table: type[SQLModel], rows: Sequence[Mapping[str, object]]) -> int:
     """One executemany straight on the driver: the ORM's per-row bookkeeping costs more than SQLite's insert."""
     if rows:
         columns = list(rows[0])
@@ -132,15 +151,15 @@ def _bulk_insert(session: Session, table, rows: list[dict[str, Any]]) -> int:
     return len(rows)
 
 
-def ingest_metrics(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
+def ingest_metrics(session: Session, run_id: str, owner: str, records: Sequence[JsonRecord]) -> int:
     return _bulk_insert(session, MetricPoint, _not_superseded(session, run_id, metric_rows(run_id, owner, records)))
 
 
-def ingest_samples(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
+def ingest_samples(session: Session, run_id: str, owner: str, records: Sequence[JsonRecord]) -> int:
     return _bulk_insert(session, RolloutSample, _not_superseded(session, run_id, sample_rows(run_id, owner, records)))
 
 
-def ingest_eval(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
+def ingest_eval(session: Session, run_id: str, owner: str, records: Sequence[JsonRecord]) -> int:
     """A version's scores under one settings key are written once: a resumed trainer or a second evaluator that scores
     it again adds nothing. Nothing is superseded on resume: a resumed trainer never reuses a version number."""
     rows = eval_rows(run_id, owner, records)
@@ -149,8 +168,9 @@ def ingest_eval(session: Session, run_id: str, owner: str, records: list[dict[st
     return len(rows)
 
 
-def ingest_events(session: Session, run_id: str, owner: str, records: list[dict[str, Any]]) -> int:
-    for record in records:
+def ingest_events(session: Session, run_id: str, owner: str, records: Sequence[JsonRecord]) -> int:
+    events = cast("Sequence[EventRecord]", records)
+    for record in events:
         if record.get("kind") == "resume" and record.get("resumed_from_step") is not None:
             supersede(session, run_id, int(record["resumed_from_step"]), int(record.get("attempt", 1)))
     rows = [
@@ -164,21 +184,22 @@ def ingest_events(session: Session, run_id: str, owner: str, records: list[dict[
             # Errors and failed audits stay active until someone (or a later success) clears them.
             "active": str(record.get("level")) == "error",
         }
-        for record in records
+        for record in events
     ]
     if rows:
         session.execute(insert(Event), rows)
     return len(rows)
 
 
-def ingest_proxy(session: Session, run_id: str, owner: str, snapshot: dict[str, Any]) -> int:
+def ingest_proxy(session: Session, run_id: str, owner: str, snapshot: JsonRecord) -> int:
+    record = cast("proxy_stats.ProxySnapshot", snapshot)
     session.execute(
         insert(ProxySnapshot),
         [
             {
                 "run_id": run_id,
                 "owner": owner,
-                "time": float(snapshot.get("time") or time.time()),
+                "time": float(record.get("time") or time.time()),
                 "stats_json": json.dumps(snapshot),
             }
         ],
@@ -201,6 +222,12 @@ def latest_proxy_snapshots(session: Session, run_id: str, limit: int = 1) -> lis
     return [json.loads(row) for row in reversed(rows)]
 
 
+def latest_proxy_snapshot(session: Session, run_id: str) -> proxy_stats.ProxySnapshot | None:
+    """The proxy's newest snapshot (`latest_proxy_snapshots`) in its shape, or None before the first."""
+    latest = latest_proxy_snapshots(session, run_id)
+    return cast("proxy_stats.ProxySnapshot", latest[0]) if latest else None
+
+
 def supersede(session: Session, run_id: str, resumed_from_step: int, attempt: int) -> None:
     """Drop what earlier attempts logged after the checkpoint a later attempt resumed from: those steps are redone.
 
@@ -214,11 +241,16 @@ def supersede(session: Session, run_id: str, resumed_from_step: int, attempt: in
     )
     for table in (MetricPoint, RolloutSample):
         session.execute(
-            delete(table).where(table.run_id == run_id, table.step > resumed_from_step, table.attempt < attempt)
+            delete(table).where(
+                col(table.run_id) == run_id, col(table.step) > resumed_from_step, col(table.attempt) < attempt
+            )
         )
 
 
-def _not_superseded(session: Session, run_id: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+_Row = TypeVar("_Row", MetricRow, SampleRow)  # the rows of a step, which a resumed attempt may redo
+
+
+def _not_superseded(session: Session, run_id: str, rows: list[_Row]) -> list[_Row]:
     """`rows` without those a later attempt redid: logged by an attempt before it, past the step it resumed from."""
     points = session.exec(
         select(ResumePoint.attempt, ResumePoint.resumed_from_step).where(ResumePoint.run_id == run_id)

@@ -23,7 +23,6 @@ def build_bundle(root: Path = PROJECT_ROOT) -> bytes:
     files += [root / "requirements-jobs.txt", root / "requirements-reporting.txt"]
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=9) as archive:
-        archive.mtime = 0  # gzip header timestamp
         for path in files:
             data = path.read_bytes()
             info = tarfile.TarInfo(path.relative_to(root).as_posix())

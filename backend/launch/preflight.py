@@ -16,14 +16,14 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from backend.context import PanelContext
 from backend.credentials.vault import CredentialError
 from backend.database.models import Run
 from backend.launch.images import check_images
 from backend.launchers.base import LaunchError
-from backend.launchers.hf_jobs import bound_hub_calls
+from backend.launchers.hf_jobs import HfJobsLauncher, bound_hub_calls
 from backend.sandbox.client import RewardTrial, SandboxError, SandboxLimits, rehearse_environment, run_rewards
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting, run_id_taken
@@ -33,7 +33,7 @@ from jobs.contract.flavors import flavor
 from jobs.evaluation.heldout import HeldOut, held_out
 from jobs.evaluation.results import function_fields, scored_functions
 from jobs.pins import missing
-from jobs.store import StoreAccessError, StoreError
+from jobs.store import ObjectStore, S3Store, StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
 from jobs.trainer.reporting import missing_packages
 
@@ -101,7 +101,7 @@ def run_preflight(
         wandb_credential_id=wandb_credential_id,
     )
     _check_reporting(ctx, owner, spec, wandb_credential_id, result)
-    store = _check_store(ctx, probe, result)
+    store = _check_store(ctx, probe, spec, result)
     hub_online = _check_hub(ctx, spec, result)
     if hub_online:
         _check_compute(ctx, probe, spec, result)
@@ -189,8 +189,7 @@ def _check_hub(ctx: PanelContext, spec: RunSpec, result: Preflight) -> bool:
     return False
 
 
-def _check_store(ctx: PanelContext, run: Run, result: Preflight):
-    spec = result.spec
+def _check_store(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight) -> ObjectStore | None:
     if spec.storage.uri.startswith(("s3://", "hf://")) and run.store_credential_id is None:
         result.errors["storage.credentials"] = "this bucket needs an access key and secret; add them as credentials"
         return None
@@ -214,13 +213,13 @@ def _check_store(ctx: PanelContext, run: Run, result: Preflight):
     return None
 
 
-def _check_region(store, spec: RunSpec, result: Preflight) -> None:
+def _check_region(store: ObjectStore, spec: RunSpec, result: Preflight) -> None:
     """An S3 bucket's region must be known and right: the job bootstrap signs for it and cannot follow a redirect.
     Left empty, it is learnt when the run is created (RunService.create)."""
     if not spec.storage.uri.startswith("s3://"):
         return  # a local folder, or an HF bucket (its gateway has one region)
     try:
-        actual = store.bucket_region()
+        actual = cast(S3Store, store).bucket_region()  # an s3:// uri opens an S3Store
     except StoreAccessError:  # keys limited to a prefix may not HEAD the bucket itself
         actual = None
     if actual is None and not spec.storage.region:
@@ -249,7 +248,7 @@ def _check_compute(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight
     if not spec.storage.uri.startswith(("s3://", "hf://")):
         result.errors["storage.uri"] = "HF Jobs cannot reach a local folder; use an hf:// or s3:// bucket"
     try:
-        launcher = ctx.launcher_for(run)
+        launcher = cast(HfJobsLauncher, ctx.launcher_for(run))  # the backend is hf_jobs here
         launcher.check_flavors(spec)
         result.cost_per_hour = estimate_per_hour(spec, launcher.prices_per_hour())
     except LaunchError as error:
@@ -350,14 +349,16 @@ def _check_trainer_memory(parameters: int, spec: RunSpec, result: Preflight) -> 
     )
 
 
-def _check_chat_template(template: str | dict | None, spec: RunSpec, result: Preflight) -> None:
+def _check_chat_template(template: str | dict[str, str] | None, spec: RunSpec, result: Preflight) -> None:
     try:
         response_template(template, spec.model.id, tools=spec.environment.enabled)
     except ChatTemplateError as error:
         result.errors["model.id"] = str(error).removeprefix("model.id: ")
 
 
-def _check_dataset(spec: RunSpec, store, result: Preflight, sample_rows: int) -> list[dict[str, Any]]:
+def _check_dataset(
+    spec: RunSpec, store: ObjectStore | None, result: Preflight, sample_rows: int
+) -> list[dict[str, Any]]:
     if spec.dataset.source == "store" and store is None:
         return []
     try:
@@ -373,7 +374,7 @@ def _check_dataset(spec: RunSpec, store, result: Preflight, sample_rows: int) ->
     return preview
 
 
-def _check_held_out(spec: RunSpec, store, result: Preflight) -> None:
+def _check_held_out(spec: RunSpec, store: ObjectStore | None, result: Preflight) -> None:
     """The held-out prompts exist, have the dataset's columns, and some are left once the prompts shared with the
     training rows are dropped (how many were is said: the run records it too)."""
     if not spec.eval.enabled:

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import requests
 
@@ -285,7 +285,10 @@ class Launcher(ABC):
             replicas = [job for job in started if job.role != "trainer"]
             on_step("healthy")
             self.wait_ready(spec, replicas, secrets, on_progress)
-            upstreams = UpstreamsRecord(replicas=[Upstream(role=job.role, url=job.endpoint) for job in replicas])
+            # Ready replicas have their endpoint (`_ready`); the record's model refuses one without.
+            upstreams = UpstreamsRecord(
+                replicas=[Upstream(role=job.role, url=cast(str, job.endpoint)) for job in replicas]
+            )
             store.put_bytes(layout.control_key(spec.run_id, UPSTREAMS), upstreams.model_dump_json().encode())
             store.put_bytes(
                 layout.control_key(spec.run_id, JOBS), self.describe_jobs(spec, replicas).model_dump_json().encode()
@@ -347,8 +350,10 @@ class Launcher(ABC):
     def _ready(self, job: JobHandle, state: JobState, headers: dict[str, str]) -> bool:
         if job.role == "trainer":
             return state.stage == "running"
-        job.endpoint = self.endpoint(job)
-        return bool(job.endpoint) and _healthy(job.endpoint, headers)
+        job.endpoint = endpoint = self.endpoint(job)
+        if not endpoint:
+            return False
+        return _healthy(endpoint, headers)
 
     def _overdue(self, spec: RunSpec, start: JobStart) -> LaunchError:
         role, waited = start.job.role, duration(start.elapsed())

@@ -24,13 +24,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from secrets import token_hex
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import httpx2
-from huggingface_hub import HfApi, set_client_factory
+from huggingface_hub import HfApi, JobInfo, set_client_factory
 from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.utils import parse_ratelimit_headers
-from huggingface_hub.utils._http import default_client_factory
+from huggingface_hub.utils._http import default_client_factory, parse_ratelimit_headers
 
 from backend.launch.bundle import bootstrap_source, build_bundle, bundle_digest, upload_bundle
 from backend.launch.plan import JobPlan
@@ -43,6 +42,7 @@ from backend.launchers.base import (
     Launcher,
     LaunchError,
     RunSecrets,
+    Stage,
     job_env,
     job_module_args,
 )
@@ -54,7 +54,7 @@ from jobs.store import ObjectStore, S3Store
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 LABEL_RUN, LABEL_ROLE, LABEL_SUBMISSION = "grpo-run", "grpo-role", "grpo-submission"
-_STAGES = {
+_STAGES: dict[str, Stage] = {
     "SCHEDULING": "scheduling",
     "RUNNING": "running",
     "COMPLETED": "completed",
@@ -153,7 +153,7 @@ class HfJobsLauncher(Launcher):
         self.api = HfApi(token=token, endpoint=endpoint)
         self.retry = retry
         self._hardware: dict[str, float] | None = None
-        self._namespaces: dict[str, str] = {}  # job id -> namespace
+        self._namespaces: dict[str, str | None] = {}  # job id -> namespace
         self._bundle_bytes: bytes | None = None  # this checkout's code bundle, built once
 
     # --- calling the Hub -----------------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ class HfJobsLauncher(Launcher):
             digest,
             location.endpoint or "-",
             location.region or "us-east-1",
-            location.bucket,
+            cast(str, location.bucket),  # HF Jobs reach only a bucket (`prepare` refuses a local folder)
             location.object_key(layout.code_key(spec.run_id, digest)),
         ]
         replica = role != "trainer"
@@ -246,12 +246,12 @@ class HfJobsLauncher(Launcher):
         submission = token_hex(8)
         namespace = spec.compute.namespace
 
-        def submit():
+        def submit() -> JobInfo:
             existing = self._find(namespace, submission)
             if existing is not None:  # an earlier try was accepted but its answer was lost
                 return existing
             return self.api.run_job(
-                image=plan.image,
+                image=cast(str, plan.image),  # `plan_job` gives every HF job an image
                 command=plan.command,
                 env=plan.env,
                 secrets=job_env(role, run_secrets, on_hf_jobs=True),
@@ -271,7 +271,7 @@ class HfJobsLauncher(Launcher):
             job_id=info.id,
             backend=self.backend,
             url=info.url,
-            endpoint=(info.status.expose_urls or [None])[0] if info.status else None,
+            endpoint=next(iter(info.status.expose_urls or []), None) if info.status else None,
         )
 
     def find_jobs(self, spec: RunSpec) -> list[JobHandle]:
@@ -291,7 +291,7 @@ class HfJobsLauncher(Launcher):
             )
         return found
 
-    def _find(self, namespace: str, submission: str):
+    def _find(self, namespace: str | None, submission: str) -> JobInfo | None:
         # list_jobs is lazy: materialise it inside the retried call, where its request actually happens.
         jobs = self._call(
             lambda: list(self.api.list_jobs(labels={LABEL_SUBMISSION: submission}, namespace=namespace)),
@@ -300,7 +300,7 @@ class HfJobsLauncher(Launcher):
         # The filter is the server's; check the label on what came back, so no other job is mistaken for this one.
         return next((job for job in jobs if (job.labels or {}).get(LABEL_SUBMISSION) == submission), None)
 
-    def _inspect(self, job: JobHandle):
+    def _inspect(self, job: JobHandle) -> JobInfo:
         return self._call(
             lambda: self.api.inspect_job(job_id=job.job_id, namespace=self._namespace(job)),
             f"inspect the {job.role} job",
@@ -315,8 +315,9 @@ class HfJobsLauncher(Launcher):
     def state(self, job: JobHandle) -> JobState:
         info = self._inspect(job)
         stage = _STAGES.get(info.status.stage if info.status else "", "scheduling")
-        started = info.started_at.timestamp() if getattr(info, "started_at", None) else None
-        finished = info.finished_at.timestamp() if getattr(info, "finished_at", None) else None
+        started_at, finished_at = getattr(info, "started_at", None), getattr(info, "finished_at", None)
+        started = started_at.timestamp() if started_at else None
+        finished = finished_at.timestamp() if finished_at else None
         return JobState(stage, (info.status.message or "") if info.status else "", started, finished)
 
     def endpoint(self, job: JobHandle) -> str | None:

@@ -66,7 +66,7 @@ class LocalLauncher(Launcher):
     startup_deadline = 300.0
     poll_interval = 0.5
 
-    def __init__(self, workdir: str | os.PathLike):
+    def __init__(self, workdir: str | os.PathLike[str]):
         self.workdir = Path(workdir)
 
     def _folder(self, job: JobHandle) -> Path:
@@ -78,7 +78,8 @@ class LocalLauncher(Launcher):
     def trainer_cuda(self, spec: RunSpec) -> bool:
         import torch  # the trainer runs on this machine: on its GPU if it has one
 
-        return torch.cuda.is_available()
+        available: bool = torch.cuda.is_available()
+        return available
 
     def plan_job(self, spec: RunSpec, role: str, secrets: RunSecrets, port: int | None = None) -> JobPlan:
         """The job's command with `port` (a free port when it starts; `PORT` in a plan shown beforehand): where a

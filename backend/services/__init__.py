@@ -1,0 +1,1 @@
+"""What a user does, owner-scoped: launch, runs, queries, adapters, exports, evaluation, costs, smoke tests."""

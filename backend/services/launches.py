@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from secrets import token_hex
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import CursorResult, Update, func, update
 from sqlmodel import Session, col, select
@@ -276,7 +276,7 @@ def job_flavor(spec: RunSpec, role: str) -> str:
 
 def _changed(session: Session, statement: Update) -> int:
     """Run an UPDATE; how many rows it changed (what a compare-and-set checks)."""
-    result: CursorResult[Any] = session.execute(statement)  # type: ignore[assignment]  # an UPDATE's is a cursor's
+    result = cast("CursorResult[Any]", session.execute(statement))  # an UPDATE's result is a cursor's
     return result.rowcount
 
 

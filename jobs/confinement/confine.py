@@ -97,7 +97,8 @@ def enter_namespaces() -> bool:
 
     No uid is mapped into the new namespace: the process's capabilities there then apply to no file at all."""
     libc = ctypes.CDLL(None, use_errno=True)
-    return libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
+    status: int = libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
+    return status == 0
 
 
 def confine(confinement: Confinement) -> list[str]:
@@ -134,7 +135,7 @@ def confine(confinement: Confinement) -> list[str]:
     return applied
 
 
-def _system_call_filter():  # -> pyseccomp.SyscallFilter, imported late: the panel never loads it
+def _system_call_filter() -> Any:  # a pyseccomp.SyscallFilter, imported late: the panel never loads it
     try:
         import pyseccomp as seccomp
     except Exception as error:  # pyseccomp fails in several ways where libseccomp is missing

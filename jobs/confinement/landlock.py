@@ -35,7 +35,7 @@ class _PathBeneath(ctypes.Structure):
 def abi() -> int:
     """The kernel's Landlock ABI version, 0 if Landlock is not available."""
     libc = ctypes.CDLL(None, use_errno=True)
-    version = libc.syscall(_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(_VERSION))
+    version: int = libc.syscall(_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(_VERSION))
     return max(version, 0)
 
 

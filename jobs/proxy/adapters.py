@@ -599,11 +599,14 @@ class AdapterSync:
             ids = [item["id"] for item in json.loads(response.body)["data"]]
         except (ValueError, KeyError, TypeError):
             raise RuntimeError("GET /v1/models did not answer a model list") from None
-        versions, evaluation_names = set(), []
+        versions: set[int] = set()
+        evaluation_names: list[str] = []
         for model_id in ids:
             trl_name = self.names.to_trl(model_id) if isinstance(model_id, str) else None
             if trl_name is not None:
-                versions.add(derived.parse_trl_adapter_name(trl_name))
+                version = derived.parse_trl_adapter_name(trl_name)
+                assert version is not None  # to_trl makes only well-formed TRL names
+                versions.add(version)
             elif isinstance(model_id, str) and derived.parse_eval_adapter_name(self.run_id, model_id) is not None:
                 evaluation_names.append(model_id)
         return versions, evaluation_names

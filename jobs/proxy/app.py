@@ -32,12 +32,12 @@ import asyncio
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
 
 from jobs.contract import RunSpec, layout
 from jobs.proxy.adapters import AdapterSync, text_response
 from jobs.proxy.config import ProxyConfig
-from jobs.proxy.http_client import HttpClient, UpstreamError, UpstreamExchange
+from jobs.proxy.http_client import ClientResponse, HttpClient, UpstreamError, UpstreamExchange
 from jobs.proxy.http_server import (
     Exchange,
     HttpServer,
@@ -48,7 +48,7 @@ from jobs.proxy.http_server import (
 )
 from jobs.proxy.names import AdapterNames, BadJson, BadName, generation_fields, replace_model, restore_model
 from jobs.proxy.router import Router
-from jobs.proxy.stats import Stats, TelemetryWriter
+from jobs.proxy.stats import ProxySnapshot, Stats, TelemetryWriter
 from jobs.proxy.upstreams import Membership, Replica
 from jobs.store import ObjectStore
 
@@ -95,7 +95,7 @@ class Proxy:
         )
         self.telemetry = TelemetryWriter(store, spec.run_id, self.snapshot, self.stats)
         self.server = HttpServer(self.handle, HOST, config.port, max_body=config.max_body)
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
         self._routes = {
             ("POST", "/v1/completions"): self._generate,
             ("POST", "/v1/chat/completions"): self._generate,
@@ -151,7 +151,7 @@ class Proxy:
         await self.telemetry.write()  # the last counters, so the panel sees how the run ended
         await self.client.close()
 
-    async def _admit(self, replica: Replica, activate) -> None:
+    async def _admit(self, replica: Replica, activate: Callable[[], None]) -> None:
         await self.adapters.admit(replica, activate)
 
     # -- dispatch --------------------------------------------------------------------------------------------------
@@ -192,7 +192,9 @@ class Proxy:
             self.stats.count_error("bad_request")
             return text_response(400, f"proxy: {error}")
         if served != model:
-            body = replace_model(body, fields.model_span, served)
+            span = fields.model_span
+            assert span is not None  # a string `model` is always read with its span
+            body = replace_model(body, span, served)
         namespace, chains = self.router.chains(served, fields.tokens, fields.prompt, fields.messages)
         replicas = self.membership.routable
         if not replicas:
@@ -313,7 +315,9 @@ class Proxy:
             503, f"proxy: {healthy}/{known} replicas healthy, need {self.config.min_healthy}: {problems}"
         )
 
-    async def _forward_one(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes):
+    async def _forward_one(
+        self, method: str, target: str, headers: list[tuple[str, str]], body: bytes
+    ) -> tuple[Replica, ClientResponse] | None:
         """Send a read-only request to the first healthy replica (by role) that answers; None if none did."""
         for replica in sorted(self.membership.routable, key=lambda replica: replica.role):
             try:
@@ -335,7 +339,8 @@ class Proxy:
         kept.append(("X-Proxy-Upstream", replica.role))
         return Response(response.status, response.body, kept)
 
-    async def _json_from_one(self, target: str) -> tuple[Response | None, Any]:
+    async def _json_from_one(self, target: str) -> tuple[Response | None, object]:
+        """(None, the parsed JSON a replica answered at `target`), or (the answer to send instead, None)."""
         answer = await self._forward_one("GET", target, list(self.auth), b"")
         if answer is None:
             return self._no_replica(), None
@@ -406,7 +411,7 @@ class Proxy:
 
     # -- stats -----------------------------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ProxySnapshot:
         """The counters as documented in stats.py."""
         healthy = self.membership.healthy_count
         adapters = self.adapters
@@ -435,19 +440,14 @@ class Proxy:
                 "live": sorted(adapters.live),
                 "evaluating": sorted(adapters.evaluating),
                 "step": adapters.step,
-                **{
-                    key: counts[key]
-                    for key in (
-                        "loads_ok",
-                        "loads_failed",
-                        "load_retries",
-                        "rolled_back",
-                        "unloads_ok",
-                        "unloads_failed",
-                        "replays",
-                        "evaluation_loads",
-                    )
-                },
+                "loads_ok": counts["loads_ok"],
+                "loads_failed": counts["loads_failed"],
+                "load_retries": counts["load_retries"],
+                "rolled_back": counts["rolled_back"],
+                "unloads_ok": counts["unloads_ok"],
+                "unloads_failed": counts["unloads_failed"],
+                "replays": counts["replays"],
+                "evaluation_loads": counts["evaluation_loads"],
             },
             "sync_s": {
                 "upload": self.stats.upload.summary(),

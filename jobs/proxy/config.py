@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, cast
 
 from jobs.proxy.http_client import Origin
 from jobs.proxy.router import LEAD_OVER
@@ -101,7 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default = [] if knob_field.default is MISSING else knob_field.default
         options: dict[str, Any] = {"dest": knob_field.name, "default": default}
         if argument.get("action") != "append":
-            options["type"] = _value_type(knob_field.type)
+            options["type"] = _value_type(cast(str, knob_field.type))  # a string: the module postpones annotations
         suffix = " (seconds)" if knob_field.metadata["seconds"] else ""
         parser.add_argument(flag, help=knob_field.metadata["help"] + suffix, **options, **argument)
 

@@ -17,6 +17,7 @@ import asyncio
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -102,12 +103,12 @@ class _Connection(asyncio.Protocol):
     def __init__(self, loop: asyncio.AbstractEventLoop, busy: set[_Connection]):
         self.loop = loop
         self._busy = busy
-        self.transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport  # set by connection_made, before `create_connection` returns this
         self.closed = False
         self.reused = False
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
-        self._waiter: asyncio.Future | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._error: UpstreamError | None = None
         self._received_any = False
         self._head_method = False
@@ -126,7 +127,7 @@ class _Connection(asyncio.Protocol):
     # -- transport callbacks ---------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a TCP (or TLS) connection's is a Transport
 
     def data_received(self, data: bytes) -> None:
         self._received_any = True
@@ -317,7 +318,7 @@ class UpstreamExchange:
     async def __aenter__(self) -> UpstreamExchange:
         return self
 
-    async def __aexit__(self, *exc_info) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         self.release()
 
 
@@ -326,7 +327,7 @@ class HttpClient:
         self.connect_timeout = connect_timeout
         self._pools: dict[str, list[_Connection]] = {}  # idle connections by upstream URL
         self._busy: set[_Connection] = set()
-        self._sweeper: asyncio.Task | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()

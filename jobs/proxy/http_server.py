@@ -22,6 +22,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import cast
 
 import httptools
 
@@ -144,11 +145,13 @@ class _ServerProtocol(asyncio.Protocol):
 
     def __init__(self, server: HttpServer):
         self._server = server
-        self._loop = server.loop
-        self._transport: asyncio.Transport | None = None
+        loop = server.loop
+        assert loop is not None  # protocols are made by the server `start()` opened, on its loop
+        self._loop = loop
+        self._transport: asyncio.Transport  # set by connection_made, which asyncio calls before anything else
         self._parser = httptools.HttpRequestParser(self)
         self._pending: deque[Request] = deque()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._failed = False
         self._paused_reading = False
@@ -170,7 +173,7 @@ class _ServerProtocol(asyncio.Protocol):
     # -- transport callbacks ---------------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
+        self._transport = cast(asyncio.Transport, transport)  # a TCP server's connections are Transports
         self._server.connections.add(self)
         self._touch()
         self._idle_handle = self._loop.call_later(self._server.idle_timeout, self._check_idle)

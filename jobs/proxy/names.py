@@ -18,12 +18,14 @@ import functools
 import json
 import json.decoder
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from jobs.contract.derived import TRL_ADAPTER_PREFIX, parse_trl_adapter_name, replica_adapter_name
 
-_SCAN = json.JSONDecoder().scan_once
+# json's own scanners (the C ones where built): typeshed declares neither `scan_once` nor `json.decoder.scanstring`.
+_SCAN: Callable[[str, int], tuple[Any, int]] = vars(json.JSONDecoder())["scan_once"]
 _FAST_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]*)"')
 _FAST_PROMPT = re.compile(rb'"prompt"\s*:\s*\[')
 _FAST_KEYS = re.compile(rb'"(model|prompt|stream|messages)"')  # anywhere else, a key or a value: read exactly
@@ -33,7 +35,7 @@ _ANSWER_KEY = b'"token_ids"'
 _AFTER_ANSWER_KEY = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*\[")
 _ID_BYTES = 12  # a token id (at most 10 digits), a comma and a space
 _EXACT_FIELDS = frozenset({"model", "prompt", "messages", "stream"})
-_SCANSTRING = json.decoder.scanstring
+_SCANSTRING: Callable[[str, int], tuple[str, int]] = vars(json.decoder)["scanstring"]
 _WS = re.compile(r"[ \t\n\r]*")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _NAMES_REMEMBERED = 256  # a run sends a handful of model names, each thousands of times
@@ -51,11 +53,11 @@ class BadJson(ValueError):
 class GenerationFields:
     """What the proxy needs from a generation request."""
 
-    model: Any  # the `model` value as sent (None if absent)
+    model: object  # the `model` value as sent, unchecked JSON (None if absent)
     model_span: tuple[int, int] | None  # byte offsets of the model's JSON string literal, quotes included
     tokens: bytes | None  # a flat token-id prompt as canonical text: decimal ids joined by commas, b"1,2,3"
-    prompt: Any  # any other prompt (text, a batch), None if absent
-    messages: Any  # chat messages, None if absent
+    prompt: object  # any other prompt (text, a batch), None if absent
+    messages: object  # chat messages, None if absent
     stream: bool
 
 
@@ -157,10 +159,10 @@ def top_level(text: str, wanted: frozenset[str]) -> dict[str, tuple[Any, int, in
     Raises BadJson if `text` is not a JSON object.
     """
     try:
-        index = _WS.match(text, 0).end()
+        index = _space_end(text, 0)
         if text[index : index + 1] != "{":
             raise BadJson("the body is not a JSON object")
-        index = _WS.match(text, index + 1).end()
+        index = _space_end(text, index + 1)
         found: dict[str, tuple[Any, int, int]] = {}
         if text[index : index + 1] == "}":
             return found
@@ -168,19 +170,19 @@ def top_level(text: str, wanted: frozenset[str]) -> dict[str, tuple[Any, int, in
             if text[index : index + 1] != '"':
                 raise BadJson("malformed JSON object")
             key, index = _SCANSTRING(text, index + 1)
-            index = _WS.match(text, index).end()
+            index = _space_end(text, index)
             if text[index : index + 1] != ":":
                 raise BadJson("malformed JSON object")
-            start = _WS.match(text, index + 1).end()
+            start = _space_end(text, index + 1)
             value, index = _SCAN(text, start)
             if key in wanted:
                 found[key] = (value, start, index)
-            index = _WS.match(text, index).end()
+            index = _space_end(text, index)
             separator = text[index : index + 1]
             if separator == ",":
-                index = _WS.match(text, index + 1).end()
+                index = _space_end(text, index + 1)
             elif separator == "}":
-                if _WS.match(text, index + 1).end() != len(text):
+                if _space_end(text, index + 1) != len(text):
                     raise BadJson("trailing data after the JSON object")
                 return found
             else:
@@ -189,6 +191,13 @@ def top_level(text: str, wanted: frozenset[str]) -> dict[str, tuple[Any, int, in
         if isinstance(error, BadJson):
             raise
         raise BadJson("malformed JSON") from None
+
+
+def _space_end(text: str, index: int) -> int:
+    """Where the JSON whitespace starting at `index` ends."""
+    match = _WS.match(text, index)
+    assert match is not None  # `_WS` matches the empty string too, at any index
+    return match.end()
 
 
 def check_served_name(name: str) -> None:

@@ -56,7 +56,7 @@ import json
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 from jobs.proxy.names import answer_token_ids, token_text
 
@@ -85,6 +85,19 @@ class Decision:
     salt: int  # the namespace's: a block is filed under its hash ^ salt
     tip: int | None  # the prompt's identity for sibling counting: its last whole block (salted), or the root of its
     # conversation (the tip of the prompt it continues from its first turn; rule 5)
+
+
+class RouterCounters(TypedDict):
+    """The router's part of a snapshot's `routing` (stats.py)."""
+
+    routed: int
+    affinity: int
+    followed: int
+    spilled: int
+    unmatched: int
+    prefix_tokens_saved: int
+    tracked_blocks: int
+    table_blocks: int
 
 
 class Router:
@@ -143,7 +156,7 @@ class Router:
         return filing
 
     def chains(
-        self, model: str, tokens: bytes | None, prompt: Any = None, messages: Any = None
+        self, model: str, tokens: bytes | None, prompt: object = None, messages: object = None
     ) -> tuple[Namespace, list[tuple[int, ...]]]:
         """The namespace of `model` and the block hash chain of each prompt of a request (several for a batch).
 
@@ -432,7 +445,7 @@ class Router:
         generations = (self._young_counts, self._old_counts)
         return sum(count for counts in generations for number, count in counts.items() if number in current)
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> RouterCounters:
         return {
             "routed": self.routed,
             "affinity": self.affinity,

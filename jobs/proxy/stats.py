@@ -37,14 +37,82 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 
 from jobs.contract import layout
+from jobs.proxy.router import RouterCounters
+from jobs.proxy.upstreams import ReplicaView
 from jobs.store import ObjectStore, StoreError
 from jobs.telemetry import next_sequence
 
 log = logging.getLogger(__name__)
 _WINDOW = 1024
+
+
+class LatencySummary(TypedDict):
+    """W in the snapshot shape above."""
+
+    count: int
+    last: float | None
+    p50: float | None
+    p95: float | None
+    max: float | None
+
+
+class HealthView(TypedDict):
+    healthy: int
+    known: int
+    min_healthy: int
+    ok: bool
+
+
+class RoutingView(RouterCounters):
+    retried: int
+    block_size: int
+    imbalance: int
+    lead_over: str
+    group_allowance: int
+
+
+class AdaptersView(TypedDict):
+    current: int | None
+    live: list[int]
+    evaluating: list[str]
+    step: int | None
+    loads_ok: int
+    loads_failed: int
+    load_retries: int
+    rolled_back: int
+    unloads_ok: int
+    unloads_failed: int
+    replays: int
+    evaluation_loads: int
+
+
+class SyncTimes(TypedDict):
+    upload: LatencySummary
+    broadcast: LatencySummary
+    total: LatencySummary
+
+
+class MembershipView(TypedDict):
+    ejections: int
+    readmissions: int
+
+
+class ProxySnapshot(TypedDict):
+    """A snapshot, as documented above: the body of `GET /proxy/stats` and of each telemetry chunk."""
+
+    time: float
+    started: float
+    run_id: str
+    health: HealthView
+    replicas: list[ReplicaView]
+    routing: RoutingView
+    adapters: AdaptersView
+    sync_s: SyncTimes
+    membership: MembershipView
+    errors: dict[str, int]
 
 
 class Window:
@@ -58,7 +126,7 @@ class Window:
         self._values.append(seconds)
         self.count += 1
 
-    def summary(self) -> dict[str, float | int | None]:
+    def summary(self) -> LatencySummary:
         if not self._values:
             return {"count": 0, "last": None, "p50": None, "p95": None, "max": None}
         ordered = sorted(self._values)
@@ -94,7 +162,7 @@ class Stats:
 class TelemetryWriter:
     """Writes a snapshot to `telemetry/proxy/<seq>.json` every period; seq continues after existing chunks."""
 
-    def __init__(self, store: ObjectStore, run_id: str, snapshot: Callable[[], dict[str, Any]], stats: Stats):
+    def __init__(self, store: ObjectStore, run_id: str, snapshot: Callable[[], ProxySnapshot], stats: Stats):
         self._store = store
         self._run_id = run_id
         self._snapshot = snapshot

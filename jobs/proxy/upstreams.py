@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from jobs.proxy.http_client import HttpClient, Origin, UpstreamError
 from jobs.store import ObjectNotFound, ObjectStore, StoreError
@@ -28,6 +28,23 @@ from jobs.store import ObjectNotFound, ObjectStore, StoreError
 log = logging.getLogger(__name__)
 
 NEW, ADMITTING, HEALTHY, EJECTED = "new", "admitting", "healthy", "ejected"
+
+
+class ReplicaView(TypedDict):
+    """A replica as `GET /proxy/replicas` and the proxy's snapshots show it (stats.py)."""
+
+    role: str
+    url: str
+    state: str  # new, admitting, healthy or ejected
+    healthy: bool
+    routed: int
+    inflight: int
+    failed: int
+    loaded_versions: list[int]
+    admissions: int
+    ejections: int
+    last_error: str | None
+    since: float
 
 
 @dataclass(eq=False)
@@ -54,7 +71,7 @@ class Replica:
     def url(self) -> str:
         return self.origin.url
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ReplicaView:
         return {
             "role": self.role,
             "url": self.url,
@@ -116,7 +133,7 @@ class Membership:
         self.ejections = 0
         self.readmissions = 0
         self._next_slot = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- membership ------------------------------------------------------------------------------------------------
 
@@ -128,12 +145,12 @@ class Membership:
                 log.info("replica %s (%s) left the upstream list", replica.role, url)
                 self._remove(replica)
         for url, role in wanted.items():
-            replica = self.replicas.get(url)
-            if replica is None:
+            known = self.replicas.get(url)
+            if known is None:
                 self.replicas[url] = Replica(role=role, origin=Origin.parse(url), source=source)
                 log.info("replica %s (%s) joined; it is admitted once healthy", role, url)
-            elif source == "store" and replica.role != role:
-                replica.role = role
+            elif source == "store" and known.role != role:
+                known.role = role
         self._rebuild()
 
     def _remove(self, replica: Replica) -> None:
@@ -265,7 +282,7 @@ class Membership:
         last: bytes | None = None
         while True:
             try:
-                data = await asyncio.to_thread(store.get_bytes, key)
+                data: bytes | None = await asyncio.to_thread(store.get_bytes, key)
             except ObjectNotFound:
                 data = b""
             except StoreError as error:

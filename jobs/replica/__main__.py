@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Awaitable
 from pathlib import Path
 
 from aiohttp import web
@@ -176,7 +177,7 @@ class ReplicaJob:
         await self.engine.wait()
 
 
-async def _first(**awaitables) -> str:
+async def _first(**awaitables: Awaitable[object]) -> str:
     """Run the awaitables concurrently; return the name of the first to finish (TimeoutError counts as 'timeout')."""
     tasks = {asyncio.ensure_future(aw): name for name, aw in awaitables.items()}
     try:
@@ -186,10 +187,11 @@ async def _first(**awaitables) -> str:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     task = next(iter(done))
-    if not task.cancelled() and isinstance(task.exception(), TimeoutError):
+    error = None if task.cancelled() else task.exception()
+    if isinstance(error, TimeoutError):
         return "timeout"
-    if not task.cancelled() and task.exception() is not None:
-        raise task.exception()
+    if error is not None:
+        raise error
     return tasks[task]
 
 

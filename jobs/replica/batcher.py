@@ -28,7 +28,7 @@ import itertools
 import logging
 import threading
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +94,7 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
-    finished: Counter = field(default_factory=Counter)  # finish reason -> sequences
+    finished: Counter[str | None] = field(default_factory=Counter)  # finish reason -> sequences
 
 
 class RowAdapters:
@@ -126,13 +126,15 @@ class RowAdapters:
                 self.layers.append(module)
         self._active = None
 
-    def _name_rows(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _name_rows(
+        self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self._mixed is not None:
             kwargs["adapter_names"] = self._mixed
         return args, kwargs
 
     @contextlib.contextmanager
-    def rows(self, names: list[str]):
+    def rows(self, names: list[str]) -> Iterator[None]:
         """Run the forward inside with row i using adapter `names[i]` (`BASE_ADAPTER`: none)."""
         single = names[0] if names[0] != BASE_ADAPTER and names.count(names[0]) == len(names) else None
         if single is not None and single != self._active:
@@ -429,8 +431,9 @@ class BatchEngine:
             token = sampled.tokens[i]
             seq.output.append(token)
             seq.logprobs.append(sampled.logprobs[i])
-            if sampled.top[i] is not None:
-                seq.top.append(sampled.top[i])
+            top = sampled.top[i]
+            if top is not None:
+                seq.top.append(top)
             if token in seq.stop_ids:
                 seq.finish_reason = "stop"
             elif len(seq.output) >= seq.params.max_tokens:
@@ -481,6 +484,7 @@ class BatchEngine:
         self._join(admitted, logits[expand], new_layers, mask[expand], lengths)
 
     def _decode(self, tokens: torch.Tensor) -> None:
+        assert self._mask is not None and self._positions is not None  # called only with rows running
         ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
         self._mask = torch.cat([self._mask, ones], dim=1)
         logits, self._cache = self._forward(
@@ -526,6 +530,8 @@ class BatchEngine:
             self._cache = DynamicCache(ddp_cache_data=layers)
             self._rows, self._logits, self._mask, self._positions = list(rows), logits, mask, positions
             return
+        assert self._cache is not None and self._mask is not None  # a running batch has all its state
+        assert self._logits is not None and self._positions is not None
         old, new = self._mask.shape[1], mask.shape[1]
         width = max(old, new)
         for layer, (keys, values) in zip(self._cache.layers, layers, strict=True):
@@ -542,6 +548,8 @@ class BatchEngine:
             self._reset_batch()
             return
         index = torch.tensor(keep, device=self.device)
+        assert self._cache is not None and self._mask is not None  # `keep` names running rows
+        assert self._logits is not None and self._positions is not None
         self._rows = [self._rows[i] for i in keep]
         self._logits, self._mask, self._positions = self._logits[index], self._mask[index], self._positions[index]
         start = int(self._mask.any(dim=0).nonzero()[0])
@@ -623,11 +631,11 @@ def _deliver_all(updates: list[tuple[Sequence, int]]) -> None:
         seq.on_update(seq, available)
 
 
-def _set_result(future: asyncio.Future, value: Any) -> None:
+def _set_result(future: asyncio.Future[Any], value: Any) -> None:
     if not future.done():
         future.set_result(value)
 
 
-def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+def _set_exception(future: asyncio.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)

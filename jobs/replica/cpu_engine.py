@@ -210,7 +210,7 @@ class CpuEngineServer:
         ]
         for name, help_text, value in counters:
             metric(name, "counter", help_text, [({}, value)])
-        reasons = [
+        reasons: list[tuple[dict[str, str], float]] = [
             ({"finished_reason": reason}, stats.finished.get(reason, 0)) for reason in ("stop", "length", "abort")
         ]
         metric("vllm:request_success_total", "counter", "Finished sequences by finish reason.", reasons)
@@ -308,7 +308,7 @@ class CpuEngineServer:
             return error_response(404, f"The model `{model}` does not exist.")
         streaming = bool(body.get("stream", False))
         events: asyncio.Queue[tuple[Sequence, int]] = asyncio.Queue()
-        finished: dict[int, asyncio.Future] = {}
+        finished: dict[int, asyncio.Future[None]] = {}
 
         def on_update(seq: Sequence, available: int) -> None:
             if streaming:
@@ -337,9 +337,9 @@ class CpuEngineServer:
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
             self.engine.cancel(sequences)
             raise
-        failed = [seq for seq in sequences if seq.error]
+        failed = [(seq.error_status, seq.error) for seq in sequences if seq.error]
         if failed:
-            return error_response(failed[0].error_status, failed[0].error)
+            return error_response(*failed[0])
         return web.json_response(render.response(sequences, prompts))
 
     def _parse_completion(self, body: dict[str, Any]) -> tuple[list[list[int]], SamplingParams, int]:

@@ -66,13 +66,17 @@ def parse_sampling(body: dict[str, Any], max_logprobs: int) -> SamplingParams:
             raise ValueError(f"{name} must be a number, got {value!r}.")
         return float(value)
 
-    def integer(name: str, default: int | None) -> int | None:
+    def optional_integer(name: str) -> int | None:
         value = body.get(name)
         if value is None:
-            return default
+            return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name} must be an integer, got {value!r}.")
         return value
+
+    def integer(name: str, default: int) -> int:
+        value = optional_integer(name)
+        return default if value is None else value
 
     params = SamplingParams(
         max_tokens=integer("max_tokens", 16),
@@ -86,8 +90,8 @@ def parse_sampling(body: dict[str, Any], max_logprobs: int) -> SamplingParams:
         min_tokens=integer("min_tokens", 0),
         stop_token_ids=tuple(_token_list(body.get("stop_token_ids"), "stop_token_ids")),
         ignore_eos=bool(body.get("ignore_eos", False)),
-        logprobs=integer("logprobs", None),
-        seed=integer("seed", None),
+        logprobs=optional_integer("logprobs"),
+        seed=optional_integer("seed"),
     )
     if params.max_tokens < 1:
         raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}.")

@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from jobs.contract import layout
 from jobs.replica.errors import error_body, error_response, no_adapter_found
@@ -117,7 +118,7 @@ class Sidecar:
             await self._session.close()
 
     @web.middleware
-    async def _authorize(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _authorize(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         if self.token is not None:
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
@@ -150,6 +151,7 @@ class Sidecar:
         if (
             loaded is not None
             and loaded.run_id is not None
+            and loaded.version is not None  # set together with run_id
             and path == layout.adapter_ref(loaded.run_id, loaded.version)
         ):
             # The same version under the same name again: a retry whose first answer was lost. Loading is idempotent

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from jobs.contract.spec import StorageSpec
 from jobs.contract.storage_uri import StorageLocation, parse_storage_uri
 from jobs.retry import RetryPolicy
@@ -39,7 +41,7 @@ def open_store(
     else:
         location = storage
     if location.kind == "file":
-        return LocalStore(location.root)
+        return LocalStore(cast(str, location.root))  # parse_storage_uri gives every file location its root
     return S3Store(location, credentials or StoreCredentials.from_env(), retry=retry)
 
 

@@ -7,6 +7,7 @@ with `start_after` and never reread (the store layout zero-pads every number for
 
 from __future__ import annotations
 
+import builtins
 import os
 import secrets
 from abc import ABC, abstractmethod
@@ -54,10 +55,10 @@ class ObjectStore(ABC):
         """Raises ObjectNotFound if the key does not exist."""
 
     @abstractmethod
-    def put_file(self, key: str, path: str | os.PathLike) -> None: ...
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None: ...
 
     @abstractmethod
-    def get_file(self, key: str, path: str | os.PathLike) -> None:
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Download to `path`, atomically (a reader never sees a partial file). Raises ObjectNotFound."""
 
     @abstractmethod
@@ -78,7 +79,7 @@ class ObjectStore(ABC):
             self.delete(key)
         return len(keys)
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:  # `list` here is the method above
         """Names of the immediate 'subdirectories' of `prefix` (which must end with '/')."""
         names = {
             info.key[len(prefix) :].split("/", 1)[0] for info in self.list(prefix) if "/" in info.key[len(prefix) :]

@@ -19,7 +19,7 @@ _TEMP_PREFIX = ".tmp-"
 
 
 class LocalStore(ObjectStore):
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).resolve()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,7 @@ class LocalStore(ObjectStore):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ObjectNotFound(key) from None
 
-    def put_file(self, key: str, path: str | os.PathLike) -> None:
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         target = self._path(key)
         temp = target.parent / f"{_TEMP_PREFIX}{secrets.token_hex(6)}-{target.name}"
         try:
@@ -56,7 +56,7 @@ class LocalStore(ObjectStore):
         finally:
             temp.unlink(missing_ok=True)
 
-    def get_file(self, key: str, path: str | os.PathLike) -> None:
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         source = self._path(key)
         target = Path(path)
         temp = target.parent / f"{_TEMP_PREFIX}{secrets.token_hex(6)}-{target.name}"

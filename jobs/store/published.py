@@ -60,7 +60,7 @@ class Manifest:
         return cls(files=files, created=float(body["created"]), meta=dict(body.get("meta") or {}))
 
 
-def sha256_file(path: str | os.PathLike) -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
@@ -68,7 +68,9 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def publish_directory(store: ObjectStore, prefix: str, local_dir: str | os.PathLike, meta: dict[str, Any]) -> Manifest:
+def publish_directory(
+    store: ObjectStore, prefix: str, local_dir: str | os.PathLike[str], meta: dict[str, Any]
+) -> Manifest:
     """Upload every regular file under `local_dir` to `prefix`, then the manifest. Returns the manifest.
 
     A manifest already at `prefix` (a resumed trainer publishing a version or a checkpoint again) is deleted first,
@@ -99,7 +101,7 @@ def publish_directory(store: ObjectStore, prefix: str, local_dir: str | os.PathL
 
 
 def publish_through_outage(
-    store: ObjectStore, prefix: str, local_dir: str | os.PathLike, meta: dict[str, Any]
+    store: ObjectStore, prefix: str, local_dir: str | os.PathLike[str], meta: dict[str, Any]
 ) -> Manifest:
     """`publish_directory`, retried with backoff for about a minute while the store fails transiently.
 
@@ -122,7 +124,7 @@ def read_manifest(store: ObjectStore, prefix: str) -> Manifest:
         raise VersionNotPublished(f"{prefix} has no manifest yet: it is not published") from None
 
 
-def download_published(store: ObjectStore, prefix: str, dest: str | os.PathLike) -> Manifest:
+def download_published(store: ObjectStore, prefix: str, dest: str | os.PathLike[str]) -> Manifest:
     """Download the published directory at `prefix` into `dest`, verifying every file.
 
     Files land in a temporary sibling folder that is renamed to `dest` only after all of them check out, so `dest`

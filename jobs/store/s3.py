@@ -9,12 +9,13 @@ and endpoint but never a credential.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import boto3
 from botocore.config import Config
@@ -143,7 +144,8 @@ class S3Store(ObjectStore):
             headers = error.response.get("ResponseMetadata", {}).get("HTTPHeaders", {})
             if "x-amz-bucket-region" not in headers:
                 raise self._translate(error, None) from None
-        return headers.get("x-amz-bucket-region")
+        region: str | None = headers.get("x-amz-bucket-region")
+        return region
 
     def _key(self, key: str) -> str:
         return self.root + check_key(key)
@@ -193,11 +195,12 @@ class S3Store(ObjectStore):
         full = self._key(key)
 
         def read() -> bytes:
-            return self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+            data: bytes = self.client.get_object(Bucket=self.bucket, Key=full)["Body"].read()
+            return data
 
         return self._call(read, "read", key)
 
-    def put_file(self, key: str, path: str | os.PathLike) -> None:
+    def put_file(self, key: str, path: str | os.PathLike[str]) -> None:
         # One PUT streamed from disk (S3 takes up to 5 GB that way; adapters and LoRA checkpoints are far smaller).
         # Avoiding s3transfer keeps errors as ClientErrors we can classify, and its checksum headers away from R2.
         full = self._key(key)
@@ -208,7 +211,7 @@ class S3Store(ObjectStore):
 
         self._call(upload, "upload", key)
 
-    def get_file(self, key: str, path: str | os.PathLike) -> None:
+    def get_file(self, key: str, path: str | os.PathLike[str]) -> None:
         full = self._key(key)
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -229,11 +232,11 @@ class S3Store(ObjectStore):
     def list(self, prefix: str = "", start_after: str | None = None, limit: int | None = None) -> Iterator[ObjectInfo]:
         check_prefix(prefix)
         count = 0
-        kwargs = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": self.page_size}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.root + prefix, "MaxKeys": self.page_size}
         if start_after is not None:
             kwargs["StartAfter"] = self.root + start_after
         while True:
-            page = self._call(lambda kwargs=kwargs: self.client.list_objects_v2(**kwargs), "list")
+            page: dict[str, Any] = self._call(functools.partial(self.client.list_objects_v2, **kwargs), "list")
             contents = page.get("Contents") or []  # pages without Contents exist
             for item in contents:
                 yield ObjectInfo(

@@ -33,17 +33,22 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict, TypeVar
 
 import requests
 import torch
-from transformers import TrainerCallback
 
 from jobs.contract import derived, layout
 from jobs.store import ObjectStore, StoreError, download_published
 from jobs.trainer import ranks
+from jobs.trainer.callback import Callback
 from jobs.trainer.dataset import prompt_token_ids
 
+if TYPE_CHECKING:
+    from jobs.proxy.upstreams import ReplicaView
+    from jobs.trainer.telemetry import Telemetry
+
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 PROBE_MESSAGES = [{"role": "user", "content": "Write a short sentence about the sea."}]
 PROBE_TOKENS = 16
@@ -59,6 +64,26 @@ MARGIN = 4.0
 FAILURES_TO_STOP = 3  # consecutive failed audits of one replica (each followed by a clean re-load) that stop the run
 PASSING = ("match", "inconclusive")
 FAILING = ("stale", "base", "mismatch")
+
+
+class ReplicaVerdict(TypedDict, total=False):
+    """One replica's entry in an audit record (`audit/vNNNNNN.json`'s `replicas`): its verdict and the figures
+    behind it, or the error its probe met (verdict "error")."""
+
+    verdict: Required[str]
+    why: str
+    error: str
+    distance: dict[str, float]
+    separation: dict[str, float]
+    max_abs_diff: float
+    mean_abs_diff: float
+    tokens: int
+    ejected_at: float
+    eject_error: str
+
+
+# One probe's tokens, and the trainer's log-probs of them under each policy ("current", "previous", "base").
+Scores = dict[str, dict[tuple[int, ...], list[float]]]
 
 
 def tolerance_for(dtype: str) -> float:
@@ -89,7 +114,7 @@ def judge(
     closer = all(current * MARGIN <= distance[alt] for alt in separation if told_apart[alt])
     figures = ", ".join(f"{names[k]} {v:.2e}" for k, v in distance.items())
     if current > tolerance or not closer:
-        nearest = min(distance, key=distance.get)
+        nearest = min(distance, key=distance.__getitem__)
         if nearest != "current" and distance[nearest] <= tolerance:
             verdict = "stale" if nearest == "previous" else "base"
             return verdict, f"serves {names[nearest]} under v{version}'s name (mean |Δlogp| to {figures})"
@@ -104,7 +129,7 @@ def judge(
     return "match", f"serves v{version} (mean |Δlogp| to {figures})"
 
 
-def trainer_log_probs(trainer, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+def trainer_log_probs(trainer: Any, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
     """Log-probs of `completion_ids` after `prompt_ids` under the trainer's current weights, at its temperature."""
     model = trainer.model
     ids = list(prompt_ids) + list(completion_ids)
@@ -133,10 +158,11 @@ def trainer_log_probs(trainer, prompt_ids: list[int], completion_ids: list[int])
         model.train(was_training)
     log_probs = outputs.log_probs.flatten().float().cpu()
     start = len(prompt_ids) - 1
-    return log_probs[start : start + len(completion_ids)].tolist()
+    scores: list[float] = log_probs[start : start + len(completion_ids)].tolist()
+    return scores
 
 
-def lora_weights(model) -> dict[str, torch.Tensor]:
+def lora_weights(model: Any) -> dict[str, torch.Tensor]:
     """A copy of a PeftModel's LoRA weights (not views: training moves on in place)."""
     from peft import get_peft_model_state_dict
 
@@ -184,7 +210,7 @@ class VersionWeights:
     def __init__(self) -> None:
         self.kept: dict[int, dict[str, torch.Tensor]] = {}
 
-    def note(self, model, version: int) -> None:
+    def note(self, model: Any, version: int) -> None:
         """Keep `model`'s weights as `version` (which it must hold now) and the version before it; drop older ones."""
         if version not in self.kept:
             self.kept[version] = lora_weights(model)
@@ -200,7 +226,7 @@ class VersionWeights:
         return weights is not None
 
     @contextmanager
-    def loaded(self, model, version: int) -> Iterator[None]:
+    def loaded(self, model: Any, version: int) -> Iterator[None]:
         """`model` with `version`'s LoRA weights for the duration; its own weights restored after, bit for bit."""
         from peft import set_peft_model_state_dict
 
@@ -228,15 +254,15 @@ class PolicyAudit:
 
     def __init__(
         self,
-        trainer,
-        tokenizer,
+        trainer: Any,
+        tokenizer: Any,
         store: ObjectStore,
         run_id: str,
-        replicas_fn: Callable[[], list[dict]],
+        replicas_fn: Callable[[], list[ReplicaView]],
         token: str | None,
         temperature: float,
         tolerance: float,
-        telemetry=None,
+        telemetry: Telemetry | None = None,
         eject: Callable[[str, str], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
         collective: bool = False,
@@ -250,11 +276,11 @@ class PolicyAudit:
         self.fatal: str | None = None
         self.collective = collective
 
-    def shared(self, decide: Callable[[], Any]) -> Any:
+    def shared(self, decide: Callable[[], T]) -> T:
         """What `decide()` returns on the main process: handed to every rank when the audit is collective."""
         return ranks.from_main(decide) if self.collective else decide()
 
-    def _peft_model(self):
+    def _peft_model(self) -> Any:
         return self.trainer.accelerator.unwrap_model(self.trainer.model)
 
     def note_version(self, version: int) -> None:
@@ -275,7 +301,7 @@ class PolicyAudit:
         ok = bool(results) and all(r["verdict"] in PASSING for r in results.values())
         for role, result in results.items():
             self._act(role, version, result)
-        record = {
+        record: dict[str, Any] = {
             "version": version,
             "step": step,
             "time": time.time(),
@@ -300,9 +326,9 @@ class PolicyAudit:
         log.info("policy audit v%d: ok=%s %s", version, ok, results)
         return record
 
-    def _probe_all(self, version: int) -> tuple[dict[str, Any], dict[str, tuple[list[int], list[float]]]]:
+    def _probe_all(self, version: int) -> tuple[dict[str, ReplicaVerdict], dict[str, tuple[list[int], list[float]]]]:
         """(errors, probes): each replica's sampled tokens and their log-probs under `version`'s name, or its error."""
-        errors: dict[str, Any] = {}
+        errors: dict[str, ReplicaVerdict] = {}
         probes: dict[str, tuple[list[int], list[float]]] = {}
         for replica in self.replicas_fn():
             try:
@@ -314,7 +340,7 @@ class PolicyAudit:
                 errors[replica["role"]] = {"verdict": "error", "error": f"{type(error).__name__}: {str(error)[:300]}"}
         return errors, probes
 
-    def _score_all(self, version: int, sequences: list[tuple[int, ...]]) -> dict[str, dict[tuple[int, ...], list]]:
+    def _score_all(self, version: int, sequences: list[tuple[int, ...]]) -> Scores:
         """The trainer's log-probs of each sequence under vN, v(N-1) (when its weights can be had) and the base."""
 
         def score() -> dict[tuple[int, ...], list[float]]:
@@ -333,10 +359,10 @@ class PolicyAudit:
         return scores
 
     def _judge_all(
-        self, version: int, probes: dict[str, tuple[list[int], list[float]]], scores: dict[str, dict]
-    ) -> dict[str, Any]:
+        self, version: int, probes: dict[str, tuple[list[int], list[float]]], scores: Scores
+    ) -> dict[str, ReplicaVerdict]:
         """One verdict per probed replica, from the trainer's scores of its tokens (`_score_all`)."""
-        results = {}
+        results: dict[str, ReplicaVerdict] = {}
         for role, (tokens, served) in probes.items():
             seq = tuple(tokens)
             distance = {name: mean_abs_diff(by_seq[seq], served) for name, by_seq in scores.items()}
@@ -354,7 +380,7 @@ class PolicyAudit:
             }
         return results
 
-    def _act(self, role: str, version: int, result: dict[str, Any]) -> None:
+    def _act(self, role: str, version: int, result: ReplicaVerdict) -> None:
         """Eject a failing replica and count its failures in a row; a pass resets the count (errors change nothing:
         a probe that timed out proves nothing about the policy)."""
         verdict = result["verdict"]
@@ -391,7 +417,7 @@ class PolicyAudit:
                 self.on_fatal(self.fatal)
 
     def _probe(self, url: str, version: int) -> tuple[list[int], list[float]]:
-        body = {
+        body: dict[str, str | int | float | bool | list[int]] = {
             "model": derived.replica_adapter_name(self.run_id, version),
             "prompt": self.prompt_ids,
             "max_tokens": PROBE_TOKENS,
@@ -410,7 +436,7 @@ class PolicyAudit:
         return list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]
 
 
-class AuditCallback(TrainerCallback):
+class AuditCallback(Callback):
     """Audits every k-th version right after TRL's sync, and right after a resume (unless periodic audits are off:
     `every` 0); keeps each version's weights.
 
@@ -426,16 +452,16 @@ class AuditCallback(TrainerCallback):
     def _version(self) -> int:
         return self.audit.shared(lambda: int(self.audit.trainer.model_version))  # TRL counts on the main process
 
-    def on_train_begin(self, _args, state, _control, **_kwargs):
+    def on_train_begin(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
         version = self._version()  # TRL's cold sync just published the weights the trainer starts (or resumes) from
         self.audit.note_version(version)
         if self.every and (state.global_step > 0 or version % self.every == 0):
             self.audit.run(version, state.global_step)
 
-    def on_step_begin(self, _args, _state, _control, **_kwargs):
+    def on_step_begin(self, _args: Any, _state: Any, _control: Any, **_kwargs: Any) -> None:
         self._version_at_begin = self._version()
 
-    def on_step_end(self, _args, state, _control, **_kwargs):
+    def on_step_end(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
         version = self._version()
         if version == self._version_at_begin:
             return  # no sync in this step: the trainer no longer holds its version's weights

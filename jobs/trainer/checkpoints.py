@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-
-from transformers import TrainerCallback
+from typing import TYPE_CHECKING, Any
 
 from jobs.contract import ParentSpec, layout
 from jobs.store import ObjectStore, download_published, list_published, publish_through_outage
 from jobs.trainer import ranks
+from jobs.trainer.callback import Callback
+
+if TYPE_CHECKING:
+    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
+
+    from jobs.trainer.telemetry import TrainerTelemetry
 
 log = logging.getLogger(__name__)
 CHECKPOINT_DIR = "checkpoint-{step}"  # TRL / transformers' own naming inside output_dir
@@ -24,8 +29,8 @@ CHECKPOINT_DIR = "checkpoint-{step}"  # TRL / transformers' own naming inside ou
 
 def latest_checkpoint(store: ObjectStore, run_id: str) -> int | None:
     """The step of the newest published checkpoint of `run_id`, or None."""
-    steps = [layout.parse_checkpoint_dir(name) for name in list_published(store, layout.checkpoints_prefix(run_id))]
-    steps = [step for step in steps if step is not None]
+    parsed = [layout.parse_checkpoint_dir(name) for name in list_published(store, layout.checkpoints_prefix(run_id))]
+    steps = [step for step in parsed if step is not None]
     return max(steps) if steps else None
 
 
@@ -41,7 +46,7 @@ def highest_version(store: ObjectStore, run_id: str) -> int:
     return max((v for v in versions if v is not None), default=0)
 
 
-class CheckpointComplete(TrainerCallback):
+class CheckpointComplete(Callback):
     """Holds every rank at each save until all of them wrote their part of the checkpoint.
 
     Under DDP the main process writes the model, optimizer and trainer state, and each rank its own RNG state
@@ -49,17 +54,17 @@ class CheckpointComplete(TrainerCallback):
     process could upload a checkpoint another rank is still writing into. Runs on every rank, before the uploader.
     """
 
-    def on_save(self, _args, _state, _control, **_kwargs):
+    def on_save(self, _args: Any, _state: Any, _control: Any, **_kwargs: Any) -> None:
         ranks.wait_for_all()
 
 
-class CheckpointUploader(TrainerCallback):
+class CheckpointUploader(Callback):
     """Publishes each checkpoint TRL saves, before training moves on, so a preemption loses at most `save_steps`."""
 
-    def __init__(self, store: ObjectStore, run_id: str, attempt: int, telemetry=None):
+    def __init__(self, store: ObjectStore, run_id: str, attempt: int, telemetry: TrainerTelemetry | None = None):
         self.store, self.run_id, self.attempt, self.telemetry = store, run_id, attempt, telemetry
 
-    def on_save(self, args, state, _control, **_kwargs):
+    def on_save(self, args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
         step = state.global_step
         folder = Path(args.output_dir) / CHECKPOINT_DIR.format(step=step)
         if not folder.is_dir():
@@ -78,7 +83,7 @@ class CheckpointUploader(TrainerCallback):
             self.telemetry.events.flush()
 
 
-class ContinueVersions(TrainerCallback):
+class ContinueVersions(Callback):
     """Before TRL's first sync, move its version counter past every version already in the store.
 
     TRL restores `model_version` from the checkpoint, but an interrupted attempt may have published versions after
@@ -88,9 +93,9 @@ class ContinueVersions(TrainerCallback):
 
     def __init__(self, store: ObjectStore, run_id: str):
         self.store, self.run_id = store, run_id
-        self.trainer = None  # set once the trainer exists; it is needed only when training begins
+        self.trainer: AsyncGRPOTrainer | None = None  # set once the trainer exists; needed only once training begins
 
-    def on_train_begin(self, _args, _state, _control, **_kwargs):
+    def on_train_begin(self, _args: Any, _state: Any, _control: Any, **_kwargs: Any) -> None:
         trainer = self.trainer
         highest = highest_version(self.store, self.run_id)
         if trainer is not None and highest > trainer.model_version:
@@ -107,7 +112,7 @@ def download_parent_adapter(store: ObjectStore, parent: ParentSpec, workdir: str
     return folder
 
 
-def load_parent_adapter(folder: str | Path, parent: ParentSpec, model) -> None:
+def load_parent_adapter(folder: str | Path, parent: ParentSpec, model: Any) -> None:
     """Start a branch from a parent run's adapter version (downloaded to `folder`): copy its LoRA weights into
     `model` (a PeftModel). Every rank loads them, so every replica of the model starts from the same weights."""
     from peft import set_peft_model_state_dict
@@ -124,7 +129,9 @@ def load_parent_adapter(folder: str | Path, parent: ParentSpec, model) -> None:
     log.info("branch starts from %s v%d", parent.run_id, parent.version)
 
 
-def publish_final(store: ObjectStore, run_id: str, trainer, workdir: str | Path, meta: dict) -> None:
+def publish_final(
+    store: ObjectStore, run_id: str, trainer: AsyncGRPOTrainer, workdir: str | Path, meta: dict[str, Any]
+) -> None:
     """Save the trained adapter (adapter files only) to `final/`.
 
     Every rank calls it: under FSDP each holds a part of every LoRA weight, and gathering them is a collective (TRL's

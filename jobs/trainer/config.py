@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from jobs.contract import RunSpec, derived
 from jobs.trainer.reporting import report_arguments
 
+if TYPE_CHECKING:
+    from peft import LoraConfig
+    from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
+
 # Seconds to wait for a completion: long generations through the HF Jobs proxy take minutes.
 REQUEST_TIMEOUT_S = 900
 
 
-def lora_config(spec: RunSpec):
+def lora_config(spec: RunSpec) -> LoraConfig:
     from peft import LoraConfig
 
     return LoraConfig(
@@ -24,7 +30,7 @@ def lora_config(spec: RunSpec):
     )
 
 
-def sharding_arguments(sharding: str) -> dict:
+def sharding_arguments(sharding: str) -> dict[str, Any]:
     """TrainingArguments that make the trainer's processes hold the model as `sharding` says
     (`derived.trainer_sharding`): FSDP2 for "fsdp" (TRL 1.16's async trainer supports no other FSDP), each decoder
     layer a unit of its own (accelerate wraps the model's `_no_split_modules`), a layer's gathered weights freed after
@@ -34,10 +40,12 @@ def sharding_arguments(sharding: str) -> dict:
     return {"fsdp": "full_shard auto_wrap", "fsdp_config": {"version": 2, "reshard_after_forward": True}}
 
 
-def grpo_config(spec: RunSpec, output_dir: str, server_url: str, cuda: bool | None = None, sharding: str = "single"):
+def grpo_config(
+    spec: RunSpec, output_dir: str, server_url: str, cuda: bool | None = None, sharding: str = "single"
+) -> AsyncGRPOConfig:
     """The AsyncGRPOConfig for `spec`, training into `output_dir` against the proxy at `server_url`, its processes
     holding the model as `sharding` says."""
-    from trl.experimental.async_grpo import AsyncGRPOConfig
+    from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig
 
     cuda = torch.cuda.is_available() if cuda is None else cuda
     grpo = spec.grpo

@@ -6,18 +6,23 @@ import logging
 import signal
 import threading
 import time
-
-from transformers import TrainerCallback
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from jobs.contract import layout
 from jobs.contract.control import STOP, StopRequest
 from jobs.store import ObjectStore, StoreError
 from jobs.trainer import ranks
+from jobs.trainer.callback import Callback
+
+if TYPE_CHECKING:
+    from jobs.trainer.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
 
-class GracefulStop(TrainerCallback):
+class GracefulStop(Callback):
     """Stops training after the current step, with a checkpoint, when asked.
 
     Asked means a stop request in the store (`control/stop.json`, written by the panel) or a first SIGTERM (a job
@@ -30,7 +35,7 @@ class GracefulStop(TrainerCallback):
     into it) and its replicas still running.
     """
 
-    def __init__(self, store: ObjectStore, run_id: str, telemetry=None, check_every: float = 5.0):
+    def __init__(self, store: ObjectStore, run_id: str, telemetry: Telemetry | None = None, check_every: float = 5.0):
         self.store, self.run_id, self.telemetry, self.check_every = store, run_id, telemetry, check_every
         self.reason: str | None = None
         self.cancelled = False  # the job received SIGTERM: it is being cancelled, and should end soon
@@ -40,7 +45,7 @@ class GracefulStop(TrainerCallback):
     def install_signal_handler(self) -> None:
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _on_sigterm(self, _signum, _frame) -> None:
+    def _on_sigterm(self, _signum: int, _frame: FrameType | None) -> None:
         self.reason = self.reason or "the job received SIGTERM"
         self.cancelled = True
         self._signalled.set()
@@ -66,7 +71,7 @@ class GracefulStop(TrainerCallback):
         self.reason = StopRequest.model_validate_json(body).reason
         return True
 
-    def on_step_end(self, _args, state, control, **_kwargs):
+    def on_step_end(self, _args: Any, state: Any, control: Any, **_kwargs: Any) -> None:
         reason = ranks.from_main(lambda: (self.reason or "stop requested") if self.requested() else None)
         if reason:
             self.reason = reason
@@ -77,17 +82,17 @@ class GracefulStop(TrainerCallback):
             control.should_training_stop = True
 
 
-class StepHint(TrainerCallback):
+class StepHint(Callback):
     """Tells the proxy the optimizer step before each sync, so every published version records its step.
 
     Runs before TRL's own callbacks (it is passed to the constructor), hence before the sync of the same step.
     """
 
-    def __init__(self, post_step):
+    def __init__(self, post_step: Callable[[int], None]):
         self.post_step = post_step
 
-    def on_train_begin(self, _args, state, _control, **_kwargs):
+    def on_train_begin(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
         self.post_step(state.global_step)
 
-    def on_step_end(self, _args, state, _control, **_kwargs):
+    def on_step_end(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
         self.post_step(state.global_step)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import importlib
 import math
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -29,11 +31,12 @@ class IncompatibleTRL(RuntimeError):
     pass
 
 
-def _module(name: str):
+def _module(name: str) -> Any:
+    """A module of TRL's async trainer, as Any: the patches below replace its private names."""
     return importlib.import_module(f"trl.experimental.async_grpo.{name}")
 
 
-def _require(module, attribute: str) -> None:
+def _require(module: ModuleType, attribute: str) -> None:
     if not hasattr(module, attribute):
         import trl
 
@@ -47,7 +50,7 @@ def _always_available() -> bool:
     return True
 
 
-def _no_peak_flops(_accelerator, _dtype) -> None:
+def _no_peak_flops(_accelerator: object, _dtype: object) -> None:
     return None
 
 
@@ -63,7 +66,7 @@ def varlen_attention(
     causal: bool = True,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float | None = None,
-    **_ignored,
+    **_ignored: object,
 ) -> torch.Tensor:
     """`flash_attn_varlen_func` in plain PyTorch: attention over packed segments of (tokens, heads, dim) tensors.
 
@@ -118,7 +121,7 @@ def _fsdp_on_cpu_process_groups() -> None:
     if getattr(original, "fsdp_on_cpu", False):
         return
 
-    def init(self, *args, fsdp_plugin=None, **kwargs):
+    def init(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
         original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
         # Every later `AcceleratorState()` (an optimizer's, at prepare) copies the process group's type over the
         # state again: re-apply FSDP each time, from the plugin the first one kept.
@@ -127,7 +130,7 @@ def _fsdp_on_cpu_process_groups() -> None:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = plugin
 
-    init.fsdp_on_cpu = True
+    init.__dict__["fsdp_on_cpu"] = True  # the mark `getattr(original, "fsdp_on_cpu")` above looks for
     AcceleratorState.__init__ = init
 
 

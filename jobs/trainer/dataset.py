@@ -11,22 +11,28 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from jobs.contract import DatasetSpec
 from jobs.store import ObjectNotFound, ObjectStore
 
+if TYPE_CHECKING:
+    from datasets import Dataset
+
 log = logging.getLogger(__name__)
 ANSWER = "answer"  # rewards receive the gold answer under this name, whatever the dataset calls it
 NO_ROWS = "point at a file or split with at least one row"
+# A row's tools (jobs/environments/loading.py's `row_tools`): their schemas are rendered into its prompt.
+Tools = list[Callable[..., Any]]
 
 
 class DatasetError(ValueError):
     """The dataset cannot be used as specified; the message names the field and what to do."""
 
 
-def load_rows(spec: DatasetSpec, store: ObjectStore | None = None, limit: int | None = None):
+def load_rows(spec: DatasetSpec, store: ObjectStore | None = None, limit: int | None = None) -> Dataset:
     """The raw rows as a `datasets.Dataset` (at most `limit`, or the spec's own limit)."""
     import datasets
 
@@ -62,7 +68,7 @@ def load_rows(spec: DatasetSpec, store: ObjectStore | None = None, limit: int | 
     return rows
 
 
-def _load_store_file(spec: DatasetSpec, store: ObjectStore | None):
+def _load_store_file(spec: DatasetSpec, store: ObjectStore | None) -> Dataset:
     import datasets
 
     if store is None:
@@ -84,7 +90,7 @@ def _load_store_file(spec: DatasetSpec, store: ObjectStore | None):
             raise DatasetError(f"dataset.id: {spec.id!r} could not be parsed as {builder}: {error}") from None
 
 
-def check_columns(rows, spec: DatasetSpec) -> None:
+def check_columns(rows: Dataset, spec: DatasetSpec) -> None:
     """Raise DatasetError naming a missing prompt or answer column and the columns (or fields) that do exist.
 
     The answer column may be a dotted path into a struct column (`reward_model.ground_truth`), as many public RL
@@ -132,7 +138,7 @@ def to_messages(prompt: Any, system_prompt: str | None) -> list[dict[str, str]]:
     return messages
 
 
-def prompt_token_ids(tokenizer, messages: list[dict[str, str]], tools: list | None = None) -> list[int]:
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]], tools: Tools | None = None) -> list[int]:
     """The token ids TRL sends for `messages`: the chat template with the generation prompt appended, and the tools'
     schemas where the model may call tools."""
     offered = {"tools": tools} if tools else {}  # a run without tools renders exactly as it always did
@@ -140,7 +146,13 @@ def prompt_token_ids(tokenizer, messages: list[dict[str, str]], tools: list | No
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
-def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: int | None = None, tools_for=None):
+def build_prompts(
+    spec: DatasetSpec,
+    rows: Dataset,
+    tokenizer: Any = None,
+    max_prompt_tokens: int | None = None,
+    tools_for: Callable[[dict[str, Any]], Tools] | None = None,
+) -> Dataset:
     """The dataset TRL trains on: `prompt` (messages) and `answer` (the gold answer as text), plus every column of the
     dataset under its own name — structs and lists included — as TRL hands them to reward functions.
 
@@ -152,16 +164,18 @@ def build_prompts(spec: DatasetSpec, rows, tokenizer=None, max_prompt_tokens: in
 
     check_columns(rows, spec)
     own = [name for name in rows.column_names if name not in ("prompt", ANSWER)]
-    records, dropped = [], 0
+    records: list[dict[str, Any]] = []
+    dropped = 0
     for row in rows:
         messages = to_messages(row[spec.prompt_column], spec.system_prompt)
         limited = tokenizer is not None and max_prompt_tokens is not None
         tools = tools_for(row) if tools_for is not None else None
-        if limited and len(prompt_token_ids(tokenizer, messages, tools)) > max_prompt_tokens:
+        # `limited`: max_prompt_tokens is an int here
+        if limited and len(prompt_token_ids(tokenizer, messages, tools)) > cast(int, max_prompt_tokens):
             dropped += 1
             continue
         answer = "" if spec.answer_column is None else str(column_value(row, spec.answer_column))
-        record = {"prompt": messages, ANSWER: answer}
+        record: dict[str, Any] = {"prompt": messages, ANSWER: answer}
         record.update({name: row[name] for name in own})
         records.append(record)
     if dropped:

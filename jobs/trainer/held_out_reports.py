@@ -5,10 +5,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from transformers import TrainerCallback
+from jobs.trainer.callback import Callback
 
 
-class HeldOutReports(TrainerCallback):  # type: ignore[misc]  # transformers is not type-checked here: Any
+class HeldOutReports(Callback):
     """Each evaluated version's held-out scores in the run's Trackio and W&B reports, as `eval/<score>` beside
     `eval/version` and `eval/version_step` (the version's own step; the report's step is the one at which the scores
     arrived, since both tools only log forward).

@@ -22,18 +22,19 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
-from jobs.contract import derived, layout
+from jobs.contract import RunSpec, derived, layout
 from jobs.environments.loading import check_environment_column, row_tools, trainer_arguments
 from jobs.evaluation.heldout import training_rows
 from jobs.models import eos_token_ids, parameter_count, resolve_model
 from jobs.ports import free_port
 from jobs.runtime import RunContext, add_run_arguments, open_run, read_json, setup_logging, spec_uri
-from jobs.store import StoreError
+from jobs.store import ObjectStore, StoreError
 from jobs.trainer import cpu_compat, ranks
 from jobs.trainer.audit import AuditCallback, PolicyAudit, PolicyAuditFailed, tolerance_for
 from jobs.trainer.checkpoints import (
@@ -67,9 +68,13 @@ from jobs.trainer.telemetry import (
     RecordingQueue,
     RewardErrorForwarder,
     SilentTelemetry,
+    Telemetry,
     TelemetryCallback,
     TrainerTelemetry,
 )
+
+if TYPE_CHECKING:
+    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, RewardFunc
 
 log = logging.getLogger("jobs.trainer")
 # A failed write with less free space than this (or 5% of the disk) left is reported as a full disk.
@@ -133,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     spec, store = ctx.spec, ctx.store
     if main_process:
         attempt = previous_attempt(ctx) + 1
-        telemetry = TrainerTelemetry(store, spec.run_id, attempt, spec.grpo.max_steps)
+        telemetry: Telemetry = TrainerTelemetry(store, spec.run_id, attempt, spec.grpo.max_steps)
     else:
         attempt, telemetry = 0, SilentTelemetry()  # the main process reports for every rank
     telemetry.status("starting")
@@ -165,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ranks.from_main(lambda: install_reporting_packages(spec))
         os.environ.update(report_environment(spec))
         from transformers import AutoTokenizer
-        from trl.experimental.async_grpo import AsyncGRPOTrainer
+        from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 
         use_job_rollout_worker(derived.rollout_limits(spec).scored_groups, spec.environment.max_episode_tokens)
 
@@ -198,15 +203,17 @@ def main(argv: list[str] | None = None) -> int:
         continue_versions = ContinueVersions(store, spec.run_id)
         callbacks = [CheckpointComplete(), stop]
         if main_process:
+            recorder = cast(TrainerTelemetry, telemetry)  # the main process's telemetry records
             callbacks += [
-                TelemetryCallback(telemetry),
-                CheckpointUploader(store, spec.run_id, attempt, telemetry),
+                TelemetryCallback(recorder),
+                CheckpointUploader(store, spec.run_id, attempt, recorder),
                 continue_versions,
                 StepHint(proxy.post_step),
             ]
         trainer = AsyncGRPOTrainer(
             model=model_path,
-            reward_funcs=rewards,
+            # TRL awaits an async reward and leaves a None score out; its `RewardFunc` type says neither.
+            reward_funcs=cast("list[RewardFunc]", rewards),
             args=grpo_config(spec, str(workdir / "output"), proxy.url, cuda, sharding),
             train_dataset=dataset,
             processing_class=tokenizer,
@@ -217,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         continue_versions.trainer = trainer
         if reports is not None and evaluator is not None:
             reports.attach(trainer)
-        if spec.parent is not None and resume_path is None:
-            parent = ranks.from_main(lambda: download_parent_adapter(store, spec.parent, workdir))
-            load_parent_adapter(parent, spec.parent, trainer.model)
+        parent_spec = spec.parent
+        if parent_spec is not None and resume_path is None:
+            parent = ranks.from_main(lambda: download_parent_adapter(store, parent_spec, workdir))
+            load_parent_adapter(parent, parent_spec, trainer.model)
         audit = watch_trainer(trainer, tokenizer, ctx, proxy, telemetry, cuda, stop, sharding)
 
         telemetry.status("training", resumed_from_step=resume_step, sharding=sharding)
@@ -229,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.state.global_step % spec.grpo.weight_sync_steps:
             # Publish the final weights as a version, so replicas and audit see them. Every rank: saving the adapter
             # is a collective.
-            trainer._sync_weight()
-        fatal, version = ranks.from_main(lambda: (audit.fatal, int(trainer.model_version)))
+            trainer._sync_weight()  # type: ignore[no-untyped-call]  # TRL's private method is not annotated
+        # Decided on the main process, which always has an audit (`watch_trainer`).
+        fatal, version = ranks.from_main(lambda: (cast(PolicyAudit, audit).fatal, int(trainer.model_version)))
         if fatal:
             raise PolicyAuditFailed(fatal)
         if audit is not None:  # the main process; every rank under FSDP
@@ -268,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     return exit_code
 
 
-def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: TrainerTelemetry) -> Watchdog:
+def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: Telemetry) -> Watchdog:
     """Start the proxy, wait until replicas answer through it, and watch that they keep answering (main process)."""
     proxy.start()
     telemetry.status("waiting_replicas")
@@ -277,11 +286,11 @@ def start_proxy(proxy: ProxyProcess, args: argparse.Namespace, telemetry: Traine
 
 
 def start_evaluator(
-    spec,
+    spec: RunSpec,
     args: argparse.Namespace,
     proxy: ProxyProcess,
     workdir: Path,
-    telemetry: TrainerTelemetry,
+    telemetry: Telemetry,
     reports: HeldOutReports | None,
 ) -> EvaluatorProcess | None:
     """The held-out evaluator beside the proxy, when the run evaluates during training (main process); its scores go
@@ -295,7 +304,7 @@ def start_evaluator(
     return EvaluatorProcess(command, final_file, telemetry, on_scores=on_scores).start()
 
 
-def store_watchdog(store, run_id: str, timeout: float) -> Watchdog:
+def store_watchdog(store: ObjectStore, run_id: str, timeout: float) -> Watchdog:
     """Stops the run once its bucket has failed every call for `timeout` seconds: beyond the minute of outage the
     store calls ride through, nothing can be published or checkpointed, and the replicas would bill for nothing."""
     reason = (
@@ -306,7 +315,7 @@ def store_watchdog(store, run_id: str, timeout: float) -> Watchdog:
     return Watchdog(lambda: store.exists(layout.spec_key(run_id)), timeout, StoreUnreachable(reason))
 
 
-def choose_sharding(spec, model_path: str, cuda: bool) -> str:
+def choose_sharding(spec: RunSpec, model_path: str, cuda: bool) -> str:
     """How this job's ranks hold the model (`derived.trainer_sharding`), from the model's size and this machine's
     GPU memory (the main process decides: every rank must agree)."""
     gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else 0.0
@@ -318,7 +327,14 @@ def choose_sharding(spec, model_path: str, cuda: bool) -> str:
 
 
 def watch_trainer(
-    trainer, tokenizer, ctx: RunContext, proxy: ProxyProcess, telemetry, cuda: bool, stop: GracefulStop, sharding: str
+    trainer: AsyncGRPOTrainer,
+    tokenizer: Any,
+    ctx: RunContext,
+    proxy: ProxyProcess,
+    telemetry: Telemetry,
+    cuda: bool,
+    stop: GracefulStop,
+    sharding: str,
 ) -> PolicyAudit | None:
     """What the job adds to TRL's trainer: on the main process sample recording; policy audits (a replica failing
     one is ejected through the proxy; one failing them again and again stops the run) on the main process, and on
@@ -326,8 +342,10 @@ def watch_trainer(
     spec = ctx.spec
     collective = sharding == "fsdp"
     if ranks.is_main_process():
-        trainer.rollout_queue = RecordingQueue(
-            trainer.rollout_queue, telemetry, trainer, spec.grpo.max_staleness, episodes=spec.environment.enabled
+        recorder = cast(TrainerTelemetry, telemetry)  # the main process's telemetry records
+        # A stand-in for TRL's queue, with the methods the trainer calls (telemetry.RecordingQueue).
+        trainer.rollout_queue = RecordingQueue(  # type: ignore[assignment]  # TRL types it as a Queue
+            trainer.rollout_queue, recorder, trainer, spec.grpo.max_staleness, episodes=spec.environment.enabled
         )
     elif not collective:
         return None
@@ -349,7 +367,7 @@ def watch_trainer(
     return audit
 
 
-def fetch_resume_checkpoint(store, run_id: str, workdir: Path) -> tuple[int | None, str | None]:
+def fetch_resume_checkpoint(store: ObjectStore, run_id: str, workdir: Path) -> tuple[int | None, str | None]:
     """(step, local folder) of the newest stored checkpoint, downloaded into `workdir`; (None, None) without one."""
     step = latest_checkpoint(store, run_id)
     if step is None:
@@ -357,7 +375,7 @@ def fetch_resume_checkpoint(store, run_id: str, workdir: Path) -> tuple[int | No
     return step, str(download_checkpoint(store, run_id, step, workdir))
 
 
-def audit_dtype(spec, cuda: bool) -> str:
+def audit_dtype(spec: RunSpec, cuda: bool) -> str:
     """The coarser precision of the audit's two sides: the trainer's forward (bf16 autocast on GPU) and the replica's
     serving dtype."""
     _, autocast = derived.trainer_precision(cuda)
@@ -371,9 +389,10 @@ def describe_failure(error: BaseException, workdir: Path | None = None) -> str:
     "unexpected pos ... iostream error").
     """
     errors: list[BaseException] = []
-    while error is not None and len(errors) < 4:
-        errors.append(error)
-        error = error.__cause__ or error.__context__
+    cause: BaseException | None = error
+    while cause is not None and len(errors) < 4:
+        errors.append(cause)
+        cause = cause.__cause__ or cause.__context__
     messages = []
     for each in errors:
         first_line = str(each).strip().splitlines()[0] if str(each).strip() else type(each).__name__

@@ -13,8 +13,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, cast
 
 import requests
+
+if TYPE_CHECKING:
+    from jobs.proxy.upstreams import ReplicaView  # the body of GET /proxy/replicas
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ class ProxyProcess:
             self.command += ["--store-endpoint", store_endpoint]
         if store_region:
             self.command += ["--store-region", store_region]
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> ProxyProcess:
         self.process = subprocess.Popen(self.command)
@@ -57,12 +62,12 @@ class ProxyProcess:
                 on_wait(waited)
             time.sleep(1.0)
 
-    def replicas(self) -> list[dict]:
+    def replicas(self) -> list[ReplicaView]:
         """Healthy replicas as the proxy sees them: [{"role", "url", ...}]."""
         response = requests.get(self.url + "/proxy/replicas", timeout=10)
         response.raise_for_status()
         body = response.json()
-        replicas = body["replicas"] if isinstance(body, dict) else body
+        replicas: list[ReplicaView] = body["replicas"] if isinstance(body, dict) else body
         return [replica for replica in replicas if replica.get("healthy", True)]  # an ejected one is not healthy
 
     def eject(self, role: str, reason: str) -> None:
@@ -132,7 +137,8 @@ class Watchdog:
             if time.monotonic() - failing_since >= self.timeout and Watchdog._pending is None:
                 log.error("%s", self.error)
                 Watchdog._pending = self.error
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+                main_thread = cast(int, threading.main_thread().ident)  # the main thread has always started: never None
+                signal.pthread_kill(main_thread, signal.SIGUSR1)
                 return
 
     def _healthy(self) -> bool:
@@ -145,7 +151,7 @@ class Watchdog:
         self._stop.set()
 
 
-def _raise_pending(_signum, _frame) -> None:
+def _raise_pending(_signum: int, _frame: FrameType | None) -> None:
     raise Watchdog._pending or TrainingInterrupted("interrupted")
 
 

@@ -19,7 +19,7 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 # How long a rank may wait in a collective for the others (a rank that dies is caught sooner: torchrun ends the job).
@@ -83,7 +83,7 @@ def from_main(decide: Callable[[], T]) -> T:
         return decide()
     from accelerate.utils import broadcast_object_list
 
-    return broadcast_object_list([decide() if is_main_process() else None], from_process=0)[0]
+    return cast(T, broadcast_object_list([decide() if is_main_process() else None], from_process=0)[0])
 
 
 def wait_for_all() -> None:

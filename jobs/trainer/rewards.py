@@ -22,12 +22,16 @@ import re
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from jobs.contract import RewardSpec
 
 Messages = list[dict[str, Any]]
-RewardFn = Callable[..., list[float | None]]
+# What TRL passes a reward: one completion per row (a message list, or a string from tests and the sandbox) and,
+# where it has them, each completion's token ids.
+Completions = Sequence[Messages | str]
+CompletionIds = Sequence[Sequence[int]] | None
+RewardFn = Callable[..., Sequence[float | None]]
 # Consecutive calls in which a reward scored no row at all before the run is stopped.
 MAX_CONSECUTIVE_FAILED_CALLS = 25
 # Seconds one call (one group of completions) may take. A call past it scores nothing and is reported; it cannot be
@@ -134,9 +138,15 @@ class MathBoxed:
     def __init__(self, eos_token_ids: Sequence[int] = ()):
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def __call__(self, completions, completion_ids=None, answer=None, **_) -> list[float]:
+    def __call__(
+        self,
+        completions: Completions,
+        completion_ids: CompletionIds = None,
+        answer: Sequence[object] | None = None,
+        **_: object,
+    ) -> list[float]:
         answers = answer if answer is not None else [None] * len(completions)
-        scores = []
+        scores: list[float] = []
         for index, (completion, gold) in enumerate(zip(completions, answers, strict=True)):
             ids = completion_ids[index] if completion_ids is not None else None
             if self.eos_token_ids and ids is not None and (not ids or ids[-1] not in self.eos_token_ids):
@@ -162,8 +172,8 @@ class FormatTags:
             raise ValueError("format: give at least one tag")
         self.tags = list(tags)
 
-    def __call__(self, completions, **_) -> list[float]:
-        scores = []
+    def __call__(self, completions: Completions, **_: object) -> list[float]:
+        scores: list[float] = []
         for completion in completions:
             text, position, found = completion_text(completion), 0, 0
             for tag in self.tags:
@@ -185,7 +195,7 @@ class LengthTarget:
             raise ValueError("length: target must be a positive number of tokens")
         self.target = int(target)
 
-    def __call__(self, completions, completion_ids=None, **_) -> list[float]:
+    def __call__(self, completions: Completions, completion_ids: CompletionIds = None, **_: object) -> list[float]:
         lengths = (
             [len(ids) for ids in completion_ids]
             if completion_ids is not None
@@ -205,13 +215,13 @@ class RegexMatch:
         except re.error as error:
             raise ValueError(f"regex: pattern {pattern!r} does not compile: {error}") from None
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, str]:
         return {"pattern": self.regex.pattern}
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, str]) -> None:
         self.regex = re.compile(state["pattern"], re.S)
 
-    def __call__(self, completions, **_) -> list[float]:
+    def __call__(self, completions: Completions, **_: object) -> list[float]:
         return [1.0 if self.regex.search(completion_text(c)) else 0.0 for c in completions]
 
 
@@ -224,8 +234,8 @@ class DigitFraction:
 
     __name__ = "digit_frac"
 
-    def __call__(self, completions, completion_ids=None, **_) -> list[float]:
-        scores = []
+    def __call__(self, completions: Completions, completion_ids: CompletionIds = None, **_: object) -> list[float]:
+        scores: list[float] = []
         for index, completion in enumerate(completions):
             text = completion_text(completion)
             tokens = len(completion_ids[index]) if completion_ids is not None else len(text)
@@ -239,7 +249,7 @@ class ExactAnswer:
 
     __name__ = "exact_answer"
 
-    def __call__(self, completions, answer=None, **_) -> list[float]:
+    def __call__(self, completions: Completions, answer: Sequence[object] | None = None, **_: object) -> list[float]:
         answers = answer if answer is not None else [None] * len(completions)
         return [
             1.0 if gold is not None and final_reply(completion).strip() == str(gold).strip() else 0.0
@@ -256,7 +266,7 @@ def final_reply(completion: Messages | str) -> str:
 
 
 def _builtin(spec: RewardSpec, eos_token_ids: Sequence[int]) -> RewardFn:
-    params = dict(spec.params)
+    params: dict[str, Any] = dict(spec.params)  # JSON values each reward's constructor checks (or fails on)
     if spec.name == "math_boxed":
         return MathBoxed(eos_token_ids)
     if spec.name == "format":
@@ -284,10 +294,10 @@ class UserCode:
         self.source, self.entry_point, self.__name__ = source, entry_point, name
         self._fn: RewardFn | None = None
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, str]:
         return {"source": self.source, "entry_point": self.entry_point, "__name__": self.__name__}
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict[str, str]) -> None:
         self.source, self.entry_point, self.__name__ = state["source"], state["entry_point"], state["__name__"]
         self._fn = None
 
@@ -309,11 +319,22 @@ class UserCode:
             self._fn = fn
         return self._fn
 
-    def __call__(self, **kwargs) -> list[float | None]:
+    def __call__(self, **kwargs: Any) -> Sequence[float | None]:
         return self.load()(**kwargs)
 
 
 # --- the wrapper TRL actually calls ----------------------------------------------------------------------------
+
+
+class RewardErrorRecord(TypedDict):
+    """One line of the reward error log: written in TRL's rollout child (`CheckedReward`), read by the trainer
+    process (`telemetry.RewardErrorForwarder`)."""
+
+    time: float
+    reward: str
+    error: str
+    row: dict[str, Any]  # `_row_preview`: the row's index, completion and dataset columns, shortened
+    trace: str
 
 
 class RewardError(RuntimeError):
@@ -344,12 +365,12 @@ class CheckedReward:
         self.deadline = deadline
         self._failed_calls = 0
 
-    def score(self, completions, **kwargs) -> list[float | None]:
+    def score(self, completions: Completions, **kwargs: Any) -> list[float | None]:
         """Weighted scores, raising on any problem (the reward sandbox shows these errors as they are)."""
         scores = self._validate(self.fn(completions=completions, **kwargs), len(completions))
         return [None if score is None else score * self.weight for score in scores]
 
-    async def __call__(self, completions, **kwargs) -> list[float | None]:
+    async def __call__(self, completions: Completions, **kwargs: Any) -> list[float | None]:
         """What TRL awaits: `score` in a worker thread, within `deadline` seconds; a failure or a call past the
         deadline is reported and scores nothing instead of raising. (Async so that TRL awaits it: a plain callable
         it would run in a thread with no deadline at all.)"""
@@ -363,7 +384,7 @@ class CheckedReward:
         except Exception as error:
             return self._failed(error, completions, kwargs)
 
-    def _failed(self, error: Exception, completions, kwargs: dict[str, Any]) -> list[float | None]:
+    def _failed(self, error: Exception, completions: Completions, kwargs: dict[str, Any]) -> list[float | None]:
         """Report a failed call; stop the run once the reward has failed too many calls in a row."""
         self._failed_calls += 1
         self._report(error, _row_preview(completions, kwargs, getattr(error, "index", 0)))
@@ -395,7 +416,7 @@ class CheckedReward:
     def _report(self, error: BaseException, row: dict[str, Any]) -> None:
         if not self.error_log:
             return
-        record = {
+        record: RewardErrorRecord = {
             "time": time.time(),
             "reward": self.__name__,
             "error": f"{type(error).__name__}: {error}",
@@ -409,7 +430,7 @@ class CheckedReward:
             pass
 
 
-def _row_preview(completions: list, kwargs: dict[str, Any], index: int) -> dict[str, Any]:
+def _row_preview(completions: Completions, kwargs: dict[str, Any], index: int) -> dict[str, Any]:
     preview: dict[str, Any] = {"index": index}
     if completions:
         preview["completion"] = completion_text(completions[index])[:300]
@@ -421,15 +442,16 @@ def _row_preview(completions: list, kwargs: dict[str, Any], index: int) -> dict[
 
 
 def build_rewards(
-    specs: Sequence[RewardSpec], eos_token_ids: Sequence[int] = (), error_log: str | os.PathLike | None = None
+    specs: Sequence[RewardSpec], eos_token_ids: Sequence[int] = (), error_log: str | os.PathLike[str] | None = None
 ) -> list[CheckedReward]:
     """The reward callables for a run, in spec order. Built-in parameters are checked here, before training."""
-    rewards = []
+    rewards: list[CheckedReward] = []
     for spec in specs:
+        # RewardSpec's validator requires source and entry_point for kind "code".
         fn = (
             _builtin(spec, eos_token_ids)
             if spec.kind == "builtin"
-            else UserCode(spec.source, spec.entry_point, spec.name)
+            else UserCode(cast(str, spec.source), cast(str, spec.entry_point), spec.name)
         )
         if isinstance(fn, UserCode):
             fn.load()  # fail now, with the reward's name, rather than in the rollout child

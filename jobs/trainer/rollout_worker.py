@@ -78,7 +78,8 @@ class AlwaysStopping:
                 log.info("the rollout worker's child failed; waiting for it to exit")
                 _end(process, EXIT_WAIT_S)
             else:
-                stopper = threading.Thread(target=super().stop, name="rollout-worker-stop", daemon=True)  # type: ignore[misc]
+                trl_stop = super().stop  # type: ignore[misc]  # TRL's method, after this class in the MRO
+                stopper = threading.Thread(target=trl_stop, name="rollout-worker-stop", daemon=True)
                 stopper.start()
                 stopper.join(self.stop_deadline_s)
                 if stopper.is_alive():

@@ -14,15 +14,17 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
-
-from transformers import TrainerCallback
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jobs.runtime import write_status
 from jobs.store import ObjectStore, StoreError
 from jobs.telemetry import ChunkWriter
+from jobs.trainer.callback import Callback
 from jobs.trainer.episode_loop import TURN_VERSION
-from jobs.trainer.rewards import completion_text
+from jobs.trainer.rewards import RewardErrorRecord, completion_text
+
+if TYPE_CHECKING:
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 MAX_TEXT_CHARS = 20_000  # a sample's prompt or completion beyond this is cut (the panel shows text, not novels)
 STATUS_EVERY_S = 5.0
@@ -95,6 +97,25 @@ def _text(messages: Any) -> str:
     return str(messages)[:MAX_TEXT_CHARS]
 
 
+class Telemetry(Protocol):
+    """What every training process reports through: `TrainerTelemetry` on the main process, `SilentTelemetry` on
+    the others."""
+
+    attempt: int
+    step: int
+    last_error: str | None
+
+    def event(self, kind: str, message: str, level: str = "info", **fields: Any) -> None: ...
+
+    def status(self, phase: str | None = None, force: bool = True, **details: Any) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class TrainerTelemetry:
     """Owns the trainer's telemetry streams and its status file."""
 
@@ -160,7 +181,9 @@ class SilentTelemetry:
     another rank writing would duplicate each record and race the main process for `status/trainer.json`.
     """
 
-    attempt, step, last_error = 0, 0, None
+    attempt: int = 0
+    step: int = 0
+    last_error: str | None = None
 
     def event(self, kind: str, message: str, level: str = "info", **fields: Any) -> None:
         pass
@@ -178,13 +201,13 @@ class SilentTelemetry:
         pass
 
 
-class TelemetryCallback(TrainerCallback):
+class TelemetryCallback(Callback):
     """Forwards every log line to the metrics stream and keeps the status file's step current."""
 
     def __init__(self, telemetry: TrainerTelemetry):
         self.telemetry = telemetry
 
-    def on_log(self, _args, state, _control, logs=None, **_kwargs):
+    def on_log(self, _args: Any, state: Any, _control: Any, logs: dict[str, Any] | None = None, **_kwargs: Any) -> None:
         if logs:
             record = {"step": state.global_step, "time": time.time(), "attempt": self.telemetry.attempt}
             # Held-out scores (`eval_*`, added for Trackio and W&B by reporting.HeldOutReports) have their own stream.
@@ -192,7 +215,7 @@ class TelemetryCallback(TrainerCallback):
             record.update({key: _finite(value) for key, value in numbers.items() if not key.startswith("eval_")})
             self.telemetry.metrics.add(record)
 
-    def on_step_end(self, _args, state, _control, **_kwargs):
+    def on_step_end(self, _args: Any, state: Any, _control: Any, **_kwargs: Any) -> None:
         self.telemetry.step = state.global_step
         self.telemetry.status("training", force=False)
 
@@ -200,25 +223,28 @@ class TelemetryCallback(TrainerCallback):
 class RecordingQueue:
     """Stands in for TRL's rollout queue: forwards `get` and `qsize`, and records each sample it hands out."""
 
-    def __init__(self, queue, telemetry: TrainerTelemetry, trainer, max_staleness: int, episodes: bool = False):
+    def __init__(
+        self, queue: Any, telemetry: TrainerTelemetry, trainer: Any, max_staleness: int, episodes: bool = False
+    ):
         self.queue, self.telemetry, self.trainer, self.max_staleness = queue, telemetry, trainer, max_staleness
         self.episodes = episodes  # a run with tools: every sample is an episode, kept turn by turn
 
     def qsize(self) -> int:
-        return self.queue.qsize()
+        size: int = self.queue.qsize()
+        return size
 
-    def get(self, *args, **kwargs):
-        sample = self.queue.get(*args, **kwargs)
+    def get(self, *args: Any, **kwargs: Any) -> RolloutSample:
+        sample: RolloutSample = self.queue.get(*args, **kwargs)
         try:
             self._record(sample)
         except Exception:  # recording must never break training
             pass
         return sample
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.queue, name)
 
-    def _record(self, sample) -> None:
+    def _record(self, sample: RolloutSample) -> None:
         version = int(self.trainer.model_version)
         staleness = version - int(sample.model_version)
         metrics = dict(sample.metrics or {})
@@ -244,7 +270,7 @@ class RecordingQueue:
 class RewardErrorForwarder:
     """Tails the JSONL file where rewards (in TRL's rollout child) report failures, and forwards them as events."""
 
-    def __init__(self, path: str | os.PathLike, telemetry: TrainerTelemetry, interval: float = 2.0):
+    def __init__(self, path: str | os.PathLike[str], telemetry: Telemetry, interval: float = 2.0):
         self.path, self.telemetry, self.interval = Path(path), telemetry, interval
         self._offset = 0
         self._stop = threading.Event()
@@ -267,7 +293,7 @@ class RewardErrorForwarder:
             self._offset = handle.tell()
         for line in lines:
             try:
-                record = json.loads(line)
+                record: RewardErrorRecord = json.loads(line)
             except json.JSONDecodeError:
                 continue
             message = f"reward {record.get('reward')} failed: {record.get('error')}"

@@ -3,6 +3,8 @@
 Events already stored keep their rows: the new columns are empty for them (and `dismissed` false).
 """
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -16,7 +18,7 @@ def upgrade() -> None:
     # Only where missing: a database stamped at the baseline may have been made with these columns already (by
     # `create_all` from models that had them), as 0002 creates its tables only where missing.
     existing = {column["name"] for column in sa.inspect(op.get_bind()).get_columns("event")}
-    columns = [
+    columns: list[sa.Column[Any]] = [
         sa.Column("step", sa.Integer(), nullable=True),
         sa.Column("cleared_at", sa.Float(), nullable=True),
         sa.Column("dismissed", sa.Boolean(), nullable=False, server_default=sa.false()),
