@@ -6,7 +6,8 @@ Plays the scenario of tests/support/ingest_scenarios.py (two or three pollers on
 writes metrics, samples, events, proxy snapshots, adapter versions and heartbeats; relaunched attempts that resume
 from a checkpoint; pollers killed between any two statements and restarted; one to four chunks per pass) under
 `--examples` interleavings drawn by Hypothesis, and prints what was covered and what SQLite lost or duplicated
-against the store. The test suite runs the same property with fewer examples (tests/test_poller_interleavings.py).
+against the store. The test suite runs the same property with fewer examples
+(tests/backend/test_poller_interleavings.py).
 """
 
 from __future__ import annotations

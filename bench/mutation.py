@@ -80,7 +80,7 @@ TARGETS = (
     Target(
         "proxy-membership",
         modules=("jobs/proxy/upstreams.py", "jobs/proxy/adapters.py"),
-        tests=("tests/test_proxy_*.py",),
+        tests=("tests/jobs/test_proxy_*.py",),
     ),
     Target(
         "poller-ingest",
@@ -94,13 +94,13 @@ TARGETS = (
             "backend/ingestion/ingest.py",
             "backend/database/cursors.py",
         ),
-        tests=("tests/test_poller.py", "tests/test_poller_interleavings.py"),
+        tests=("tests/backend/test_poller.py", "tests/backend/test_poller_interleavings.py"),
         env={"GRPO_INTERLEAVING_EXAMPLES": "8"},
     ),
     Target(
         "launch-form-errors",
         modules=("app/launch_form.py",),
-        tests=("tests/test_form_errors.py", "tests/test_bad_input.py"),
+        tests=("tests/app/test_form_errors.py", "tests/test_bad_input.py"),
         roots=("FormSchema.slot_of", "FormSchema.route_errors"),
     ),
 )

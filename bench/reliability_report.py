@@ -1,7 +1,7 @@
 """Reliability figures: the fault matrix and the bad-input matrix run through pytest, summarised.
 
-Runs tests/test_faults.py, the fault row tested elsewhere (the Hub API answering 5xx/429 in tests/test_launchers.py),
-tests/test_launch_recovery.py (the
+Runs tests/test_faults.py, the fault row tested elsewhere (the Hub API answering 5xx/429 in
+tests/backend/test_launchers.py), tests/backend/test_launch_recovery.py (the
 panel killed at each step of a launch), tests/test_bad_input.py, and the tests that meet each real-service behaviour
 the emulators reproduce (REAL_SERVICES). A small pytest plugin collects every test's
 outcome and the figures the tests record with `record_property` (`fault`, `records_lost`, `orphans`; `launch_kill`).
@@ -30,7 +30,7 @@ import pytest
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 FAULTS_FILE = "tests/test_faults.py"
 BAD_INPUT_FILE = "tests/test_bad_input.py"
-LAUNCH_FILE = "tests/test_launch_recovery.py"
+LAUNCH_FILE = "tests/backend/test_launch_recovery.py"
 # The fault matrix of issue 9 (and the stale replica of issue 13), in its order; tests name their row with
 # record_property("fault", ...).
 MATRIX = (
@@ -48,16 +48,18 @@ MATRIX = (
 )
 # Rows tested outside tests/test_faults.py (they record no figures; what they assert is in docs/reliability.md).
 ELSEWHERE = {
-    "tests/test_launchers.py::test_hub_errors_are_retried_without_duplicate_jobs": "the Hub API answering 5xx or 429",
+    "tests/backend/test_launchers.py::test_hub_errors_are_retried_without_duplicate_jobs": (
+        "the Hub API answering 5xx or 429"
+    ),
 }
 # How HF Jobs and buckets really behave (issue 14): the emulator's switch that reproduces each behaviour, the test that
 # meets it through the product, and what the product does (when that test passes).
-LAUNCHERS = "tests/test_launchers.py::"
+LAUNCHERS = "tests/backend/test_launchers.py::"
 REAL_SERVICES = (
     (
         "a bucket gateway answers a GET with a 302 to a presigned CDN URL that refuses a second auth mechanism",
         "`tests/support/bucket_gateway.py` (redirects clients it does not know)",
-        "tests/test_bootstrap.py::test_the_bundle_is_fetched_through_the_gateway_and_credentials_never_reach_the_cdn"
+        "tests/jobs/test_bootstrap.py::test_the_bundle_is_fetched_through_the_gateway_and_credentials_never_reach_the_cdn"
         "[redirected-to-cdn]",
         "survived: redirect followed without the signature",
     ),
@@ -100,7 +102,7 @@ REAL_SERVICES = (
     (
         "a flavor that never frees up, met by the smoke test",
         "`scheduling_delay`",
-        "tests/test_smoke.py::test_a_flavor_that_never_comes_fails_the_smoke_test_at_the_queue_and_names_the_limit",
+        "tests/backend/test_smoke.py::test_a_flavor_that_never_comes_fails_the_smoke_test_at_the_queue_and_names_the_limit",
         "clear error at the queue step; the job cancelled",
     ),
     (

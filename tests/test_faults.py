@@ -7,7 +7,8 @@ libfaketime. Every test also proves that no process of its run outlives it, and 
 the store count what was lost or duplicated. Each test records `fault`, `records_lost` and `orphans` as junit
 properties for `bench/reliability_report.py`.
 
-The Hub API answering 5xx/429 is tested in tests/test_launchers.py::test_hub_errors_are_retried_without_duplicate_jobs.
+The Hub API answering 5xx/429 is tested in
+tests/backend/test_launchers.py::test_hub_errors_are_retried_without_duplicate_jobs.
 The clock-skew run below kills its trainer and relaunches it: it serves the resume's own checks and the ledger's
 (SQLite holds every step's telemetry exactly once).
 """

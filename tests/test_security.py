@@ -6,8 +6,8 @@ ports and the trainer's proxy are probed; and the finished run is "alice's" for 
 "bob" calls every service and every page handler against it.
 
 Hostile reward code (files, sockets, every way to start a process, signals, memory, CPU, output, hangs) has its own
-table in tests/test_hostile_rewards.py; here is what the OS layers do for code that gets past the audit hook, and
-what lies within reach of a panel's process (its environment, the vault key, the database).
+table in tests/backend/test_hostile_rewards.py; here is what the OS layers do for code that gets past the audit hook,
+and what lies within reach of a panel's process (its environment, the vault key, the database).
 """
 
 from __future__ import annotations

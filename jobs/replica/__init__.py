@@ -13,7 +13,7 @@ Processes and ports:
   everything else to the engine unchanged, streaming included. See `sidecar.py` for the exact answers.
 * The **engine** is `vllm serve` on a GPU, or the CPU engine (`cpu_engine.py`, transformers + PEFT with continuous
   batching in `batcher.py`) elsewhere. Both speak the same HTTP contract, so the sidecar, the proxy and the contract
-  tests (`tests/test_replica_contract.py`) cannot tell them apart. The command line of either is derived from the
+  tests (`tests/jobs/test_replica_contract.py`) cannot tell them apart. The command line of either is derived from the
   spec in `engine_command.py`.
 * The CPU engine runs as a **child process**, like vLLM, rather than inside the sidecar: the sidecar's event loop
   never competes with generation for the GIL, a crashed or wedged engine cannot take the sidecar and its heartbeat

@@ -5,7 +5,7 @@ the pollers run (how many, how many passes each, how many chunks per pass), at w
 and the seed of the interleaving (who runs next at every stop, picked by a PRNG: hundreds of stops per scenario would
 overrun Hypothesis's per-example budget if each were a draw). `run_scenario` plays it under the `Scheduler` of
 tests/support/interleaving.py, lets one more poller catch up alone (as the panel would after everyone else died),
-then compares every table with what the store holds. The property test (tests/test_poller_interleavings.py) and
+then compares every table with what the store holds. The property test (tests/backend/test_poller_interleavings.py) and
 bench/interleavings.py draw scenarios from Hypothesis.
 """
 

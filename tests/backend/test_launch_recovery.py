@@ -34,7 +34,7 @@ from tests.support.interleaving import Scheduler
 from tests.support.runs import hub_demo_spec
 from tests.support.waiting import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The panel process that gets killed: it drives one launch, renewing its lease every half second.
 PANEL = """
 import sys

@@ -1,7 +1,7 @@
 """`python -m backend plan`: what a launch would submit, for GPU flavors and for this machine, before anything exists.
 
-That the launchers submit exactly these plans is proven through the Hub emulator in tests/test_launchers.py; here the
-plan's content: the trainer under `accelerate launch` on a multi-GPU flavor, the recipe's batch shape on GPU, a
+That the launchers submit exactly these plans is proven through the Hub emulator in tests/backend/test_launchers.py;
+here the plan's content: the trainer under `accelerate launch` on a multi-GPU flavor, the recipe's batch shape on GPU, a
 replica's tensor parallelism from its flavor, secret names without values, and errors that name their field.
 """
 
@@ -25,7 +25,7 @@ from backend.services.runs import RunService
 from jobs.contract import parse_spec
 from jobs.demo.preset import demo_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan_command(tmp_path, *args: str) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """Held-out evaluation during a run (issue 29): which versions, at what cost, scored as training scores, and an
 evaluator that can fail without touching training. The evaluator beside a real run is in tests/test_e2e_demo.py
-(`test_held_out_evaluation_during_the_run_...`); its proxy endpoints in tests/test_proxy_adapters.py."""
+(`test_held_out_evaluation_during_the_run_...`); its proxy endpoints in tests/jobs/test_proxy_adapters.py."""
 
 from __future__ import annotations
 

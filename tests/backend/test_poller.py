@@ -325,7 +325,7 @@ def test_the_poll_command_stops_cleanly_on_a_signal_even_started_in_the_backgrou
     command = [sys.executable, "-m", "backend", "poll", "--interval", "0.2"]
     process = subprocess.Popen(
         command,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
         env={**os.environ, "GRPO_PANEL_DATA": str(tmp_path)},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )

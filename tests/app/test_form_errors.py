@@ -39,7 +39,7 @@ from jobs.contract import GrpoSpec, RunSpec, SpecError, parse_spec
 from jobs.contract.spec import shown
 from jobs.demo.preset import demo_spec
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MESSAGE = "what is wrong and how to fix it"
 SECRET = "hf_abcdefghijklmnopqrstuvwxyz0123"  # token-shaped: the spec's secret check refuses it wherever it is
 INVALID = [{"not": "valid"}]  # refused by every field: no string, number, bool, literal, dict or list of strings

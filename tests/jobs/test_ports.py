@@ -14,7 +14,7 @@ import pytest
 from jobs import ports
 from jobs.ports import EPHEMERAL_RANGE, LOWEST, RESERVED_FOR_S, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from tests.support.hub_panel import hub_panel as hub_panel_of
 from tests.support.runs import hub_demo_spec
 from tests.support.waiting import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CLI_OWNER = "local"  # the owner `python -m backend` acts as
 
 

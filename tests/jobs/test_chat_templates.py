@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from jobs.chat_templates import CHATML_RESPONSE_TEMPLATE, ChatTemplateError, chat_template_in, response_template
 from jobs.demo.tiny_model import ensure_tiny_model
 
-FIXTURES = Path(__file__).parent / "fixtures" / "tokenizers"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "tokenizers"
 
 
 def template(name: str) -> str:

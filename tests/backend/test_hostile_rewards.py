@@ -27,7 +27,7 @@ from tests.support.net import accepted
 
 ROWS = [{"prompt": "1+1?", "answer": "2"}] * 2
 SECRET = "the-other-owners-secret-7f3a"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REFUSED = "the reward sandbox refused it"
 
 FORK_EXEC = """

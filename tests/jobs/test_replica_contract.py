@@ -3,7 +3,7 @@
 By default it runs against a real replica (`python -m jobs.replica`: sidecar + CPU engine on the tiny demo model).
 Point it at a real vLLM server serving the same model instead with
 
-    REPLICA_CONTRACT_URL=http://127.0.0.1:8000 .venv/bin/python -m pytest tests/test_replica_contract.py
+    REPLICA_CONTRACT_URL=http://127.0.0.1:8000 .venv/bin/python -m pytest tests/jobs/test_replica_contract.py
 
 where the server was started as `jobs.replica.engine_command.vllm_command` derives it, with the tiny model folder as
 the model (`python -c "from jobs.demo.tiny_model import ensure_tiny_model as e; print(e())"`) and

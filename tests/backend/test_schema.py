@@ -24,8 +24,8 @@ from backend.services.adapters import AdapterService
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
 
-FIXTURE = Path(__file__).parent / "fixtures" / "panel-db-875c2e2.sql"
-REPO = Path(__file__).resolve().parent.parent
+FIXTURE = Path(__file__).parents[1] / "fixtures" / "panel-db-875c2e2.sql"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _differences(engine) -> list:

@@ -43,7 +43,7 @@ from tests.support.hub_panel import hub_panel as hub_panel_of
 from tests.support.runs import follow_to_end, hub_demo_spec
 from tests.support.waiting import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The reward sandbox: scores or clear errors, and no secrets (hostile code: tests/test_hostile_rewards.py)."""
+"""The reward sandbox: scores or clear errors, and no secrets (hostile code: tests/backend/test_hostile_rewards.py)."""
 
 from __future__ import annotations
 

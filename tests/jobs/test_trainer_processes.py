@@ -25,7 +25,7 @@ from jobs.store import LocalStore
 from tests.support.processes import job_tree, process_table
 from tests.support.waiting import wait_until
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # argv: store folder, step, then `store KEY REQUEST` (the main rank writes a stop request at that step) or `sigterm`
 # (the rank sends itself SIGTERM at that step, as a cancelled job's agent signals every rank, each at its own moment).

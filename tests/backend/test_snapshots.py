@@ -23,7 +23,7 @@ from jobs.demo.preset import demo_spec
 from jobs.ports import free_port
 from tests.support.net import wait_http
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_ids(database: Path) -> list[str]:

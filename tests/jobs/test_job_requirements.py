@@ -91,7 +91,7 @@ def test_a_trainer_finding_another_trl_fails_at_once_and_says_which_it_found(tmp
         "pins.installed = lambda name: '1.15.0' if name == 'trl' else installed(name); "
         "from jobs.trainer.job import main; sys.exit(main(sys.argv[1:]))"
     )
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     command = [sys.executable, "-c", other_trl, "--spec", uri, "--replica-wait", "5", "--output-dir", str(tmp_path)]
     done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=240)
     assert done.returncode == 1, done.stderr[-2000:]

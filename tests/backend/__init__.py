@@ -1,0 +1,1 @@
+"""Tests of backend/: the database, ingestion, launch preparation, launchers, the sandbox, credentials."""

@@ -1,0 +1,1 @@
+"""Tests of jobs/: what runs inside a job (contract, store, trainer, proxy, replica, evaluation, environments)."""
