@@ -18,5 +18,5 @@ Updates: TypeAlias = dict[Block, Any]
 Values: TypeAlias = dict[Block, Any]
 """What a handler whose inputs are a set receives: each input component -> its value."""
 
-Outputs: TypeAlias = list[Block]
+Components: TypeAlias = list[Block]
 """An event's inputs or outputs, in the order its handler takes or answers them."""

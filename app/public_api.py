@@ -38,7 +38,6 @@ from app.panel import Panel, SignInRequired
 from backend.api import PanelServices
 from backend.credentials.vault import RunCredentials
 from backend.database.models import AdapterVersion, RolloutSample, Run
-from backend.ingestion.episodes import read_turns
 from backend.launch.limits import LimitReached
 from backend.services.runs import RunStateError
 
@@ -141,8 +140,8 @@ class PublicApi:
             raise gr.Error(f"spec_json: not JSON ({error.msg} at character {error.pos})") from None
         chosen = RunCredentials(store_credential_id, hf_credential_id, wandb_credential_id)
         result = _found(lambda: services.preflight(data, *chosen))
-        spec = result.spec
-        if not result.ok or spec is None:  # the same test: a check that passed has a spec
+        spec = result.checked_spec
+        if spec is None:
             problems = "; ".join(f"{field}: {message}" for field, message in result.errors.items())
             raise gr.Error(f"Not launched: {problems}")
         run = _found(lambda: services.runs.create(spec, *chosen))
@@ -261,7 +260,7 @@ def _version(row: AdapterVersion) -> JsonObject:
 
 def _sample(row: RolloutSample) -> JsonObject:
     columns = ("step", "policy_version", "staleness", "group_id", "prompt", "completion", "reward", "advantage")
-    turns = read_turns(row.turns_json)
+    turns = row.turns
     return {
         **_pick(row, *columns, "dropped"),
         "rewards": json.loads(row.rewards_json or "{}"),

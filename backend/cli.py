@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, TextIO
 
 from backend.api import PanelServices
 from backend.context import PanelContext
@@ -119,13 +119,14 @@ def launch(args: argparse.Namespace) -> int:
     result = services.preflight(json.loads(Path(args.spec).read_text()), *chosen)
     for message in result.warnings:
         print(f"warning: {message}")
-    if not result.ok:
+    spec = result.checked_spec
+    if spec is None:
         for field, message in result.errors.items():
             print(f"{field}: {message}", file=sys.stderr)
         return 2
     if result.cost_per_hour:
         print(f"estimated cost: ${result.cost_per_hour:.2f}/hour")
-    run = services.runs.create(cast(RunSpec, result.spec), *chosen)  # ok: the spec parsed
+    run = services.runs.create(spec, *chosen)
     services.runs.launch(run.id, wait=True)
     return 0 if follow(services.ctx, run.id, Poller(services.ctx)) == "finished" else 1
 

@@ -35,7 +35,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -44,6 +48,7 @@ from backend.database.connection import Database
 from backend.ingestion.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import TERMINAL_STATUSES, RunService
+from jobs.contract import RunSpec
 from jobs.demo.preset import demo_spec
 from jobs.store import LocalStore
 from jobs.telemetry import read_stream
@@ -73,48 +78,76 @@ def _parent(stat: Path) -> str | None:
 
 
 # Held-out evaluation during the run (issue 29): off, the demo preset's (every tenth version), or the derived interval.
-EVALUATION = {"off": {"split": "test", "during_run": False}, "demo": None, "auto": {"split": "test"}}
+EVALUATION: dict[str, dict[str, Any] | None] = {
+    "off": {"split": "test", "during_run": False},
+    "demo": None,
+    "auto": {"split": "test"},
+}
+
+
+@dataclass
+class FinishedRun:
+    """A benched run that has ended, with its panel's database and its bucket still there to be read."""
+
+    ctx: PanelContext
+    root: Path  # the data folder; the bucket is its `store`
+    spec: RunSpec
+    wall_s: float  # from Launch to the poll that saw the run end
+    first_reward_s: float | None  # from Launch to the first poll that saw a reward
+    cpu_s: float  # CPU-seconds of every job process of the run
+
+
+@contextmanager
+def finished_run(run_id: str, make_spec: Callable[[str, str], RunSpec]) -> Iterator[FinishedRun]:
+    """Create and launch `make_spec(run_id, storage_uri)` in a fresh data folder, as the panel does, and poll it to its
+    end; the folder and its database last until the `with` ends. Every bench of a whole demo run shares this, so
+    their wall times mean the same thing."""
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        ctx = PanelContext(Database(root / "panel.sqlite3"), root)
+        try:
+            service = RunService(ctx, "bench")
+            spec = make_spec(run_id, f"file://{root / 'store'}")
+            service.create(spec)
+            started, cpu_before = time.monotonic(), _children_cpu_s()
+            service.launch(run_id, wait=True)
+            poller, first_reward = Poller(ctx), None
+            while True:
+                poller.poll_run(run_id)
+                run = service.get(run_id)
+                if first_reward is None and run.latest_reward is not None:
+                    first_reward = time.monotonic() - started
+                if run.status in TERMINAL_STATUSES:
+                    break
+                time.sleep(1)
+            wall = time.monotonic() - started
+            poller.poll_run(run_id)  # once more: whatever the jobs wrote as they ended
+            _wait_for_children_to_exit()
+            yield FinishedRun(ctx, root, spec, wall, first_reward, _children_cpu_s() - cpu_before)
+        finally:
+            ctx.db.close()
 
 
 def run_demo(
     steps: int, seed: int, processes: int = 1, sharding: str = "auto", limits: str = "auto", evaluation: str = "demo"
-) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
-        ctx = PanelContext(Database(root / "panel.sqlite3"), root)
-        run_id = f"bench-{steps}-{seed}-{processes}-{sharding}"
-        service = RunService(ctx, "bench")
-        grpo: dict = {"max_steps": steps, "seed": seed}
-        if limits != "auto":
-            inflight, queue = limits.split("/")
-            grpo.update(max_inflight=int(inflight), queue_size=int(queue))
-        compute = {"trainer_processes": processes, "trainer_sharding": sharding}
-        sections = {"eval": EVALUATION[evaluation]} if EVALUATION[evaluation] else {}
-        spec = demo_spec(run_id, f"file://{root / 'store'}", grpo=grpo, compute=compute, **sections)
-        service.create(spec)
-        started, cpu_before = time.monotonic(), _children_cpu_s()
-        service.launch(run_id, wait=True)
-        poller, first_reward = Poller(ctx), None
-        while True:
-            poller.poll_run(run_id)
-            run = service.get(run_id)
-            if first_reward is None and run.latest_reward is not None:
-                first_reward = time.monotonic() - started
-            if run.status in TERMINAL_STATUSES:
-                break
-            time.sleep(1)
-        wall = time.monotonic() - started
-        _wait_for_children_to_exit()
-        cpu = _children_cpu_s() - cpu_before
-        queries = QueryService(ctx, "bench")
+) -> dict[str, Any]:
+    run_id = f"bench-{steps}-{seed}-{processes}-{sharding}"
+    grpo: dict[str, Any] = {"max_steps": steps, "seed": seed}
+    if limits != "auto":
+        inflight, queue = limits.split("/")
+        grpo.update(max_inflight=int(inflight), queue_size=int(queue))
+    compute: dict[str, Any] = {"trainer_processes": processes, "trainer_sharding": sharding}
+    chosen = EVALUATION[evaluation]
+    sections = {"eval": chosen} if chosen else {}
+    with finished_run(run_id, lambda name, uri: demo_spec(name, uri, grpo=grpo, compute=compute, **sections)) as run:
+        queries = QueryService(run.ctx, "bench")
         summary = queries.summary(run_id)
         use = queries.sample_use(run_id)
         step_times = [v for _, v in queries.metric_series(run_id, "perf/step_s", max_points=None)]
         ratios = [v for _, v in queries.metric_series(run_id, "ratio", max_points=None)]
         lengths = [v for _, v in queries.metric_series(run_id, "completions/mean_length", max_points=None)]
-        rollout_tokens = sum(lengths) * spec.grpo.completions_per_step
-        evaluations = read_stream(LocalStore(root / "store"), run_id, "eval")
-        ctx.db.close()
+        rollout_tokens = sum(lengths) * run.spec.grpo.completions_per_step
+        evaluations = read_stream(LocalStore(run.root / "store"), run_id, "eval")
         return {
             "steps": steps,
             "seed": seed,
@@ -124,11 +157,11 @@ def run_demo(
             "evaluations": len(evaluations),
             "eval_share": sum(r["tokens"] for r in evaluations) / rollout_tokens if rollout_tokens else 0.0,
             "trained_share": use.trained_share,
-            "cpu_s": cpu,
+            "cpu_s": run.cpu_s,
             "status": summary.run.status,
-            "wall_s": wall,
-            "first_reward_s": first_reward,
-            "steps_per_min": steps / wall * 60,
+            "wall_s": run.wall_s,
+            "first_reward_s": run.first_reward_s,
+            "steps_per_min": steps / run.wall_s * 60,
             "first5": summary.reward_first5,
             "last5": summary.reward_last5,
             "sync_p50": summary.sync_p50,

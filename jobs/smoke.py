@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import metadata
-from typing import Any, TypedDict, cast
+from typing import Any
 
 from jobs import settings
 from jobs.contract import duration, layout
@@ -31,25 +31,10 @@ log = logging.getLogger("jobs.smoke")
 CHECKED_PACKAGES = ("torch", "transformers", "trl", "peft", "vllm")
 
 
-class StepRecord(TypedDict):
-    """A Step as the job's `/health` report carries it."""
-
-    name: str
-    seconds: float
-    ok: bool
-    detail: str
-
-
-class SmokeReport(TypedDict):
-    """The JSON body of the job's `/health`, which the panel reads (backend/services/smoke.py)."""
-
-    job_id: str
-    steps: list[StepRecord]
-
-
 @dataclass
 class Step:
-    """One step of the smoke test, the job's or the panel's (both report in this shape)."""
+    """One step of the smoke test, the job's or the panel's (both report in this shape). The job's `/health` carries
+    its steps as their fields (`report_body`), and the panel reads them back into Steps (backend/services/smoke.py)."""
 
     name: str
     seconds: float
@@ -98,13 +83,17 @@ def run_steps(args: argparse.Namespace, job_id: str) -> list[Step]:
     return steps
 
 
-def serve(host: str, port: int, report: SmokeReport, serve_for: float) -> None:
+def report_body(job_id: str, steps: list[Step]) -> bytes:
+    """The JSON body of the job's `/health`: `{"job_id": ..., "steps": [{"name", "seconds", "ok", "detail"}, ...]}`."""
+    return json.dumps({"job_id": job_id, "steps": [asdict(step) for step in steps]}).encode()
+
+
+def serve(host: str, port: int, body: bytes, serve_for: float) -> None:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if self.path.split("?")[0] != "/health":
                 self.send_error(404)
                 return
-            body = json.dumps(report).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
@@ -135,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = run_steps(args, job_id)
     for step in steps:
         log.info("%s: %s in %.2fs (%s)", step.name, "ok" if step.ok else "FAILED", step.seconds, step.detail)
-    records = [cast(StepRecord, asdict(step)) for step in steps]  # asdict gives exactly StepRecord's keys
-    serve(args.host, args.port, {"job_id": job_id, "steps": records}, args.serve_for)
+    serve(args.host, args.port, report_body(job_id, steps), args.serve_for)
     return 0
 
 

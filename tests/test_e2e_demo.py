@@ -25,7 +25,6 @@ from backend.cli import main
 from backend.context import PanelContext
 from backend.database.connection import Database
 from backend.database.models import Job, MetricPoint, RolloutSample
-from backend.ingestion.episodes import read_turns
 from backend.ingestion.poller import Poller
 from backend.services.evaluation import EvaluationService
 from backend.services.queries import QueryService
@@ -722,7 +721,7 @@ def test_the_agent_demo_learns_to_look_the_answer_up_and_each_turn_names_the_ver
 
     with ctx.db.session() as session:
         samples = session.exec(select(RolloutSample).where(RolloutSample.run_id == run_id)).all()
-    episodes = [(sample, read_turns(sample.turns_json) or []) for sample in samples]
+    episodes = [(sample, sample.turns or []) for sample in samples]
     assert all(turns for _, turns in episodes)  # every sample of an agent run is an episode, kept turn by turn
     called = [turns for _, turns in episodes if len(turns) > 1]
     assert len(called) > len(samples) / 2 and all(turns[1].role == "tool" for turns in called)  # most used the tool

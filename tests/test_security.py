@@ -56,7 +56,7 @@ from backend.credentials.vault import CredentialError
 from backend.database.connection import Database
 from backend.database.models import Credential, Job, Run
 from backend.ingestion.poller import Poller
-from backend.sandbox.client import SandboxError, SandboxLimits, run_rewards
+from backend.sandbox.client import RUNNER, SandboxError, SandboxLimits, run_rewards
 from backend.sandbox.client import confinement as sandbox_confinement
 from backend.services.adapters import AdapterService
 from backend.services.evaluation import EvaluationError
@@ -854,11 +854,12 @@ def user_reward(source: str) -> RewardSpec:
 
 def sandbox_processes() -> list[int]:
     """The reward sandboxes this test process started that are still alive (those of tests running beside it, in
-    other processes, are theirs to check)."""
+    other processes, are theirs to check): each runs the sandbox's own RUNNER, by the path the client starts it by,
+    so moving the runner cannot leave this matching nothing."""
     alive = []
     for process in psutil.Process().children(recursive=True):
         try:
-            if any("sandbox/runner.py" in part for part in process.cmdline()) and process.status() != "zombie":
+            if str(RUNNER) in process.cmdline() and process.status() != "zombie":
                 alive.append(process.pid)
         except psutil.Error:
             continue

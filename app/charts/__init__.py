@@ -1,1 +1,1 @@
-"""Plotly figures for the panel's pages; each module draws the figures of one page."""
+"""Plotly figures for the panel's pages; each module draws the figures of one subject."""

@@ -7,24 +7,28 @@ the plot shows how routing behaves now rather than a lifetime average.
 from __future__ import annotations
 
 from itertools import pairwise
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import plotly.graph_objects as go
 
 from app.charts.style import COLORS, base_figure, elapsed_axis, empty_figure, series_color
 
-Snapshot = dict[str, Any]
+if TYPE_CHECKING:
+    from jobs.proxy.stats import LatencySummary, ProxySnapshot
+
+# The routing outcomes charted, each a counter of the snapshot's `routing` (typed as its keys, so mypy checks reads).
+Outcome = Literal["affinity", "followed", "unmatched", "spilled"]
 NO_PROXY = "Appears when the proxy publishes its first snapshot<br>(every 10 s once the trainer is up)"
 
 
-def routing_figure(snapshots: list[Snapshot]) -> go.Figure:
+def routing_figure(snapshots: list[ProxySnapshot]) -> go.Figure:
     title = "Routing: where each completion request went"
     points = [s for s in snapshots if s.get("routing")]
     if len(points) < 2:
         return empty_figure(title, NO_PROXY if not points else "Routing shares appear with the second snapshot")
     start = points[0].get("started") or points[0]["time"]
     elapsed: list[float] = []
-    shares: dict[str, list[float]] = {"affinity": [], "followed": [], "unmatched": [], "spilled": []}
+    shares: dict[Outcome, list[float]] = {"affinity": [], "followed": [], "unmatched": [], "spilled": []}
     for before, after in pairwise(points):
         if after.get("started") != before.get("started"):
             continue  # the proxy restarted: its counters restarted too
@@ -52,9 +56,9 @@ def routing_figure(snapshots: list[Snapshot]) -> go.Figure:
     return figure
 
 
-def replica_load_figure(latest: Snapshot | None) -> go.Figure:
+def replica_load_figure(latest: ProxySnapshot | None) -> go.Figure:
     title = "Load per replica (requests routed, and in flight now)"
-    replicas = (latest or {}).get("replicas") or []
+    replicas = (latest.get("replicas") if latest else None) or []
     if not replicas:
         return empty_figure(title, NO_PROXY)
     figure = base_figure(title, x_title="", y_title="requests routed (total)")
@@ -72,17 +76,16 @@ def replica_load_figure(latest: Snapshot | None) -> go.Figure:
     return figure
 
 
-def sync_figure(latest: Snapshot | None) -> go.Figure:
+def sync_figure(latest: ProxySnapshot | None) -> go.Figure:
     """Upload to the bucket, then broadcast to the replicas: the two halves of every adapter sync."""
     title = "Adapter sync time: upload to the bucket + broadcast to replicas"
-    windows = (latest or {}).get("sync_s") or {}
-    upload, broadcast = windows.get("upload") or {}, windows.get("broadcast") or {}
-    if not upload.get("count") and not broadcast.get("count"):
+    upload, broadcast = _window(latest, "upload"), _window(latest, "broadcast")
+    if not _count(upload) and not _count(broadcast):
         return empty_figure(title, "Appears after the first adapter version is synced to the replicas")
     figure = base_figure(title, x_title="seconds", y_title="")
-    rows = ["last", "p50", "p95"]
+    rows: list[Literal["last", "p50", "p95"]] = ["last", "p50", "p95"]
     for key, window in (("upload", upload), ("broadcast", broadcast)):
-        values = [window.get(row) or 0.0 for row in rows]
+        values = [(window.get(row) if window else None) or 0.0 for row in rows]
         figure.add_bar(
             y=rows,
             x=values,
@@ -92,7 +95,7 @@ def sync_figure(latest: Snapshot | None) -> go.Figure:
             text=[f"{v:.2f}s" for v in values],
             textposition="inside",
         )
-    count = max(upload.get("count") or 0, broadcast.get("count") or 0)
+    count = max(_count(upload), _count(broadcast))
     figure.update_layout(
         barmode="stack",
         hovermode="closest",
@@ -101,3 +104,13 @@ def sync_figure(latest: Snapshot | None) -> go.Figure:
     )
     figure.update_yaxes(autorange="reversed")
     return figure
+
+
+def _window(latest: ProxySnapshot | None, half: Literal["upload", "broadcast"]) -> LatencySummary | None:
+    """One half of the snapshot's sync times; None where it holds none (no snapshot yet, or nothing synced)."""
+    windows = latest.get("sync_s") if latest else None
+    return windows.get(half) if windows else None
+
+
+def _count(window: LatencySummary | None) -> int:
+    return (window.get("count") if window else None) or 0

@@ -13,7 +13,7 @@ import gradio as gr
 import pandas as pd
 
 from app import cards
-from app.events import Outputs, Updates
+from app.events import Components, Updates
 from app.formatting import clock
 from app.panel import LOCAL_OWNER, Panel
 from backend.credentials.hub_tokens import TokenRefused
@@ -67,7 +67,7 @@ class AccountPage:
         self.cancel_button.click(lambda: {self.confirm_row: gr.Row(visible=False)}, None, [self.confirm_row])
         self.confirm_button.click(self.delete, [self.delete_id], [*confirm, *self.refresh_outputs()])
 
-    def refresh_outputs(self) -> Outputs:
+    def refresh_outputs(self) -> Components:
         return [self.who, self.table, self.delete_id]
 
     def refresh(self, profile: gr.OAuthProfile | None = None, token: gr.OAuthToken | None = None) -> Updates:

@@ -17,7 +17,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from app import cards
 from app.actions import branch_from
 from app.charts.adapters import norms_heatmap
-from app.events import Outputs, Updates
+from app.events import Components, Updates
 from app.formatting import clock, number, size
 from app.pages.monitor import run_choices
 from app.panel import Panel
@@ -261,7 +261,7 @@ class AdaptersPage:
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
-    def _listing_outputs(self) -> Outputs:
+    def _listing_outputs(self) -> Components:
         return [self.lineage, self.table, self.version, self.version_a, self.version_b, self.listed]
 
     def _wire(self) -> None:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from app import cards
 from app.credential_choices import NONE, credential_choices
-from app.events import Outputs, Updates, Values
+from app.events import Components, Updates, Values
 from app.formatting import money
 from app.launch_form import (
     BUCKET_HINTS,
@@ -457,7 +457,7 @@ class LaunchPage:
             [self.slots["storage"], i["store_credential"], self.access_key, self.secret_key],
         )
 
-    def _check_outputs(self) -> Outputs:
+    def _check_outputs(self) -> Components:
         return [
             *self.slots.values(),
             self.preview,
@@ -472,7 +472,7 @@ class LaunchPage:
             self.plan,
         ]
 
-    def load_outputs(self) -> Outputs:
+    def load_outputs(self) -> Components:
         """What refreshes when the page is opened: the credential dropdowns (they may have changed elsewhere), and
         the run id when a run has taken it meanwhile (a page reloaded after a launch still shows the launched id)."""
         return [
@@ -511,7 +511,7 @@ class LaunchPage:
         store = f"file://{self.panel.ctx.folder / 'store'}"
         return presets.LOCAL[preset](propose_run_id(self.panel.ctx, preset), store)
 
-    def _preset_outputs(self) -> Outputs:
+    def _preset_outputs(self) -> Components:
         return [
             *self.inputs.values(),
             *self.slots.values(),
@@ -795,7 +795,7 @@ class LaunchPage:
             return ""
         return json.dumps({"spec": spec, "credentials": list(credentials(form))}, sort_keys=True)
 
-    def wire_launch(self, navigate: Callable[[str, gr.OAuthProfile | None], Updates], outputs: Outputs) -> None:
+    def wire_launch(self, navigate: Callable[[str, gr.OAuthProfile | None], Updates], outputs: Components) -> None:
         """Launch, then open the new run: `navigate(run_id, profile)` gives the updates for `outputs`."""
 
         def launch_and_open(values: Values, profile: gr.OAuthProfile | None = None) -> Updates:
@@ -832,7 +832,8 @@ def _builtin_picker(value: list[str], label: str, elem_id: str) -> gr.Dropdown:
 def check_status(result: Preflight) -> str:
     """Check settings' verdict. What could not be checked is said as such, as prominently as an error, and never
     counted among what passed: offline, "All checks passed" once covered a dataset and rewards nobody had tried."""
-    if not result.ok:
+    spec = result.checked_spec
+    if spec is None:
         count = len(result.errors)
         return cards.note(
             f"{count} problem{'s' if count != 1 else ''} to fix (shown next to each field). Launch stays disabled "
@@ -843,12 +844,12 @@ def check_status(result: Preflight) -> str:
     if result.held_out is not None:
         held = result.held_out
         notes += f" Versions can be evaluated on {len(held.rows)} held-out prompts ({held.source})."
-        metrics = [metric.name for metric in result.spec.eval.metrics] if result.spec is not None else []
+        metrics = [metric.name for metric in spec.eval.metrics]
         if metrics:
             notes += f" Scored beside the rewards, never trained on: {', '.join(metrics)}."
-        if result.spec is not None and result.spec.eval.during_run:
-            cost = derived.eval_cost(result.spec, len(held.rows))
-            start = ", the parent version it starts from (v1)" if result.spec.parent is not None else ""
+        if spec.eval.during_run:
+            cost = derived.eval_cost(spec, len(held.rows))
+            start = ", the parent version it starts from (v1)" if spec.parent is not None else ""
             notes += (
                 f" During the run: the base model{start}, every {cost.every} versions and the last "
                 f"({cost.evaluations} evaluations, {cost.token_share:.0%} of the rollout tokens at most)."

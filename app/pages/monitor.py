@@ -23,7 +23,7 @@ from app.charts import replicas as replica_charts
 from app.charts import rollouts as rollout_charts
 from app.charts import training as training_charts
 from app.charts.style import ChartOptions, elapsed_axis
-from app.events import Outputs, Updates
+from app.events import Components, Updates
 from app.panel import Panel
 from backend.api import PanelServices
 from backend.database.models import RolloutSample, Run
@@ -219,7 +219,7 @@ class MonitorPage:
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
-    def refresh_outputs(self) -> Outputs:
+    def refresh_outputs(self) -> Components:
         """Everything a tick may redraw; each tick answers only what changed (`refresh`)."""
         return [
             self.header,
@@ -234,11 +234,11 @@ class MonitorPage:
             *(self.jobs, self.log_job, self.alert_list, self.alert_pick, self.dismiss_button),
         ]
 
-    def sample_filters(self) -> Outputs:
+    def sample_filters(self) -> Components:
         """The Samples tab's filters, in the order every handler that lists samples takes them."""
         return [self.min_reward, self.max_reward, self.search, self.version, self.all_steps, self.page, self.turns]
 
-    def refresh_inputs(self) -> Outputs:
+    def refresh_inputs(self) -> Components:
         return [
             self.run,
             self.subtab,
@@ -249,12 +249,12 @@ class MonitorPage:
             *self.chart_controls(),
         ]
 
-    def redraw_inputs(self) -> Outputs:
+    def redraw_inputs(self) -> Components:
         """A tick's inputs with nothing drawn yet: the visible sub-tab is redrawn even if the run logged nothing new
         (another run, sub-tab or chart option was picked)."""
         return [self.undrawn if component is self.drawn else component for component in self.refresh_inputs()]
 
-    def chart_controls(self) -> Outputs:
+    def chart_controls(self) -> Components:
         """The Training tab's chart controls, in the order the refresh handlers take them (and CHART_DEFAULTS lists)."""
         return [self.smoothing, self.log_y, self.x_axis, self.more_metrics]
 
@@ -311,7 +311,7 @@ class MonitorPage:
         picked = run_id if run_id in ids else (ids[0] if ids else None)
         return {self.run: gr.Dropdown(choices=choices, value=picked)} | self.restore_charts(saved)
 
-    def open_outputs(self) -> Outputs:
+    def open_outputs(self) -> Components:
         return [self.run, *self.chart_controls()]
 
     def refresh(

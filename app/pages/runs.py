@@ -15,7 +15,7 @@ import pandas as pd
 from app import cards
 from app.actions import branch_from
 from app.charts.runs import Curve, overlay_figure
-from app.events import Outputs, Updates
+from app.events import Components, Updates
 from app.formatting import clock, duration, money
 from app.panel import Panel
 from backend.api import PanelServices
@@ -126,10 +126,10 @@ class RunsPage:
         self.timer = gr.Timer(REFRESH_SECONDS, active=False)
         self._wire()
 
-    def refresh_outputs(self) -> Outputs:
+    def refresh_outputs(self) -> Components:
         return [self.phone_list, self.table, self.compare, self.metric, self.overlay, self.drawn, self.empty]
 
-    def overlay_controls(self) -> Outputs:
+    def overlay_controls(self) -> Components:
         """What the overlay is drawn from, in the order `refresh_now` takes it (and OVERLAY_DEFAULTS lists)."""
         return [self.compare, self.metric, self.smoothing]
 

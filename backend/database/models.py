@@ -10,6 +10,8 @@ from __future__ import annotations
 from sqlalchemy import Column, Index, LargeBinary, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
+from backend.database.turns import Turn, read_turns
+
 
 class Run(SQLModel, table=True):
     id: str = Field(primary_key=True)  # the run id of its spec
@@ -108,9 +110,12 @@ class RolloutSample(SQLModel, table=True):
     dropped: bool = False  # pulled by the trainer but discarded as too stale
     time: float | None = None
     attempt: int = 1
-    turns_json: str | None = (
-        None  # an agent's episode turn by turn (backend/ingestion/episodes.py); None: a single reply
-    )
+    turns_json: str | None = None  # an agent's episode turn by turn (backend/database/turns.py); None: a single reply
+
+    @property
+    def turns(self) -> list[Turn] | None:
+        """The episode turn by turn, decoded from `turns_json` (checked when ingested); None for a single reply."""
+        return read_turns(self.turns_json)
 
 
 class VersionScore(SQLModel, table=True):

@@ -51,9 +51,8 @@ def upgrade(engine: Engine, lock_path: Path) -> None:
         with engine.begin() as connection:
             if _revision(connection) is None:
                 if not inspect(connection).has_table("run"):  # a new database: the tables as the models say
-                    SQLModel.metadata.create_all(
-                        connection
-                    )  # (tests/backend/test_schema.py: the revisions say the same)
+                    # (tests/backend/test_schema.py: the revisions say the same)
+                    SQLModel.metadata.create_all(connection)
                     command.stamp(_config(connection), "head")
                     return
                 command.stamp(_config(connection), BASELINE)  # made by a release from before migrations

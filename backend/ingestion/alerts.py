@@ -14,6 +14,7 @@ from sqlmodel import Session, col, select
 from backend.database.connection import Database
 from backend.database.models import AdapterVersion, Event, MetricPoint, Run
 from backend.ingestion.ingest import best_held_out, latest_proxy_snapshot, version_reward
+from backend.services.runs import TERMINAL_STATUSES
 from jobs.contract import RunSpec
 
 # TRL's `kl` is the k3 estimate of KL between the policy that sampled a step's rollouts (the replicas' log-probs) and
@@ -56,7 +57,7 @@ def evaluate(db: Database, run_id: str) -> None:
         run = session.get(Run, run_id)
         if run is None:
             return
-        if run.status in ("finished", "failed", "stopped"):
+        if run.status in TERMINAL_STATUSES:
             _clear_warnings(session, run)  # what is wrong *now* no longer applies; errors stay until dismissed
             session.commit()
             return

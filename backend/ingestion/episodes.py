@@ -1,18 +1,18 @@
-"""An agent's episode turn by turn: what the trainer records in a sample's `turns`, as the panel keeps and reads it.
+"""An agent's episode as the trainer records it in a sample's `turns`, checked once, at ingest, as the panel keeps it.
 
-Each turn is a reply of the model (its text, the tools it called with their arguments, the adapter version that
-generated it: after a weight sync, a later one than the version the episode started on) or a tool's answer. Records
-come from a job over the network, so every field is checked here, once, at ingest: what SQLite holds is always a JSON
-list of turns of one shape (or NULL for a single-turn sample), which the filters (SQLite's json_each), the API, the
-exports and the sample cards read back through `read_turns` without checking each field again.
+Records come from a job over the network, so every field is checked here: what SQLite holds is always a JSON list of
+turns of one shape (backend/database/turns.py's `Turn`; NULL for a single-turn sample), which the filters (SQLite's
+json_each), the API, the exports and the sample cards read back through `RolloutSample.turns` without checking each
+field again.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
+from backend.database.turns import ToolCall, Turn
 from jobs.contract.spec import MAX_TURNS
 
 # What one episode keeps of its texts (replies, arguments, tool answers), in turn order: three completions' worth
@@ -23,35 +23,13 @@ MAX_TURNS_KEPT = 8 * MAX_TURNS
 CUT = "…"
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any] | str  # a string where the model's arguments were not parsed (or were cut short)
-
-
-@dataclass(frozen=True)
-class Turn:
-    role: str  # "assistant" (the model), "tool", or another role the episode held
-    content: str
-    name: str | None = None  # the tool that answered, on a tool turn
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    version: int | None = None  # the adapter version that generated a model turn; None where unknown
-
-    @property
-    def by_model(self) -> bool:
-        return self.role == "assistant"
-
-
 class _Budget:
-    """What is left of an episode's characters: texts taken in turn order are cut once it runs out (None: no limit,
-    for turns read back, which were cut when stored)."""
+    """What is left of an episode's characters: texts taken in turn order are cut once it runs out."""
 
-    def __init__(self, chars: int | None):
+    def __init__(self, chars: int):
         self.left = chars
 
     def cut(self, text: str) -> str:
-        if self.left is None:
-            return text
         kept = text[: self.left]
         self.left -= len(kept)
         return kept if len(kept) == len(text) else kept + CUT
@@ -60,8 +38,6 @@ class _Budget:
         """An object of arguments kept as it is while it fits, else as its JSON text cut short."""
         if isinstance(arguments, str):
             return self.cut(arguments)
-        if self.left is None:  # read back: kept whole when stored
-            return arguments
         try:
             text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
         except ValueError:  # NaN or infinity: JSON that SQLite's json functions refuse, so kept as text
@@ -76,17 +52,6 @@ def stored_turns(raw: Any) -> str | None:
     dropped, texts cut to MAX_EPISODE_CHARS in all."""
     turns = _turns(raw, _Budget(MAX_EPISODE_CHARS))
     return json.dumps([asdict(turn) for turn in turns], ensure_ascii=False) if turns else None
-
-
-def read_turns(stored: str | None) -> list[Turn] | None:
-    """The turns a row keeps (`stored_turns`' JSON), or None for a single-turn sample or text that is not JSON."""
-    if not stored:
-        return None
-    try:
-        data = json.loads(stored)
-    except json.JSONDecodeError:
-        return None
-    return _turns(data, _Budget(None)) or None
 
 
 def _turns(raw: Any, budget: _Budget) -> list[Turn]:

@@ -13,7 +13,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from sqlalchemy import ScalarSelect, delete, func, insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -22,15 +22,9 @@ from sqlmodel.sql.expression import SelectOfScalar
 
 from backend.database.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample, VersionScore
 from backend.ingestion.episodes import stored_turns
-
-if TYPE_CHECKING:
-    from jobs.proxy import stats as proxy_stats  # the snapshot's shape, as the proxy writes it
-
 from backend.ingestion.records import (
     EvalColumns,
-    EvalRecord,
     EvalRow,
-    EvalScore,
     EventRecord,
     JsonRecord,
     MetricRecord,
@@ -38,6 +32,10 @@ from backend.ingestion.records import (
     SampleRecord,
     SampleRow,
 )
+
+if TYPE_CHECKING:  # the shapes of records as their jobs write them
+    from jobs.evaluation.results import EvalRecord, EvalScore
+    from jobs.proxy import stats as proxy_stats  # its `ProxySnapshot`, beside the table of that name
 
 # Columns every metric record carries that are not metrics.
 _RECORD_FIELDS = {"step", "time", "attempt"}
@@ -207,7 +205,7 @@ def ingest_proxy(session: Session, run_id: str, owner: str, snapshot: JsonRecord
     return 1
 
 
-def latest_proxy_snapshots(session: Session, run_id: str, limit: int = 1) -> list[dict[str, Any]]:
+def latest_proxy_snapshots(session: Session, run_id: str, limit: int = 1) -> list[proxy_stats.ProxySnapshot]:
     """The proxy's newest snapshots, oldest first, in the order they were ingested.
 
     Ingestion follows the chunks' sequence numbers, which is the order the proxies wrote them; the times inside come
@@ -219,13 +217,13 @@ def latest_proxy_snapshots(session: Session, run_id: str, limit: int = 1) -> lis
         .order_by(col(ProxySnapshot.id).desc())
         .limit(limit)
     ).all()
-    return [json.loads(row) for row in reversed(rows)]
+    return cast("list[proxy_stats.ProxySnapshot]", [json.loads(row) for row in reversed(rows)])  # as they came
 
 
 def latest_proxy_snapshot(session: Session, run_id: str) -> proxy_stats.ProxySnapshot | None:
-    """The proxy's newest snapshot (`latest_proxy_snapshots`) in its shape, or None before the first."""
+    """The proxy's newest snapshot (`latest_proxy_snapshots`), or None before the first."""
     latest = latest_proxy_snapshots(session, run_id)
-    return cast("proxy_stats.ProxySnapshot", latest[0]) if latest else None
+    return latest[0] if latest else None
 
 
 def supersede(session: Session, run_id: str, resumed_from_step: int, attempt: int) -> None:

@@ -2,8 +2,11 @@
 
 A record crosses from a job as JSON: `JsonRecord` until it is given its shape, once, where it is read (the row builders
 of backend/ingestion/ingest.py, the poller's parts). A shape says what a well-behaved writer puts there (named beside
-each); nothing is validated when a record is given one, since a job may send anything, so the code reading a field
-still checks or coerces it. Every key is optional (total=False): a reader takes each with a default.
+each), as far as the panel reads it; nothing is validated when a record is given one, since a job may send anything,
+so the code reading a field still checks or coerces it. Every key is optional (total=False): a reader takes each with
+a default. Where the writer declares its record's shape itself, the panel reads it in that shape instead of one from
+here: the evaluation's (jobs/evaluation/results.py, `EvalRecord`), the policy audit's (jobs/trainer/audit.py,
+`AuditRecord`), the proxy's snapshots (jobs/proxy/stats.py, `ProxySnapshot`).
 """
 
 from __future__ import annotations
@@ -52,55 +55,14 @@ class EventRecord(TypedDict, total=False):
     resumed_from_step: int  # on a `resume` event
 
 
-class EvalScore(TypedDict, total=False):
-    """One score of an evaluation: avg@k with its 95 % interval, pass@k for 0/1 scores (None: not finite)."""
-
-    mean: float | None
-    low: float | None
-    high: float | None
-    pass_at_k: float | None
-
-
-class EvalRecord(TypedDict, total=False):
-    """`telemetry/eval`, one per evaluated version (jobs/evaluation/results.py, `VersionEval.record`)."""
-
-    time: float
-    version: int
-    step: int
-    key: str  # the settings key: scores under different keys are not comparable
-    prompts: int
-    k: int
-    seconds: float
-    tokens: int
-    scores: dict[str, EvalScore]
-
-
 class StatusRecord(TypedDict, total=False):
     """`status/<role>.json`, rewritten by each job (jobs/runtime.py `write_status`); the trainer's also says where
     training is (jobs/trainer/telemetry.py), a replica's its heartbeat (jobs/replica/heartbeat.py)."""
 
-    role: str
     time: float
     phase: str  # the trainer's: starting, waiting_replicas, training, evaluating, saving, finished, failed, stopped
     step: int
-    max_steps: int
-    attempt: int
     last_error: str | None
-
-
-class AuditResult(TypedDict, total=False):
-    verdict: str
-    max_abs_diff: float | None
-
-
-class AuditRecord(TypedDict, total=False):
-    """`audit/<version>.json`, the policy audit of one version on every replica (jobs/trainer/audit.py)."""
-
-    version: int
-    step: int
-    time: float
-    ok: bool
-    replicas: dict[str, AuditResult]  # by role
 
 
 # --- what the row builders make of them: one SQLite row each -----------------------------------------------------

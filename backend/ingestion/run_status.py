@@ -15,9 +15,10 @@ from backend.ingestion import ingest
 from backend.ingestion.cost_cap import job_cost
 from backend.ingestion.records import StatusRecord
 from backend.launchers.base import TERMINAL
+from backend.services.runs import TERMINAL_STATUSES
 
 ACTIVE = ("launching", "running", "degraded", "stalled", "finalizing", "stopping")
-TERMINAL_PHASES = ("finished", "failed", "stopped")
+TERMINAL_PHASES = TERMINAL_STATUSES  # the trainer's phase that ends a run becomes the run's status
 
 
 def derive_status(db: Database, run_id: str, trainer: StatusRecord | None, arrived: bool, stall_after: float) -> str:

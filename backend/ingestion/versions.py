@@ -4,7 +4,7 @@ pointer, and the policy audit of each version."""
 from __future__ import annotations
 
 import json
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from sqlalchemy.dialects.sqlite import insert
 from sqlmodel import select
@@ -13,9 +13,11 @@ from backend.database import cursors
 from backend.database.connection import Database
 from backend.database.models import AdapterVersion, Run
 from backend.ingestion import ingest
-from backend.ingestion.records import AuditRecord
 from jobs.contract import layout
 from jobs.store import ObjectStore, StoreError, VersionNotPublished, read_manifest
+
+if TYPE_CHECKING:
+    from jobs.trainer.audit import AuditRecord  # as the trainer writes it; read here key by key, with defaults
 
 
 def ingest_versions(db: Database, run: Run, store: ObjectStore) -> None:

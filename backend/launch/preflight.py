@@ -65,7 +65,12 @@ class Preflight:
 
     @property
     def ok(self) -> bool:
-        return self.spec is not None and not self.errors
+        return self.checked_spec is not None
+
+    @property
+    def checked_spec(self) -> RunSpec | None:
+        """The spec when every check passed (`ok`), else None: one test that also tells mypy the spec is there."""
+        return self.spec if not self.errors else None
 
 
 def run_preflight(

@@ -19,12 +19,15 @@ import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from backend.hosting import on_space
 from jobs.confinement import landlock, python_paths, run_confined
 from jobs.confinement.confine import UNCONFINABLE_EXIT, Confinement
 from jobs.contract import EnvironmentSpec, RewardSpec
+
+if TYPE_CHECKING:  # what the runner writes to result.json, in its shapes
+    from backend.sandbox.runner import EnvironmentResult, RewardsResult
 
 RUNNER = Path(__file__).with_name("runner.py")
 
@@ -96,7 +99,7 @@ def run_rewards(
         "columns": {key: values for key, values in columns.items() if len(values) == len(rows)},
         "eos_token_ids": eos_token_ids or [],
     }
-    result = _sandboxed(request, limits, len(rows))
+    result = cast("RewardsResult", _sandboxed(request, limits, len(rows)))
     trials = []
     for reward in rewards:
         entry = result["rewards"].get(reward.name, {"error": "the reward did not run"})
@@ -110,7 +113,7 @@ def rehearse_environment(environment: EnvironmentSpec, rows: list[dict[str, Any]
     each sample row and call every tool once (jobs/environments/loading.py's `rehearse`); the calls made, or
     SandboxError naming the field and the fix."""
     request = {"environment": environment.model_dump(), "rows": rows}
-    result = _sandboxed(request, limits, len(rows), TOOLS)
+    result = cast("EnvironmentResult", _sandboxed(request, limits, len(rows), TOOLS))
     if result.get("error"):
         raise SandboxError(_explain_error(str(result["error"]), limits) or "")
     return [str(call) for call in result.get("calls", [])]

@@ -24,7 +24,7 @@ from backend.sandbox.client import SandboxError, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService, ensure_generates_here
 from backend.services.evaluation_job import EvaluationJobError, EvaluationJobReport, run_evaluation_job
 from backend.services.runs import RunService
-from jobs.contract import EvalSpec, RunSpec, SpecError, derived, parse_spec
+from jobs.contract import EnvironmentSpec, EvalSpec, RunSpec, SpecError, derived, parse_spec
 from jobs.evaluation.engine import EngineError, local_engine
 from jobs.evaluation.heldout import HeldOut, eval_prompts, held_out
 from jobs.evaluation.results import (
@@ -246,15 +246,9 @@ class EvaluationService:
 
         from jobs.models import eos_token_ids, resolve_model
 
-        environment = spec.environment
-        if environment.kind == "code" or (
-            environment.kind == "builtin" and environment.name == "python" and on_space()
-        ):
-            raise EvaluationError(
-                f"environment: run {run.id}'s tools run code this panel runs only in its sandbox, where no engine "
-                "answers (your environment's, or on a Space the model's programs); its versions are evaluated while "
-                "it trains (eval.split or eval.holdout at launch)"
-            )
+        refused = environment_refusal(run.id, spec.environment, on_space())
+        if refused is not None:
+            raise EvaluationError(refused)
         model_path = resolve_model(spec.model)
         ensure_generates_here(spec, model_path, "a run on HF Jobs is evaluated by a job of its own there")
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
@@ -272,6 +266,19 @@ class EvaluationService:
                 lambda prompts, sampled: _score(spec, prompts.records, sampled, eos),
                 store,
             )
+
+
+def environment_refusal(run_id: str, environment: EnvironmentSpec, space: bool) -> str | None:
+    """Why the panel will not evaluate a run with these tools itself (None: it will). Code the panel did not write
+    runs only in its sandbox, where no engine answers: so never the user's own environment, and on a Space (`space`:
+    many users share the process) not the programs the model writes for the `python` tool either."""
+    if environment.kind == "code" or (environment.kind == "builtin" and environment.name == "python" and space):
+        return (
+            f"environment: run {run_id}'s tools run code this panel runs only in its sandbox, where no engine "
+            "answers (your environment's, or on a Space the model's programs); its versions are evaluated while "
+            "it trains (eval.split or eval.holdout at launch)"
+        )
+    return None
 
 
 def _score(

@@ -21,7 +21,7 @@ from sqlmodel import col, select
 
 from backend.context import PanelContext
 from backend.database.models import MetricPoint, RolloutSample
-from backend.ingestion.episodes import read_turns
+from backend.database.turns import Turn
 from backend.ingestion.ingest import held_out_scores
 from backend.services.runs import RunService
 
@@ -101,7 +101,7 @@ class ExportService:
         frame = pd.DataFrame([{name: getattr(row, name) for name in SAMPLE_COLUMNS} for row in rows])
         if frame.empty:
             return pd.DataFrame(columns=[*SAMPLE_COLUMNS, "turns"])
-        frame["turns"] = [exported_turns(row.turns_json) for row in rows]
+        frame["turns"] = [exported_turns(row.turns) for row in rows]
         scores = pd.DataFrame([json.loads(row.rewards_json or "{}") for row in rows]).add_prefix("reward/")
         return pd.concat([frame, scores], axis=1)
 
@@ -127,11 +127,10 @@ class ExportService:
         return paths
 
 
-def exported_turns(stored: str | None) -> list[dict[str, Any]] | None:
+def exported_turns(turns: list[Turn] | None) -> list[dict[str, Any]] | None:
     """An episode's turns as an export holds them (None for a single reply): role, content, the tool's name, the tool
     calls and the version that generated the turn, a tool call's arguments as their JSON text (as the model wrote
     them, where they were not parsed)."""
-    turns = read_turns(stored)
     if turns is None:
         return None
     return [

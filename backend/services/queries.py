@@ -10,7 +10,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy
 from sqlalchemy import func, or_
@@ -28,6 +28,9 @@ from backend.database.models import (
     VersionScore,
 )
 from backend.ingestion.ingest import best_held_out, held_out_scores, latest_proxy_snapshots
+
+if TYPE_CHECKING:
+    from jobs.proxy.stats import ProxySnapshot
 
 # A count of dropped samples: summed as a Boolean column, SQLAlchemy reads any total back as True.
 _DROPPED = sqlalchemy.cast(col(RolloutSample.dropped), sqlalchemy.Integer)
@@ -305,7 +308,7 @@ class QueryService:
             ).all()
         return sorted(rows, key=lambda s: -(s.reward if s.reward is not None else float("-inf")))
 
-    def proxy_snapshots(self, run_id: str, limit: int = 500) -> list[dict[str, Any]]:
+    def proxy_snapshots(self, run_id: str, limit: int = 500) -> list[ProxySnapshot]:
         self._check(run_id)
         with self.ctx.db.session() as session:
             return latest_proxy_snapshots(session, run_id, limit)

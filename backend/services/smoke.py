@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from secrets import token_hex
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import requests
 
@@ -81,8 +81,8 @@ class SmokeTest:
             self._wait_ready(report, launcher, probe, job, secrets)
             steps = self._step(report, "read the job's report through its URL", lambda: _job_report(job, secrets))
             for step in steps:
-                self._record(report, Step(f"job: {step['name']}", step["seconds"], step["ok"], step["detail"]))
-            if not all(step["ok"] for step in steps):
+                self._record(report, Step(f"job: {step.name}", step.seconds, step.ok, step.detail))
+            if not all(step.ok for step in steps):
                 raise _Failed
             key = layout.smoke_probe_key(probe.run_id, job.job_id)
             self._step(report, "read the job's probe object from the panel", lambda: _read_and_delete(store, key))
@@ -171,7 +171,8 @@ def _clean_up(store: ObjectStore, run_id: str) -> None:
         log.warning("could not delete the smoke test's objects under %s: %s", layout.run_prefix(run_id), error)
 
 
-def _job_report(job: JobHandle, secrets: RunSecrets) -> list[dict[str, Any]]:
+def _job_report(job: JobHandle, secrets: RunSecrets) -> list[Step]:
+    """The steps the job reports on `/health` (jobs/smoke.py, `report_body`)."""
     assert job.endpoint is not None, "a job answers the report once it is ready, at its endpoint"
     answer = requests.get(
         job.endpoint.rstrip("/") + "/health",
@@ -179,8 +180,7 @@ def _job_report(job: JobHandle, secrets: RunSecrets) -> list[dict[str, Any]]:
         timeout=30,
     )
     answer.raise_for_status()
-    steps: list[dict[str, Any]] = answer.json()["steps"]
-    return steps
+    return [Step(**step) for step in answer.json()["steps"]]
 
 
 def _read_and_delete(store: ObjectStore, key: str) -> str:

@@ -17,17 +17,13 @@ first build is cached for the others (under a lock, so they wait rather than bui
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import random
-import secrets
-import shutil
 from pathlib import Path
 from typing import Any
 
 from jobs.demo.dataset import codebook_question
-from jobs.demo.tiny_model import SPECIAL_TOKENS, cache_root, chat_tokenizer, tiny_config
+from jobs.demo.tiny_model import SPECIAL_TOKENS, cached_build, chat_tokenizer, save_model, tiny_config
 from jobs.environments.codebook import Codebook
 
 BUILD_VERSION = 1  # bump when anything below changes: caches are keyed on it
@@ -45,22 +41,7 @@ def ensure_agent_model(root: str | os.PathLike[str] | None = None) -> Path:
 
     One process builds while any other asking meanwhile waits for it, then reads its build.
     """
-    target = Path(root or cache_root()) / f"tiny-agent-v{BUILD_VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").is_file():
-            return target
-        staging = target.parent / f".tmp-{secrets.token_hex(6)}"
-        staging.mkdir()
-        try:
-            _build(staging)
-            os.rename(staging, target)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return cached_build(f"tiny-agent-v{BUILD_VERSION}", _build, root)
 
 
 def conversation(rng: random.Random, tool_call_share: float = TOOL_CALL_SHARE) -> list[dict[str, Any]]:
@@ -97,12 +78,7 @@ def _build(folder: Path) -> None:
             _warm_start(model, tokenizer, rng)
     finally:
         torch.set_num_threads(threads)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(folder, safe_serialization=True)
-    (folder / "demo.json").write_text(
-        json.dumps({"build_version": BUILD_VERSION, "parameters": model.num_parameters()})
-    )
+    save_model(folder, model, tokenizer, BUILD_VERSION)
 
 
 def _save_tokenizer(folder: Path, rng: random.Random) -> None:

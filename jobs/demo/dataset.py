@@ -51,6 +51,11 @@ def codebook_rows(split: str = "train") -> list[dict[str, str]]:
     return [codebook_question(rng, CODEBOOK_THINGS[split]) for _ in range(CODEBOOK_ROWS[split])]
 
 
+def builtin_splits(dataset_id: str) -> tuple[str, ...]:
+    """The splits one of the built-in datasets (`BUILTIN_DATASETS`) has."""
+    return tuple(CODEBOOK_ROWS) if dataset_id == AGENT_DEMO_DATASET_ID else SPLITS
+
+
 def builtin_rows(dataset_id: str, split: str) -> list[dict[str, str]]:
     """The rows of one of the built-in datasets (`BUILTIN_DATASETS`)."""
     return codebook_rows(split) if dataset_id == AGENT_DEMO_DATASET_ID else digits_rows(split)

@@ -14,11 +14,13 @@ advantages from the first step.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,25 +43,45 @@ def cache_root() -> Path:
 
 
 def ensure_tiny_model(root: str | os.PathLike[str] | None = None) -> Path:
-    """Return the folder of the demo model, building it first if this machine has not yet.
+    """Return the folder of the demo model, building it first if this machine has not yet."""
+    return cached_build(f"tiny-qwen2-v{BUILD_VERSION}", _build, root)
 
-    Safe to call from several processes at once: each builds into its own temporary folder and the first rename wins.
+
+def cached_build(name: str, build: Callable[[Path], None], root: str | os.PathLike[str] | None = None) -> Path:
+    """Return the demo model folder `name` under the model cache (or `root`), running `build` into it first if this
+    machine has not yet.
+
+    Safe to call from several processes at once: one builds while the others wait on a file lock, then read its
+    build, so two cores never build the same model twice over. The build goes to a temporary folder renamed into
+    place, so a build that dies leaves nothing a later call would take for a model.
     """
-    target = Path(root or cache_root()) / f"tiny-qwen2-v{BUILD_VERSION}"
+    target = Path(root or cache_root()) / name
     if (target / "config.json").is_file():
         return target
-    staging = target.parent / f".tmp-{secrets.token_hex(6)}"
-    staging.mkdir(parents=True)
-    try:
-        _build(staging)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "config.json").is_file():
+            return target
+        staging = target.parent / f".tmp-{secrets.token_hex(6)}"
+        staging.mkdir()
         try:
+            build(staging)
             os.rename(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def save_model(folder: Path, model: Any, tokenizer: Any, build_version: int) -> None:
+    """Save a built demo model beside its tokenizer: generation ends at the tokenizer's EOS and pads with its pad
+    token (the replicas and TRL read both from here), and demo.json records the build it came from."""
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder, safe_serialization=True)
+    (folder / "demo.json").write_text(
+        json.dumps({"build_version": build_version, "parameters": model.num_parameters()})
+    )
 
 
 def _corpus(rng: random.Random, sentences: int = 4000) -> list[str]:
@@ -138,9 +160,4 @@ def _build(folder: Path) -> None:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = fast.eos_token_id
-    model.generation_config.pad_token_id = fast.pad_token_id
-    model.save_pretrained(folder, safe_serialization=True)
-    (folder / "demo.json").write_text(
-        json.dumps({"build_version": BUILD_VERSION, "parameters": model.num_parameters()})
-    )
+    save_model(folder, model, fast, BUILD_VERSION)

@@ -13,11 +13,14 @@ import importlib
 import inspect
 import pickle
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobs.contract import EnvironmentSpec
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 CODE_MODULE = "run_environment"  # the module a user's environment code is written to
 NOT_TOOLS = ("reset", "get_reward")  # an environment's public methods that TRL does not offer as tools
@@ -84,7 +87,7 @@ def environment_factories(arguments: dict[str, Any]) -> dict[str | None, Callabl
     return dict(factory) if isinstance(factory, dict) else {None: factory}
 
 
-def check_environment_column(arguments: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+def check_environment_column(arguments: dict[str, Any], rows: Iterable[dict[str, Any]]) -> None:
     """With an environment per row, every row names one of them in its `environment` column (TRL stops the run at
     the first row that does not, after the replicas started)."""
     factories = environment_factories(arguments)
@@ -102,6 +105,17 @@ def check_environment_column(arguments: dict[str, Any], rows: list[dict[str, Any
                 f"environment.entry_point: dataset row {number} {found}; with several environment classes, each row "
                 f"names its own in an '{ENVIRONMENT_COLUMN}' column: one of {names}"
             )
+
+
+def check_dataset_environments(arguments: dict[str, Any], rows: Dataset) -> None:
+    """`check_environment_column` for a whole training set: only the column's distinct values are read, and the rows
+    one by one only when one of them names no environment, to say which row (the same error)."""
+    factories = environment_factories(arguments)
+    if factories is None or None in factories:
+        return
+    if ENVIRONMENT_COLUMN in rows.column_names and all(name in factories for name in rows.unique(ENVIRONMENT_COLUMN)):
+        return
+    check_environment_column(arguments, rows)
 
 
 def row_tools(arguments: dict[str, Any]) -> Callable[[dict[str, Any]], list[Callable[..., Any]]]:

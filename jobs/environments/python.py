@@ -12,9 +12,13 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jobs.confinement import landlock, python_paths, run_confined
 from jobs.confinement.confine import Confinement
+
+if TYPE_CHECKING:
+    from jobs.confinement.execute import Result  # what the runner writes to result.json
 
 RUNNER = Path(__file__).resolve().parent.parent / "confinement" / "execute.py"
 SECONDS = 5.0  # CPU time, and the wall-clock deadline after start-up
@@ -41,7 +45,7 @@ def run_python(code: str) -> str:
         result_path = scratch / "result.json"
         if not result_path.exists():
             return _died(code_exit)
-        result = json.loads(result_path.read_text())
+        result: Result = json.loads(result_path.read_text())
     said = [str(result.get("output") or "").rstrip("\n")] + [f"error: {result['error']}"] * bool(result.get("error"))
     return "\n".join(part for part in said if part) or "(the program printed nothing)"
 

@@ -15,7 +15,11 @@ or in the panel for the built-in environments only (ours; the Python tool confin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import shutil
+import sys
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -40,12 +44,29 @@ class Agent:
 
 def agent_for(spec: RunSpec, tokenizer: Any) -> Agent:
     """The agent of a run with tools: its environment loaded and checked as the trainer loads it (a user's code into a
-    folder of its own), its tokenizer fitted as the trainer fits it (the response template TRL reads tool calls by)."""
+    folder of its own, removed with the agent: the panel makes one per evaluation), its tokenizer fitted as the
+    trainer fits it (the response template TRL reads tool calls by), every token id that ends its turns as the
+    trainer's."""
     from jobs.chat_templates import fit_tokenizer
+    from jobs.models import eos_token_ids, resolve_model
 
     fit_tokenizer(tokenizer, spec.model.id, tools=True)
+    eos = eos_token_ids(resolve_model(spec.model), tokenizer.eos_token_id, spec.model.revision)
     folder = Path(tempfile.mkdtemp(prefix="environment-"))  # the module TRL's loop imports the code from
-    return Agent(spec, trainer_arguments(spec.environment, folder), tokenizer, [tokenizer.eos_token_id])
+    try:
+        agent = Agent(spec, trainer_arguments(spec.environment, folder), tokenizer, eos)
+    except BaseException:
+        _remove(folder)
+        raise
+    weakref.finalize(agent, _remove, folder)
+    return agent
+
+
+def _remove(folder: Path) -> None:
+    """An agent's code folder, gone from the disk and from the import path (`load_code` put it there)."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(ValueError):
+        sys.path.remove(str(folder))
 
 
 def sample_episodes(
@@ -59,26 +80,18 @@ def sample_episodes(
 async def _sample(
     agent: Agent, endpoint: str, model: str, records: list[dict[str, Any]], sampling: Sampling, concurrency: int
 ) -> list[list[Completion]]:
-    import aiohttp
-
-    loop = _loop(agent, endpoint, model, sampling)
     gate = asyncio.Semaphore(max(1, concurrency) * sampling.k)
 
     turns = agent.spec.environment.max_turns + 1  # an episode's turns at most: each draws with a seed of its own
 
-    async def one(index: int, sample: int) -> Completion:
+    async def one(loop: EpisodeLoop, index: int, sample: int) -> Completion:
         async with gate:
             return await _episode(loop, records[index], sampling.seed + (index * sampling.k + sample) * turns)
 
-    try:
-        async with aiohttp.ClientSession() as session:
-            loop.session = session
-            drawn = await asyncio.gather(
-                *(one(index, sample) for index in range(len(records)) for sample in range(sampling.k))
-            )
-    finally:
-        loop._tool_pool.shutdown(wait=False, cancel_futures=True)
-        loop._loop.close()  # the event loop TRL's loop makes for its child: unused here
+    async with _loop(agent, endpoint, model, sampling) as loop:
+        drawn = await asyncio.gather(
+            *(one(loop, index, sample) for index in range(len(records)) for sample in range(sampling.k))
+        )
     return [list(drawn[index * sampling.k : (index + 1) * sampling.k]) for index in range(len(records))]
 
 
@@ -96,9 +109,12 @@ class EvaluationLoop(EpisodeLoop):
             raise SamplingError(f"{self.model_name} failed a held-out episode's turn ({label}): {error}") from None
 
 
-def _loop(agent: Agent, endpoint: str, model: str, sampling: Sampling) -> EpisodeLoop:
-    """The job's rollout loop set up for evaluation: `model` named on every turn (no LoRA name: it would be followed
-    by the current version), the run's turn cap and budget, the evaluation's sampling."""
+def _loop(
+    agent: Agent, endpoint: str, model: str, sampling: Sampling
+) -> contextlib.AbstractAsyncContextManager[EpisodeLoop]:
+    """The job's rollout loop set up for evaluation (`detached_loop`: usable in the block): `model` named on every
+    turn (no LoRA name: it would be followed by the current version), the run's turn cap and budget, the evaluation's
+    sampling."""
     spec = agent.spec
     return detached_loop(
         EvaluationLoop,

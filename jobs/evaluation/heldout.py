@@ -11,11 +11,14 @@ import hashlib
 import json
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jobs.contract import EvalSpec, RunSpec
 from jobs.store import ObjectStore
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows, prompt_token_ids
+
+if TYPE_CHECKING:
+    from jobs.evaluation.episodes import Agent  # which imports this module, through sampling
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,14 @@ class HeldOut:
 @dataclass(frozen=True)
 class EvalPrompts:
     """The held-out prompts as they are sent and scored: the rows as the trainer builds them (prompt messages, answer,
-    every column), each prompt's token ids, and each prompt's last message for people to read."""
+    every column), each prompt's token ids (a single-turn run's, sent as they are; an agent's episodes render their
+    own, with the tools), and each prompt's last message for people to read."""
 
     records: list[dict[str, Any]]
-    token_ids: list[list[int]]
+    token_ids: list[list[int]]  # empty for an agent
     texts: list[str]
     source: str
-    agent: Any = None  # jobs/evaluation/episodes.Agent for a run with tools: its prompts start episodes
+    agent: Agent | None = None  # for a run with tools: its prompts start episodes
 
 
 def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any) -> EvalPrompts:
@@ -50,16 +54,16 @@ def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any) -> EvalPrompts:
     from datasets import Dataset
 
     records = [dict(row) for row in build_prompts(spec.dataset, Dataset.from_list(held.rows))]
-    token_ids = [prompt_token_ids(tokenizer, record["prompt"]) for record in records]
     texts = [str(record["prompt"][-1]["content"]) for record in records]
     if not spec.environment.enabled:
+        token_ids = [prompt_token_ids(tokenizer, record["prompt"]) for record in records]
         return EvalPrompts(records, token_ids, texts, held.source)
     from jobs.environments.loading import check_environment_column
     from jobs.evaluation.episodes import agent_for
 
     agent = agent_for(spec, tokenizer)
     check_environment_column(agent.environment, records)  # held-out rows name their environments as training's do
-    return EvalPrompts(records, token_ids, texts, held.source, agent)
+    return EvalPrompts(records, [], texts, held.source, agent)
 
 
 def normalise(prompt: Any) -> str:

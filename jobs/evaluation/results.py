@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from jobs.contract import RewardSpec, RunSpec, layout
 from jobs.evaluation.heldout import HeldOut
@@ -21,6 +21,37 @@ from jobs.evaluation.statistics import Interval, interval, is_binary, pass_at_k
 from jobs.store import ObjectNotFound, ObjectStore
 
 TOTAL = "reward"  # the sum of the weighted rewards, as TRL's `reward` metric
+
+
+class IntervalJson(TypedDict, total=False):
+    """An interval as `interval_json` writes it. Not total, as a score's (`EvalScore`) are read from what any evaluator
+    sent (`EvalRecord`)."""
+
+    mean: float
+    low: float | None
+    high: float | None
+
+
+class EvalScore(IntervalJson, total=False):
+    """One score as JSON carries it (`summary_json`): avg@k with its 95 % interval, and pass@k for 0/1 scores (else
+    None)."""
+
+    pass_at_k: float | None
+
+
+class EvalRecord(TypedDict, total=False):
+    """`VersionEval.record`: the `eval` telemetry stream's record of one version (jobs/evaluation/during_run.py adds
+    the tokens generated), which the panel reads back (backend/ingestion/ingest.py, `eval_rows`). No key is required:
+    the panel reads what any evaluator sent, and takes each key with a default."""
+
+    time: float
+    version: int
+    step: int
+    key: str  # the settings key (`result_key`): scores under different keys are not comparable
+    prompts: int
+    k: int
+    seconds: float
+    scores: dict[str, EvalScore]
 
 
 @dataclass(frozen=True)
@@ -54,7 +85,7 @@ class VersionEval:
             passed = sum(pass_at_k(len(p), int(sum(p)), len(p)) for p in scores) / len(scores)
         return ScoreSummary(means, interval(means), passed)
 
-    def record(self, step: int) -> dict[str, Any]:
+    def record(self, step: int) -> EvalRecord:
         """What the panel keeps of the result (a `VersionScore` row per score): each score's avg@k with its 95 %
         interval and pass@k for 0/1 scores, placed by version, the optimizer step it holds, and settings key."""
         return {
@@ -138,12 +169,12 @@ def stored_result(store: ObjectStore, run_id: str, version: int, key: str) -> Ve
         return None
 
 
-def interval_json(value: Interval) -> dict[str, float | None]:
+def interval_json(value: Interval) -> IntervalJson:
     """An interval as JSON can carry it (one prompt's is unbounded: None)."""
     return {"mean": value.mean, "low": _finite(value.low), "high": _finite(value.high)}
 
 
-def summary_json(summary: ScoreSummary) -> dict[str, float | None]:
+def summary_json(summary: ScoreSummary) -> EvalScore:
     """A score's avg@k with its interval and pass@k: what the API answers and the `eval` stream carries."""
     return {**interval_json(summary.avg), "pass_at_k": summary.pass_at_k}
 

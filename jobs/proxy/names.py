@@ -20,7 +20,7 @@ import json.decoder
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from jobs.contract.derived import TRL_ADAPTER_PREFIX, parse_trl_adapter_name, replica_adapter_name
 
@@ -36,7 +36,9 @@ _AFTER_ANSWER_KEY = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*\[")
 _ID_BYTES = 12  # a token id (at most 10 digits), a comma and a space
 _EXACT_FIELDS = frozenset({"model", "prompt", "messages", "stream"})
 _SCANSTRING: Callable[[str, int], tuple[str, int]] = vars(json.decoder)["scanstring"]
-_WS = re.compile(r"[ \t\n\r]*")
+# Where the JSON whitespace at an index ends: `_WS(text, index).end()`. Typed as never None (the pattern matches the
+# empty string too, at any index), so the hot loop of `top_level` calls the C matcher directly, with no check.
+_WS = cast("Callable[[str, int], re.Match[str]]", re.compile(r"[ \t\n\r]*").match)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _NAMES_REMEMBERED = 256  # a run sends a handful of model names, each thousands of times
 
@@ -159,10 +161,10 @@ def top_level(text: str, wanted: frozenset[str]) -> dict[str, tuple[Any, int, in
     Raises BadJson if `text` is not a JSON object.
     """
     try:
-        index = _space_end(text, 0)
+        index = _WS(text, 0).end()
         if text[index : index + 1] != "{":
             raise BadJson("the body is not a JSON object")
-        index = _space_end(text, index + 1)
+        index = _WS(text, index + 1).end()
         found: dict[str, tuple[Any, int, int]] = {}
         if text[index : index + 1] == "}":
             return found
@@ -170,19 +172,19 @@ def top_level(text: str, wanted: frozenset[str]) -> dict[str, tuple[Any, int, in
             if text[index : index + 1] != '"':
                 raise BadJson("malformed JSON object")
             key, index = _SCANSTRING(text, index + 1)
-            index = _space_end(text, index)
+            index = _WS(text, index).end()
             if text[index : index + 1] != ":":
                 raise BadJson("malformed JSON object")
-            start = _space_end(text, index + 1)
+            start = _WS(text, index + 1).end()
             value, index = _SCAN(text, start)
             if key in wanted:
                 found[key] = (value, start, index)
-            index = _space_end(text, index)
+            index = _WS(text, index).end()
             separator = text[index : index + 1]
             if separator == ",":
-                index = _space_end(text, index + 1)
+                index = _WS(text, index + 1).end()
             elif separator == "}":
-                if _space_end(text, index + 1) != len(text):
+                if _WS(text, index + 1).end() != len(text):
                     raise BadJson("trailing data after the JSON object")
                 return found
             else:
@@ -191,13 +193,6 @@ def top_level(text: str, wanted: frozenset[str]) -> dict[str, tuple[Any, int, in
         if isinstance(error, BadJson):
             raise
         raise BadJson("malformed JSON") from None
-
-
-def _space_end(text: str, index: int) -> int:
-    """Where the JSON whitespace starting at `index` ends."""
-    match = _WS.match(text, index)
-    assert match is not None  # `_WS` matches the empty string too, at any index
-    return match.end()
 
 
 def check_served_name(name: str) -> None:

@@ -1,30 +1,12 @@
 """The proxy's counters, and their snapshots: `GET /proxy/stats` and `telemetry/proxy/<seq>.json` every 10 s.
 
-Snapshot shape (all counters are totals since the proxy started; durations in seconds):
-
-    {
-      "time": 1767225600.0,            # this machine's clock, for display only
-      "started": 1767225000.0, "run_id": "math-r1",
-      "health": {"healthy": 2, "known": 3, "min_healthy": 1, "ok": true},
-      "replicas": [{"role": "replica-0", "url": "...", "state": "healthy|new|admitting|ejected", "healthy": true,
-                    "routed": 5120, "inflight": 61, "failed": 0, "loaded_versions": [3, 4, 5, 6, 7],
-                    "admissions": 1, "ejections": 0, "last_error": null, "since": 1767225001.0}, ...],
-      "routing": {"routed": 10240, "affinity": 8950, "followed": 0, "spilled": 12, "unmatched": 1278, "retried": 3,
-                  "prefix_tokens_saved": 1904000, "tracked_blocks": 61000, "table_blocks": 80000,
-                  "block_size": 16, "imbalance": 8, "group_allowance": 7},
-      "adapters": {"current": 7, "live": [3, 4, 5, 6, 7], "evaluating": ["math-r1-eval-v5"], "step": 28,
-                   "loads_ok": 7, "loads_failed": 0, "load_retries": 9, "rolled_back": 0,
-                   "unloads_ok": 2, "unloads_failed": 0, "replays": 0, "evaluation_loads": 1},
-      "sync_s": {"upload": W, "broadcast": W, "total": W},
-      "membership": {"ejections": 1, "readmissions": 1},
-      "errors": {"upstream_connect": 2, "upstream_timeout": 0, "...": 0}
-    }
-
-W, a latency window over the last 1024 syncs: {"count": n, "last": s, "p50": s, "p95": s, "max": s} (null values
-before the first sync). `load_retries` counts replica-level re-sends of a load (a replica that had not seen the new
-version yet); `rolled_back` counts loads undone on the replicas that had accepted them because another one failed;
-`evaluation_loads` counts versions loaded under their evaluation name for held-out evaluation, `evaluating` names
-those loaded now.
+A snapshot's shape is `ProxySnapshot` below, with its parts beside it (the replicas' `ReplicaView` in upstreams.py,
+the router's counters in router.py). Every counter is a total since the proxy started; durations are in seconds;
+`time` is the writing machine's clock, for display only. A latency window (`LatencySummary`) covers the last 1024
+syncs, its values None before the first. Of the adapters' counters, `load_retries` counts replica-level re-sends of a
+load (a replica that had not seen the new version yet); `rolled_back` counts loads undone on the replicas that had
+accepted them because another one failed; `evaluation_loads` counts versions loaded under their evaluation name for
+held-out evaluation, and `evaluating` names those loaded now.
 Error kinds: upstream_<connect|timeout|disconnected|protocol>, admission, publish, current_pointer, telemetry,
 upstreams_file, bad_request, no_replica.
 """
@@ -50,7 +32,7 @@ _WINDOW = 1024
 
 
 class LatencySummary(TypedDict):
-    """W in the snapshot shape above."""
+    """A latency window: the count of all syncs, and the last, median, 95th percentile and slowest of the window's."""
 
     count: int
     last: float | None
@@ -101,7 +83,7 @@ class MembershipView(TypedDict):
 
 
 class ProxySnapshot(TypedDict):
-    """A snapshot, as documented above: the body of `GET /proxy/stats` and of each telemetry chunk."""
+    """A snapshot (see above): the body of `GET /proxy/stats` and of each telemetry chunk."""
 
     time: float
     started: float

@@ -7,8 +7,6 @@ does: `{"error": {"message", "type", "param", "code"}}` with the HTTP status equ
 
 from __future__ import annotations
 
-from typing import TypedDict
-
 from aiohttp import web
 
 _TYPES = {
@@ -22,18 +20,7 @@ _TYPES = {
 }
 
 
-class ErrorDetail(TypedDict):
-    message: str
-    type: str
-    param: None
-    code: int
-
-
-class ErrorBody(TypedDict):
-    error: ErrorDetail
-
-
-def error_body(status: int, message: str, error_type: str | None = None) -> ErrorBody:
+def error_body(status: int, message: str, error_type: str | None = None) -> dict[str, dict[str, object]]:
     """vLLM's JSON error shape, which TRL and OpenAI clients parse."""
     return {
         "error": {"message": message, "type": error_type or _TYPES.get(status, "Error"), "param": None, "code": status}

@@ -82,6 +82,20 @@ class ReplicaVerdict(TypedDict, total=False):
     eject_error: str
 
 
+class AuditRecord(TypedDict, total=False):
+    """`audit/vNNNNNN.json`, the audit of one version on every replica, as `PolicyAudit.run` writes it and the panel
+    reads it back (backend/ingestion/versions.py). No key is required: the panel takes each with a default, as a
+    record may come from an older trainer, and ranks other than the main one return an empty record."""
+
+    version: int
+    step: int
+    time: float
+    tolerance: float
+    margin: float
+    ok: bool
+    replicas: dict[str, ReplicaVerdict]  # by role
+
+
 # One probe's tokens, and the trainer's log-probs of them under each policy ("current", "previous", "base").
 Scores = dict[str, dict[tuple[int, ...], list[float]]]
 
@@ -289,7 +303,7 @@ class PolicyAudit:
 
     # -- the audit -------------------------------------------------------------------------------------------------
 
-    def run(self, version: int, step: int) -> dict[str, Any]:
+    def run(self, version: int, step: int) -> AuditRecord:
         """Audit `version` (which the trainer must hold now) on every replica; store, report and act on the result."""
         self.note_version(version)
         results, probes = self._probe_all(version) if ranks.is_main_process() else ({}, {})
@@ -301,7 +315,7 @@ class PolicyAudit:
         ok = bool(results) and all(r["verdict"] in PASSING for r in results.values())
         for role, result in results.items():
             self._act(role, version, result)
-        record: dict[str, Any] = {
+        record: AuditRecord = {
             "version": version,
             "step": step,
             "time": time.time(),

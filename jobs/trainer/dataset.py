@@ -38,11 +38,12 @@ def load_rows(spec: DatasetSpec, store: ObjectStore | None = None, limit: int | 
 
     limit = min(filter(None, (limit, spec.limit)), default=None)
     if spec.source == "builtin":
-        from jobs.demo.dataset import SPLITS, builtin_rows
+        from jobs.demo.dataset import builtin_rows, builtin_splits
 
-        if spec.split not in SPLITS:
+        splits = builtin_splits(spec.id)
+        if spec.split not in splits:
             raise DatasetError(
-                f"dataset.split: the built-in dataset has no split {spec.split!r}; use {' or '.join(SPLITS)}"
+                f"dataset.split: the built-in dataset has no split {spec.split!r}; use {' or '.join(splits)}"
             )
         rows = datasets.Dataset.from_list(builtin_rows(spec.id, spec.split))
     elif spec.source == "store":

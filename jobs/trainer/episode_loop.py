@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import queue
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,11 +110,18 @@ class EpisodeLoop(_AsyncRolloutLoop):
         return output
 
 
-def detached_loop(loop_class: type[EpisodeLoop], model_version_value: Any = None, **settings: Any) -> EpisodeLoop:
+@contextlib.asynccontextmanager
+async def detached_loop(
+    loop_class: type[EpisodeLoop], model_version_value: Any = None, **settings: Any
+) -> AsyncIterator[EpisodeLoop]:
     """A loop run outside TRL's rollout child, an episode at a time (held-out evaluation): no trainer to hand samples,
-    metrics or a heartbeat to, and nothing scored inside it (the run's rewards score what it returns)."""
+    metrics or a heartbeat to, and nothing scored inside it (the run's rewards score what it returns). In the block it
+    has its HTTP session; after it, what TRL's `run` would close is closed: the tool threads and the event loop TRL
+    makes for its child (unused here, the caller's loop runs the episodes)."""
+    import aiohttp
+
     unused: queue.Queue[Any] = queue.Queue()
-    return loop_class(
+    loop = loop_class(
         dataset=[],
         reward_funcs=[_unscored],
         rollout_buffer=unused,
@@ -125,6 +132,13 @@ def detached_loop(loop_class: type[EpisodeLoop], model_version_value: Any = None
         metrics_queue=unused,
         **settings,
     )
+    try:
+        async with aiohttp.ClientSession() as session:
+            loop.session = session
+            yield loop
+    finally:
+        loop._tool_pool.shutdown(wait=False, cancel_futures=True)
+        loop._loop.close()
 
 
 def _unscored(**_: Any) -> list[float]:

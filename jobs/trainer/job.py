@@ -29,7 +29,7 @@ import torch
 from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import RunSpec, derived, layout
-from jobs.environments.loading import check_environment_column, row_tools, trainer_arguments
+from jobs.environments.loading import check_dataset_environments, row_tools, trainer_arguments
 from jobs.evaluation.heldout import training_rows
 from jobs.models import eos_token_ids, parameter_count, resolve_model
 from jobs.ports import free_port
@@ -136,9 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     ranks.join_process_group(cuda)
     ctx = open_run(args.spec, args.store_endpoint, args.store_region)
     spec, store = ctx.spec, ctx.store
+    recorder: TrainerTelemetry | None = None  # the main process's telemetry, which records
     if main_process:
         attempt = previous_attempt(ctx) + 1
-        telemetry: Telemetry = TrainerTelemetry(store, spec.run_id, attempt, spec.grpo.max_steps)
+        recorder = TrainerTelemetry(store, spec.run_id, attempt, spec.grpo.max_steps)
+        telemetry: Telemetry = recorder
     else:
         attempt, telemetry = 0, SilentTelemetry()  # the main process reports for every rank
     telemetry.status("starting")
@@ -182,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         # Rows carved off for held-out evaluation are never trained on (jobs/evaluation/heldout.py).
         rows = training_rows(load_rows(spec.dataset, store), spec.eval)
         environment = trainer_arguments(spec.environment, workdir / "environment")
-        check_environment_column(environment, list(rows))
-        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, row_tools(environment))
+        check_dataset_environments(environment, rows)
+        tools_for = row_tools(environment) if spec.environment.enabled else None
+        dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, tools_for)
         if spec.eval.holdout is not None:
             log.info("%d rows held out for evaluation; training on the other %d", spec.eval.holdout, len(rows))
         error_log = workdir / "reward_errors.jsonl"
@@ -202,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         continue_versions = ContinueVersions(store, spec.run_id)
         callbacks = [CheckpointComplete(), stop]
-        if main_process:
-            recorder = cast(TrainerTelemetry, telemetry)  # the main process's telemetry records
+        if recorder is not None:  # the main process
             callbacks += [
                 TelemetryCallback(recorder),
                 CheckpointUploader(store, spec.run_id, attempt, recorder),
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         if parent_spec is not None and resume_path is None:
             parent = ranks.from_main(lambda: download_parent_adapter(store, parent_spec, workdir))
             load_parent_adapter(parent, parent_spec, trainer.model)
-        audit = watch_trainer(trainer, tokenizer, ctx, proxy, telemetry, cuda, stop, sharding)
+        audit = watch_trainer(trainer, tokenizer, ctx, proxy, telemetry, recorder, cuda, stop, sharding)
 
         telemetry.status("training", resumed_from_step=resume_step, sharding=sharding)
         trainer.train(resume_from_checkpoint=resume_path)
@@ -332,17 +334,17 @@ def watch_trainer(
     ctx: RunContext,
     proxy: ProxyProcess,
     telemetry: Telemetry,
+    recorder: TrainerTelemetry | None,
     cuda: bool,
     stop: GracefulStop,
     sharding: str,
 ) -> PolicyAudit | None:
-    """What the job adds to TRL's trainer: on the main process sample recording; policy audits (a replica failing
-    one is ejected through the proxy; one failing them again and again stops the run) on the main process, and on
-    every rank under FSDP, whose forward needs them all."""
+    """What the job adds to TRL's trainer: on the main process (the one with a `recorder`) sample recording; policy
+    audits (a replica failing one is ejected through the proxy; one failing them again and again stops the run) on
+    the main process, and on every rank under FSDP, whose forward needs them all."""
     spec = ctx.spec
     collective = sharding == "fsdp"
-    if ranks.is_main_process():
-        recorder = cast(TrainerTelemetry, telemetry)  # the main process's telemetry records
+    if recorder is not None:  # the main process
         # A stand-in for TRL's queue, with the methods the trainer calls (telemetry.RecordingQueue).
         trainer.rollout_queue = RecordingQueue(  # type: ignore[assignment]  # TRL types it as a Queue
             trainer.rollout_queue, recorder, trainer, spec.grpo.max_staleness, episodes=spec.environment.enabled

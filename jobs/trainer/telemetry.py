@@ -40,8 +40,13 @@ def episode_text(completion: Any) -> str:
     """A completion as the sample browser shows it: the reply's text, or for an agent's episode each turn in order —
     what the model said, each tool call with its arguments (→), each tool's answer (←) — so a search finds any of
     them. TRL hands the whole episode over as one message list."""
-    turns = episode_turns(completion)
-    if turns is None:
+    return turns_text(completion, episode_turns(completion))
+
+
+def turns_text(completion: Any, turns: list[dict[str, Any]] | None) -> str:
+    """`episode_text` from the completion's `episode_turns` (an agent run's or not) where they are built already:
+    the reply's text unless a turn called a tool or answered one."""
+    if turns is None or not any(_is_tool_turn(turn) for turn in turns):
         return completion_text(completion)
     lines = []
     for turn in turns:
@@ -248,6 +253,7 @@ class RecordingQueue:
         version = int(self.trainer.model_version)
         staleness = version - int(sample.model_version)
         metrics = dict(sample.metrics or {})
+        turns = episode_turns(sample.completion, self.episodes)
         self.telemetry.samples.add(
             {
                 "step": int(self.trainer.state.global_step) + 1,  # the step this sample is pulled for
@@ -258,8 +264,8 @@ class RecordingQueue:
                 "dropped": staleness > self.max_staleness,
                 "group_id": int(sample.group_id),
                 "prompt": _text(sample.prompt),
-                "completion": episode_text(sample.completion)[:MAX_TEXT_CHARS],
-                "turns": episode_turns(sample.completion, self.episodes),
+                "completion": turns_text(sample.completion, turns)[:MAX_TEXT_CHARS],
+                "turns": turns,
                 "reward": _finite(metrics.get("reward")),
                 "rewards": {k[len("rewards/") :]: _finite(v) for k, v in metrics.items() if k.startswith("rewards/")},
                 "advantage": _finite(float(sample.advantage)),

@@ -27,8 +27,9 @@ from backend.context import PanelContext
 from backend.database import schema
 from backend.database.connection import Database
 from backend.database.models import RolloutSample
+from backend.database.turns import ToolCall, Turn, read_turns
 from backend.ingestion import ingest
-from backend.ingestion.episodes import CUT, MAX_EPISODE_CHARS, ToolCall, Turn, read_turns, stored_turns
+from backend.ingestion.episodes import CUT, MAX_EPISODE_CHARS, stored_turns
 from backend.ingestion.poller import Poller
 from backend.services.exports import ExportService
 from backend.services.queries import QueryService, SampleFilters
@@ -36,22 +37,35 @@ from backend.services.runs import RunService
 from jobs.demo.preset import demo_spec
 from jobs.store import LocalStore
 from jobs.telemetry import ChunkWriter
+from jobs.trainer.episode_loop import TURN_VERSION
+from jobs.trainer.telemetry import episode_turns
 
 RUN = "demo-agent"
 MARKUP = '<img id="xss-turn" src="x" onerror="document.title=\'pwned\'">'
+
+
+def _reply(content: str, version: int, *calls: tuple[str, dict[str, Any]]) -> dict[str, Any]:
+    """A reply as TRL's message list holds it, marked by the rollout loop with the version that generated it."""
+    tool_calls = [{"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]
+    return {"role": "assistant", "content": content, "tool_calls": tool_calls, TURN_VERSION: version}
+
+
+def _recorded(*messages: dict[str, Any]) -> list[dict[str, Any]]:
+    """An episode's `turns` as the trainer records them, by its own `episode_turns`: what it records changing
+    reaches these tests."""
+    turns = episode_turns(list(messages), agent=True)
+    assert turns is not None  # an agent run records every episode turn by turn
+    return turns
+
+
 # The calculator episode of the brief: v5 calls a tool, a weight sync lands, v6 answers.
-SYNCED = [
-    {
-        "role": "assistant",
-        "content": f"Let me add 3 and 4. {MARKUP}",
-        "tool_calls": [{"name": "calculate", "arguments": {"expression": "3+4"}}],
-        "version": 5,
-    },
+SYNCED = _recorded(
+    _reply(f"Let me add 3 and 4. {MARKUP}", 5, ("calculate", {"expression": "3+4"})),
     {"role": "tool", "name": "calculate", "content": "7"},
-    {"role": "assistant", "content": "7", "tool_calls": [], "version": 6},
-]
+    _reply("7", 6),
+)
 # An episode that never called a tool: one model turn, by the version it started on.
-DIRECT = [{"role": "assistant", "content": "7, without a tool", "tool_calls": [], "version": 5}]
+DIRECT = _recorded(_reply("7, without a tool", 5))
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """An agent run's episodes on the Monitor's Samples tab, turn by turn, in a real browser (issue 31, part 4).
 
-No demo run calls tools yet (the tiny demo model has not learned to), so the agent run's trainer is stood in for: its
-bucket is written as a trainer writes one — the spec, then rollout samples carrying `turns` through
-`jobs.telemetry.ChunkWriter`, shaped as the trainer records an episode — and the run is added to the panel with
-`python -m backend import`, as a user adds the runs a bucket holds. Episodes written after that are ingested by the
-panel's own poller, as during a run; a final trainer status ends the run, as a trainer does.
+The browser suite trains no run (a real one is tests/test_e2e_demo.py's), so the agent run's trainer is stood in for:
+its bucket is written as a trainer writes one — the spec, then rollout samples through `jobs.telemetry.ChunkWriter`,
+each episode's `turns` and completion made from TRL's messages by the trainer's own `episode_turns` and
+`episode_text` — and the run is added to the panel with `python -m backend import`, as a user adds the runs a bucket
+holds. Episodes written after that are ingested by the panel's own poller, as during a run; a final trainer status
+ends the run, as a trainer does.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from jobs.demo.preset import demo_spec
 from jobs.runtime import write_status
 from jobs.store import LocalStore
 from jobs.telemetry import ChunkWriter
+from jobs.trainer.episode_loop import TURN_VERSION
+from jobs.trainer.telemetry import episode_text, episode_turns
 from tests.browser.helpers import RunningPanel, fill, open_tab, rows, screenshot
 
 pytestmark = pytest.mark.browser
@@ -36,33 +39,24 @@ RUN = "agent-episodes"
 MARKUP = '<img id="xss-turn" src="x" onerror="document.title=\'pwned\'">'
 
 
+# An episode's messages as TRL hands them to the trainer: each reply marked with the version that generated it.
 def _call(content: str, expression: str, version: int) -> dict[str, Any]:
-    return {
-        "role": "assistant",
-        "content": content,
-        "tool_calls": [{"name": "calculate", "arguments": {"expression": expression}}],
-        "version": version,
-    }
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": expression}}}
+    return {"role": "assistant", "content": content, "tool_calls": [call], TURN_VERSION: version}
 
 
 def _answer(content: str, version: int) -> dict[str, Any]:
-    return {"role": "assistant", "content": content, "tool_calls": [], "version": version}
+    return {"role": "assistant", "content": content, TURN_VERSION: version}
 
 
 def _tool(content: str) -> dict[str, Any]:
     return {"role": "tool", "name": "calculate", "content": content}
 
 
-def _episode(step: int, group: int, turns: list[dict[str, Any]], reward: float) -> dict[str, Any]:
-    """A sample record as the trainer writes an agent's episode: its turns, and the whole of it as the completion.
-    Every episode starts on v1; the trainer's version when it takes them is the step's."""
-    lines = []
-    for turn in turns:
-        if turn["role"] == "tool":
-            lines.append(f"← calculate: {turn['content']}")
-            continue
-        lines.append(turn["content"])
-        lines += [f"→ calculate(expression={c['arguments']['expression']!r})" for c in turn["tool_calls"]]
+def _episode(step: int, group: int, messages: list[dict[str, Any]], reward: float) -> dict[str, Any]:
+    """A sample record as the trainer writes an agent's episode (jobs/trainer/telemetry.py's RecordingQueue): its
+    turns and its completion as the trainer's own functions make them. Every episode starts on v1; the trainer's
+    version when it takes them is the step's."""
     return {
         "step": step,
         "time": time.time(),
@@ -72,11 +66,11 @@ def _episode(step: int, group: int, turns: list[dict[str, Any]], reward: float) 
         "dropped": False,
         "group_id": group,
         "prompt": f"user: What is {group + 3} + 4?",
-        "completion": "\n".join(lines),
+        "completion": episode_text(messages),
         "reward": reward,
         "rewards": {"correct": reward},
         "advantage": reward - 0.5,
-        "turns": turns,
+        "turns": episode_turns(messages, agent=True),
     }
 
 

@@ -178,7 +178,7 @@ def test_several_environment_classes_give_each_row_the_one_its_environment_colum
     run, and every environment starts episodes from its own rows."""
     from transformers import AutoTokenizer
 
-    from jobs.environments.loading import check_environment_column, rehearse, row_tools
+    from jobs.environments.loading import check_dataset_environments, check_environment_column, rehearse, row_tools
     from jobs.models import builtin_model_folder
     from jobs.trainer.dataset import build_prompts, prompt_token_ids
 
@@ -202,6 +202,15 @@ def test_several_environment_classes_give_each_row_the_one_its_environment_colum
         with pytest.raises(EnvironmentCodeError, match=said):
             check_environment_column(arguments, [rows[0], {"prompt": "?", **bad}])
     import datasets
+
+    # The trainer checks its training set by the column's distinct values, and names the first bad row as above.
+    check_dataset_environments(arguments, datasets.Dataset.from_list(rows * 3))
+    named_badly = datasets.Dataset.from_list([*rows, {**rows[0], "environment": "Abacus"}])
+    with pytest.raises(EnvironmentCodeError, match="row 3 names environment 'Abacus'"):
+        check_dataset_environments(arguments, named_badly)
+    unnamed = datasets.Dataset.from_list([{"prompt": row["prompt"], "answer": ""} for row in rows])
+    with pytest.raises(EnvironmentCodeError, match="row 1 has no environment column"):
+        check_dataset_environments(arguments, unnamed)
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_folder(DEMO_MODEL_ID))
     run = spec(**code(source, "Counter, Echo"))

@@ -8,6 +8,7 @@ TRL's own loop runs each episode: the stand-in answers the first turn with a too
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import threading
@@ -19,7 +20,7 @@ import pytest
 
 from jobs.demo.preset import demo_spec
 from jobs.environments.calculator import calculate
-from jobs.evaluation.episodes import Agent, sample_episodes
+from jobs.evaluation.episodes import Agent, sample_episodes, with_observation
 from jobs.evaluation.sampling import Sampling, SamplingError
 from jobs.models import builtin_model_folder
 from jobs.trainer import cpu_compat
@@ -87,7 +88,9 @@ def replica(tokenizer: Any) -> Iterator[tuple[Replica, str]]:
     server.shutdown()
 
 
-def training_loop(tokenizer: Any, url: str, version: Any, budget: int | None) -> EpisodeLoop:
+def training_loop(
+    tokenizer: Any, url: str, version: Any, budget: int | None
+) -> contextlib.AbstractAsyncContextManager[EpisodeLoop]:
     """The loop as training runs it (a LoRA name and the shared version counter), one episode at a time."""
     cpu_compat.apply_cpu_patches(force=True)
     return detached_loop(
@@ -105,20 +108,14 @@ def training_loop(tokenizer: Any, url: str, version: Any, budget: int | None) ->
     )
 
 
-def run_episode(loop: EpisodeLoop) -> list[dict[str, Any]]:
-    import aiohttp
-
+def run_episode(detached: contextlib.AbstractAsyncContextManager[EpisodeLoop]) -> list[dict[str, Any]]:
     async def episode() -> list[dict[str, Any]]:
-        async with aiohttp.ClientSession() as session:
-            loop.session = session
+        async with detached as loop:
             prompt = [{"role": "user", "content": "What is 6 times 7?"}]
             completion, *_ = await loop._generate_one(prompt, tool_dict={"calculate": calculate}, tools=[calculate])
             return list(completion)
 
-    try:
-        return asyncio.run(episode())
-    finally:
-        loop._tool_pool.shutdown(wait=False)
+    return asyncio.run(episode())
 
 
 def test_each_reply_names_the_version_its_request_named_when_a_sync_lands_mid_episode(
@@ -187,3 +184,30 @@ def test_a_held_out_turn_the_engine_refuses_fails_at_once_naming_the_version(
     with pytest.raises(SamplingError, match="eval-v3 failed a held-out episode's turn"):
         sample_episodes(agent(tokenizer), url, "eval-v3", records, Sampling(1, 1.0, 1.0, MAX_TOKENS, 0), concurrency=1)
     assert len(stand_in.requests) == 1
+
+
+TEXT_PART = {"type": "text", "text": "Question?"}
+IMAGE_PART = {"type": "image", "image": "cat.png"}
+
+
+@pytest.mark.parametrize(
+    ("content", "observation", "expected"),
+    [
+        ("Question?", " Seen: 3.", "Question? Seen: 3."),
+        ([TEXT_PART], " Seen: 3.", [TEXT_PART, {"type": "text", "text": " Seen: 3."}]),
+        ("Question?", [IMAGE_PART], [TEXT_PART, IMAGE_PART]),
+        ("Question?", None, "Question?"),
+    ],
+    ids=["text+text", "parts+text", "text+parts", "no-observation"],
+)
+def test_what_reset_returns_is_appended_to_the_last_message_as_trl_appends_it(
+    content: Any, observation: Any, expected: Any
+) -> None:
+    """A held-out episode starts from the prompt TRL's generate loop would build (async_rollout_worker.py): `reset`'s
+    text or parts appended to the last message's, either side made a list of parts when the other is one; the
+    earlier messages and the row's own prompt untouched."""
+    system = {"role": "system", "content": "Be brief."}
+    prompt = [system, {"role": "user", "content": content}]
+    original = [dict(message) for message in prompt]
+    assert with_observation(prompt, observation) == [system, {"role": "user", "content": expected}]
+    assert prompt == original
