@@ -6,7 +6,15 @@ import logging
 
 import pytest
 
+from jobs import secrets
 from jobs.secrets import find_secret, install_log_redaction, redact, register_secret
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch):
+    """Start each test with no registered values: the registry is process-wide, and another test in this worker
+    (the vault's) may have registered the very key quoted here, which would mask it whole."""
+    monkeypatch.setattr(secrets, "_registered", set())
 
 
 @pytest.fixture
