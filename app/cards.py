@@ -389,7 +389,7 @@ def sample_card(title: str, sample: RolloutSample | None) -> str:
     advantage, the version that wrote it."""
     if sample is None:
         return empty_state("No sample")
-    scores = json.loads(sample.rewards_json or "{}")
+    scores = sample.rewards
     score_rows = "".join(
         f"<tr><td>{escape(name)}</td><td>{value:.3f}</td></tr>"
         if isinstance(value, int | float)

@@ -263,6 +263,6 @@ def _sample(row: RolloutSample) -> JsonObject:
     turns = row.turns
     return {
         **_pick(row, *columns, "dropped"),
-        "rewards": json.loads(row.rewards_json or "{}"),
+        "rewards": row.rewards,
         "turns": None if turns is None else [asdict(turn) for turn in turns],
     }

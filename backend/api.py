@@ -10,13 +10,12 @@ services.adapters.download_zip(run_id, 3)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from backend.context import PanelContext
 from backend.credentials.hub_tokens import HubIdentity, check_hf_token
 from backend.database.models import Run
 from backend.launch.preflight import Preflight, run_preflight
-from backend.launchers.hf_jobs import HfJobsLauncher
 from backend.sandbox.client import RewardTrial, SandboxLimits, run_rewards
 from backend.services.adapters import AdapterService
 from backend.services.evaluation import EvaluationService
@@ -71,16 +70,7 @@ class PanelServices:
     def flavor_prices(self, hf_credential_id: int) -> dict[str, float]:
         """$/hour of every HF Jobs flavor, as the Hub lists them for this owner's token (cached per token)."""
         self.ctx.vault.get(self.owner, hf_credential_id)  # raises unless this owner holds the credential
-        probe = Run(
-            id="price-probe",
-            owner=self.owner,
-            spec_json="{}",
-            storage_uri="",
-            backend="hf_jobs",
-            created_at=0.0,
-            hf_credential_id=hf_credential_id,
-        )
-        return cast(HfJobsLauncher, self.ctx.launcher_for(probe)).prices_per_hour()  # the probe's backend is hf_jobs
+        return self.ctx.hf_launcher(self.owner, hf_credential_id).prices_per_hour()
 
     def smoke_test(
         self,
@@ -117,9 +107,7 @@ class PanelServices:
         credentials = self.ctx.vault.store_credentials(self.owner, store_credential_id) if store_credential_id else None
         store = open_store(location, credentials)
         imported = []
-        # Typed here: in ObjectStore (jobs/store/base.py) its own `list` method shadows the builtin `list[str]`.
-        run_ids: list[str] = store.list_dirs(layout.RUNS + "/")
-        for run_id in run_ids:
+        for run_id in store.list_dirs(layout.RUNS + "/"):
             try:
                 spec = RunSpec.from_json(store.get_bytes(layout.spec_key(run_id)))
             except Exception:

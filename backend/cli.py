@@ -30,12 +30,13 @@ from typing import Any, TextIO
 from backend.api import PanelServices
 from backend.context import PanelContext
 from backend.credentials.vault import RunCredentials
+from backend.database.models import TERMINAL_STATUSES
 from backend.ingestion.poller import Poller
 from backend.launch import presets
 from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService, RunStateError, run_row
+from backend.services.runs import RunNotFound, RunService, RunStateError, run_row
 from jobs.contract import RunSpec, SpecError, parse_spec
 from jobs.secrets import install_log_redaction
 

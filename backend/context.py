@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from backend import settings
 from backend.credentials.vault import Vault
@@ -15,6 +16,9 @@ from backend.launchers.base import JobHandle, Launcher, RunSecrets
 from backend.launchers.local import LocalLauncher
 from jobs.contract import RunSpec
 from jobs.store import ObjectStore, StoreCredentials, open_store
+
+if TYPE_CHECKING:  # imported where it is used, so that loading this module does not load huggingface_hub
+    from backend.launchers.hf_jobs import HfJobsLauncher
 
 UNSET = "<not entered yet>"  # stands for a credential in a plan printed before it was entered
 
@@ -28,7 +32,7 @@ class PanelContext:
         self.vault = Vault(self.db)
         self.limits = OwnerLimiter()  # per-owner limits on runs, checks and reward tests (backend/launch/limits.py)
         self.local_launcher = LocalLauncher(self.folder / "jobs")
-        self._hf_launchers: dict[tuple[str, int | None], Launcher] = {}
+        self._hf_launchers: dict[tuple[str, int | None], HfJobsLauncher] = {}
         self._stores: dict[str, ObjectStore] = {}
         self._lock = threading.Lock()
 
@@ -96,14 +100,18 @@ class PanelContext:
     def launcher_for(self, run: Run) -> Launcher:
         if run.backend == "local":
             return self.local_launcher
+        return self.hf_launcher(run.owner, run.hf_credential_id)
+
+    def hf_launcher(self, owner: str, hf_credential_id: int | None) -> HfJobsLauncher:
+        """The HF Jobs launcher acting with this HF token of `owner`'s, cached per token."""
         from backend.launchers.hf_jobs import HfJobsLauncher
 
-        key = (run.owner, run.hf_credential_id)
+        key = (owner, hf_credential_id)
         with self._lock:
             if key not in self._hf_launchers:
-                if run.hf_credential_id is None:
+                if hf_credential_id is None:
                     raise ValueError("this run has no HF token; add one in the credentials form")
-                token = self.vault.hf_token(run.owner, run.hf_credential_id)
+                token = self.vault.hf_token(owner, hf_credential_id)
                 self._hf_launchers[key] = HfJobsLauncher(token, endpoint=self.hub_endpoint)
             return self._hf_launchers[key]
 
@@ -124,7 +132,9 @@ class PanelContext:
         from backend.launchers.hf_jobs import HfJobsLauncher
 
         launcher = (
-            self.launcher_for(run) if run.hf_credential_id is not None else HfJobsLauncher(None, self.hub_endpoint)
+            self.hf_launcher(run.owner, run.hf_credential_id)
+            if run.hf_credential_id is not None
+            else HfJobsLauncher(None, self.hub_endpoint)
         )
         secrets.hf_token = secrets.hf_token or UNSET
         if secrets.store is None and not spec.storage.uri.startswith("file://"):

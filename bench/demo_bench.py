@@ -45,9 +45,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.context import PanelContext
 from backend.database.connection import Database
+from backend.database.models import TERMINAL_STATUSES
 from backend.ingestion.poller import Poller
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunService
+from backend.services.runs import RunService
 from jobs.contract import RunSpec
 from jobs.demo.preset import demo_spec
 from jobs.store import LocalStore
@@ -100,8 +101,9 @@ class FinishedRun:
 @contextmanager
 def finished_run(run_id: str, make_spec: Callable[[str, str], RunSpec]) -> Iterator[FinishedRun]:
     """Create and launch `make_spec(run_id, storage_uri)` in a fresh data folder, as the panel does, and poll it to its
-    end; the folder and its database last until the `with` ends. Every bench of a whole demo run shares this, so
-    their wall times mean the same thing."""
+    end; the folder and its database last until the `with` ends. The benches that time a whole run (this one and
+    bench/agent_bench.py) share this, so their wall times mean the same thing; bench/eval_bench.py, which times
+    evaluations after its run and writes the run's dataset to the bucket before creating it, follows its own."""
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         ctx = PanelContext(Database(root / "panel.sqlite3"), root)

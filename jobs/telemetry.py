@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from jobs.contract import layout
@@ -38,7 +39,7 @@ def read_stream(store: ObjectStore, run_id: str, stream: TelemetryStream) -> lis
     ]
 
 
-def encode_jsonl(records: list[dict[str, Any]]) -> bytes:
+def encode_jsonl(records: list[Mapping[str, Any]]) -> bytes:
     return "".join(json.dumps(record, default=str, allow_nan=True) + "\n" for record in records).encode()
 
 
@@ -52,13 +53,13 @@ class ChunkWriter:
     def __init__(self, store: ObjectStore, run_id: str, stream: TelemetryStream, interval: float = 5.0):
         self.store, self.run_id, self.stream, self.interval = store, run_id, stream, interval
         self.seq = next_sequence(store, run_id, stream)
-        self._buffer: list[dict[str, Any]] = []
+        self._buffer: list[Mapping[str, Any]] = []
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def add(self, record: dict[str, Any]) -> None:
+    def add(self, record: Mapping[str, Any]) -> None:
         with self._lock:
             self._buffer.append(record)
 

@@ -24,11 +24,11 @@ from backend import settings
 from backend.cli import main
 from backend.context import PanelContext
 from backend.database.connection import Database
-from backend.database.models import Job, MetricPoint, RolloutSample
+from backend.database.models import TERMINAL_STATUSES, Job, MetricPoint, RolloutSample
 from backend.ingestion.poller import Poller
 from backend.services.evaluation import EvaluationService
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunService
+from backend.services.runs import RunService
 from jobs.contract import DEMO_MODEL_ID, layout
 from jobs.demo.dataset import digits_rows
 from jobs.demo.preset import agent_demo_spec, demo_spec

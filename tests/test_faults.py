@@ -39,6 +39,7 @@ from sqlmodel import select
 from backend.context import PanelContext
 from backend.database.connection import Database
 from backend.database.models import (
+    TERMINAL_STATUSES,
     AdapterVersion,
     Event,
     Job,
@@ -51,7 +52,7 @@ from backend.database.models import (
 from backend.ingestion.poller import Poller
 from backend.launchers.base import TERMINAL
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunService
+from backend.services.runs import RunService
 from jobs.contract import RunSpec, derived, layout, parse_storage_uri
 from jobs.demo.preset import demo_spec
 from jobs.processes import group_alive

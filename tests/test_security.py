@@ -54,7 +54,7 @@ from backend.api import PanelServices
 from backend.context import PanelContext
 from backend.credentials.vault import CredentialError
 from backend.database.connection import Database
-from backend.database.models import Credential, Job, Run
+from backend.database.models import TERMINAL_STATUSES, Credential, Job, Run
 from backend.ingestion.poller import Poller
 from backend.sandbox.client import RUNNER, SandboxError, SandboxLimits, run_rewards
 from backend.sandbox.client import confinement as sandbox_confinement
@@ -62,7 +62,7 @@ from backend.services.adapters import AdapterService
 from backend.services.evaluation import EvaluationError
 from backend.services.exports import ExportService
 from backend.services.queries import QueryService
-from backend.services.runs import TERMINAL_STATUSES, RunNotFound, RunService
+from backend.services.runs import RunNotFound, RunService
 from jobs import settings
 from jobs.confinement import landlock
 from jobs.contract import RewardSpec, RunSpec, layout

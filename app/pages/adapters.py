@@ -22,12 +22,11 @@ from app.formatting import clock, number, size
 from app.pages.monitor import run_choices
 from app.panel import Panel
 from backend.api import PanelServices
-from backend.database.models import AdapterVersion, Run
-from backend.ingestion.ingest import VERSION_REWARD_STEPS
+from backend.database.models import TERMINAL_STATUSES, VERSION_REWARD_STEPS, AdapterVersion, Run
 from backend.services.adapters import Comparison
 from backend.services.evaluation import Evaluation, PromptDifference
 from backend.services.queries import HeldOutScore
-from backend.services.runs import TERMINAL_STATUSES, RunStateError, propose_run_id
+from backend.services.runs import RunStateError, propose_run_id
 from jobs.evaluation.results import TOTAL, VersionEval
 
 REFRESH_SECONDS = 5.0

@@ -7,7 +7,6 @@ everything else is skipped, so an idle viewer costs one small query per tick.
 
 from __future__ import annotations
 
-import json
 import math
 import tempfile
 from collections.abc import Callable
@@ -26,13 +25,13 @@ from app.charts.style import ChartOptions, elapsed_axis
 from app.events import Components, Updates
 from app.panel import Panel
 from backend.api import PanelServices
-from backend.database.models import RolloutSample, Run
+from backend.database.models import TERMINAL_STATUSES, RolloutSample, Run
 from backend.launchers.base import TERMINAL
 from backend.services.adapters import VersionNotFound
 from backend.services.exports import FORMATS as EXPORT_FORMATS
 from backend.services.exports import ExportFormat
 from backend.services.queries import JobLog, SampleFilters
-from backend.services.runs import TERMINAL_STATUSES, RunNotFound
+from backend.services.runs import RunNotFound
 from jobs.contract import RunSpec, derived
 
 REFRESH_SECONDS = 2.0
@@ -768,8 +767,7 @@ def _shortened(text: str, limit: int) -> str:
 
 def _samples_table(rows: list[RolloutSample]) -> pd.DataFrame:
     def scores(sample: RolloutSample) -> str:
-        values = json.loads(sample.rewards_json or "{}")
-        return ", ".join(f"{k} {v:.2f}" for k, v in values.items() if isinstance(v, int | float))
+        return ", ".join(f"{k} {v:.2f}" for k, v in sample.rewards.items() if isinstance(v, int | float))
 
     return pd.DataFrame(
         [

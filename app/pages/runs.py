@@ -19,8 +19,8 @@ from app.events import Components, Updates
 from app.formatting import clock, duration, money
 from app.panel import Panel
 from backend.api import PanelServices
-from backend.database.models import Run
-from backend.services.runs import TERMINAL_STATUSES, propose_run_id
+from backend.database.models import TERMINAL_STATUSES, Run
+from backend.services.runs import propose_run_id
 
 REFRESH_SECONDS = 5.0
 OVERLAY_STORAGE_KEY = "grpo-panel.runs.overlay"

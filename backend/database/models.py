@@ -7,10 +7,16 @@ since the epoch as the writer's clock reported them; nothing compares clocks acr
 
 from __future__ import annotations
 
+import json
+
 from sqlalchemy import Column, Index, LargeBinary, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 from backend.database.turns import Turn, read_turns
+
+# The statuses of a run that has ended, the last three of `Run.status`: the trainer's phase that ends a run becomes its
+# status (backend/ingestion/run_status.py).
+TERMINAL_STATUSES = ("finished", "failed", "stopped")
 
 
 class Run(SQLModel, table=True):
@@ -63,6 +69,9 @@ class Job(SQLModel, table=True):
     message: str = ""
 
 
+VERSION_REWARD_STEPS = 5  # a version's reward: the mean over the steps up to its own (one step's is noisy)
+
+
 class AdapterVersion(SQLModel, table=True):
     __table_args__ = (UniqueConstraint("run_id", "version"),)
     id: int | None = Field(default=None, primary_key=True)
@@ -73,7 +82,7 @@ class AdapterVersion(SQLModel, table=True):
     created_at: float
     size_bytes: int = 0
     manifest_json: str = "{}"
-    reward: float | None = None  # smoothed reward around `step`, filled by the poller
+    reward: float | None = None  # mean reward of the `VERSION_REWARD_STEPS` steps up to `step`, filled by the poller
     audit_max_diff: float | None = None  # largest log-prob difference the policy audit saw across replicas
     audit_ok: bool | None = None
     attempt: int | None = None
@@ -116,6 +125,13 @@ class RolloutSample(SQLModel, table=True):
     def turns(self) -> list[Turn] | None:
         """The episode turn by turn, decoded from `turns_json` (checked when ingested); None for a single reply."""
         return read_turns(self.turns_json)
+
+    @property
+    def rewards(self) -> dict[str, float | None]:
+        """The score per reward function, decoded from `rewards_json` as ingest stored it (None: a score that was not
+        a finite number)."""
+        rewards: dict[str, float | None] = json.loads(self.rewards_json or "{}")
+        return rewards
 
 
 class VersionScore(SQLModel, table=True):

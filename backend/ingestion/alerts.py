@@ -12,9 +12,8 @@ from sqlalchemy import and_, or_
 from sqlmodel import Session, col, select
 
 from backend.database.connection import Database
-from backend.database.models import AdapterVersion, Event, MetricPoint, Run
+from backend.database.models import TERMINAL_STATUSES, AdapterVersion, Event, MetricPoint, Run
 from backend.ingestion.ingest import best_held_out, latest_proxy_snapshot, version_reward
-from backend.services.runs import TERMINAL_STATUSES
 from jobs.contract import RunSpec
 
 # TRL's `kl` is the k3 estimate of KL between the policy that sampled a step's rollouts (the replicas' log-probs) and

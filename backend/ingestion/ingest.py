@@ -20,7 +20,15 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlmodel import Session, SQLModel, col, select
 from sqlmodel.sql.expression import SelectOfScalar
 
-from backend.database.models import Event, MetricPoint, ProxySnapshot, ResumePoint, RolloutSample, VersionScore
+from backend.database.models import (
+    VERSION_REWARD_STEPS,
+    Event,
+    MetricPoint,
+    ProxySnapshot,
+    ResumePoint,
+    RolloutSample,
+    VersionScore,
+)
 from backend.ingestion.episodes import stored_turns
 from backend.ingestion.records import (
     EvalColumns,
@@ -256,9 +264,6 @@ def _not_superseded(session: Session, run_id: str, rows: list[_Row]) -> list[_Ro
     if not points:
         return rows
     return [row for row in rows if not any(row["attempt"] < attempt and row["step"] > step for attempt, step in points)]
-
-
-VERSION_REWARD_STEPS = 5  # a version's reward: the mean over the steps up to its own (one step's is noisy)
 
 
 def version_reward(session: Session, run_id: str, step: int | None) -> float | None:

@@ -9,7 +9,7 @@ any failed iteration. Each pass also takes over launches whose panel died mid-la
 
 This module holds the loop and one pass over a run, in order; the steps of a pass live beside it:
 - job_stages.py: each job's stage from its launcher, and cancelling what still runs of an ended run;
-- streams.py: the telemetry streams (through `STREAM_INGESTERS`, ingest.py's functions) and the status files;
+- streams.py: the telemetry streams (through its `STREAM_INGESTERS`, ingest.py's functions) and the status files;
 - versions.py: adapter versions (their manifests), the `current` pointer, and the policy audits;
 - run_status.py: the run's status, step, reward and cost, derived from all of that; cost_cap.py: the cost cap;
 - alerts.py: the alerts and the `best` version, re-evaluated last.
@@ -25,25 +25,18 @@ import time
 from sqlmodel import col, select
 
 from backend.context import PanelContext
-from backend.database.models import Job, Run
-from backend.ingestion import alerts, ingest
+from backend.database.models import TERMINAL_STATUSES, Job, Run
+from backend.ingestion import alerts
 from backend.ingestion.cost_cap import enforce_cost_cap
 from backend.ingestion.job_stages import reap_jobs, update_jobs
-from backend.ingestion.run_status import ACTIVE, TERMINAL_PHASES, derive_status
-from backend.ingestion.streams import Ingester, ingest_status, ingest_stream
+from backend.ingestion.run_status import ACTIVE, derive_status
+from backend.ingestion.streams import STREAM_INGESTERS, ingest_status, ingest_stream
 from backend.ingestion.versions import ingest_audits, ingest_current, ingest_versions
 from backend.launchers.base import TERMINAL
 from backend.services.launches import Launches
 from jobs.contract.layout import TelemetryStream
 
 log = logging.getLogger(__name__)
-# Looked up for each chunk (a test swaps an entry); the proxy's stream, JSON snapshots, is ingested apart.
-STREAM_INGESTERS: dict[TelemetryStream, Ingester] = {
-    "metrics": ingest.ingest_metrics,
-    "samples": ingest.ingest_samples,
-    "events": ingest.ingest_events,
-    "eval": ingest.ingest_eval,
-}
 
 
 class Poller:
@@ -120,7 +113,7 @@ class Poller:
         # finished between the two reads looks like a job that ended without a final phase (a failed run).
         update_jobs(self.ctx, run)
         streams: tuple[TelemetryStream, ...] = (*STREAM_INGESTERS, "proxy")
-        chunks = sum(ingest_stream(db, run, store, s, STREAM_INGESTERS, self.chunks_per_pass) for s in streams)
+        chunks = sum(ingest_stream(db, run, store, s, self.chunks_per_pass) for s in streams)
         arrived = chunks > 0
         ingest_versions(db, run, store)
         ingest_current(db, run, store)
@@ -129,7 +122,7 @@ class Poller:
         status = derive_status(db, run_id, trainer, arrived, self.stall_after)
         if status in ACTIVE and status != "stopping":
             enforce_cost_cap(self.ctx, run_id)
-        if status in TERMINAL_PHASES or status == "stopping":
+        if status in TERMINAL_STATUSES or status == "stopping":
             reap_jobs(self.ctx, run_id, status, self.stop_grace)
         alerts.evaluate(db, run_id)
         return chunks

@@ -10,15 +10,13 @@ from sqlalchemy import func
 from sqlmodel import Session, col, select
 
 from backend.database.connection import Database
-from backend.database.models import Job, MetricPoint, Run
+from backend.database.models import TERMINAL_STATUSES, Job, MetricPoint, Run
 from backend.ingestion import ingest
 from backend.ingestion.cost_cap import job_cost
 from backend.ingestion.records import StatusRecord
 from backend.launchers.base import TERMINAL
-from backend.services.runs import TERMINAL_STATUSES
 
 ACTIVE = ("launching", "running", "degraded", "stalled", "finalizing", "stopping")
-TERMINAL_PHASES = TERMINAL_STATUSES  # the trainer's phase that ends a run becomes the run's status
 
 
 def derive_status(db: Database, run_id: str, trainer: StatusRecord | None, arrived: bool, stall_after: float) -> str:
@@ -42,7 +40,7 @@ def derive_status(db: Database, run_id: str, trainer: StatusRecord | None, arriv
         run.cost_usd = sum(job_cost(job, now) for job in jobs)
         status, message = _verdict(session, run, trainer or {}, jobs, now, stall_after)
         run.status, run.status_message = status, message
-        if status in TERMINAL_PHASES and run.finished_at is None:
+        if status in TERMINAL_STATUSES and run.finished_at is None:
             run.finished_at = now
         session.add(run)
         session.commit()
@@ -60,9 +58,9 @@ def _verdict(
     trainer_job = latest.get("trainer")
     replica_jobs = [j for role, j in latest.items() if role.startswith("replica-")]
     status, message = run.status, run.status_message
-    if run.status in TERMINAL_PHASES:
+    if run.status in TERMINAL_STATUSES:
         pass  # an ended run stays ended (a relaunch sets it running again explicitly)
-    elif phase in TERMINAL_PHASES:
+    elif phase in TERMINAL_STATUSES:  # the trainer's phase that ends a run becomes the run's status
         status = phase
         message = (
             (trainer.get("last_error") or "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.dialects.sqlite import insert
 from sqlmodel import Session
@@ -26,6 +26,13 @@ from jobs.telemetry import decode_jsonl
 
 # One stream's ingest function (backend/ingestion/ingest.py): the records of one chunk into the caller's transaction.
 Ingester = Callable[[Session, str, str, Sequence[JsonRecord]], int]
+# Looked up for each chunk (a test swaps an entry); the proxy's stream, JSON snapshots, is ingested apart.
+STREAM_INGESTERS: dict[TelemetryStream, Ingester] = {
+    "metrics": ingest.ingest_metrics,
+    "samples": ingest.ingest_samples,
+    "events": ingest.ingest_events,
+    "eval": ingest.ingest_eval,
+}
 
 
 def ingest_stream(
@@ -33,11 +40,10 @@ def ingest_stream(
     run: Run,
     store: ObjectStore,
     stream: TelemetryStream,
-    ingesters: Mapping[TelemetryStream, Ingester],
     chunks_per_pass: int,
 ) -> int:
     """Ingest up to `chunks_per_pass` new chunks of `stream` (the proxy's as JSON snapshots, the others as JSONL
-    through `ingesters`, looked up for each chunk); returns how many this poller ingested."""
+    through `STREAM_INGESTERS`); returns how many this poller ingested."""
     expected = cursors.read(db, run.id, stream)
     chunks = list(
         store.list(layout.telemetry_prefix(run.id, stream), start_after=expected or None, limit=chunks_per_pass)
@@ -50,7 +56,7 @@ def ingest_stream(
             if stream == "proxy":
                 ingest.ingest_proxy(session, run.id, run.owner, json.loads(data))
             else:
-                ingesters[stream](session, run.id, run.owner, decode_jsonl(data))
+                STREAM_INGESTERS[stream](session, run.id, run.owner, decode_jsonl(data))
             session.commit()  # rows and cursor together: exactly once
         expected = info.key
     return len(chunks)

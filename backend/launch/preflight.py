@@ -23,7 +23,7 @@ from backend.credentials.vault import CredentialError
 from backend.database.models import Run
 from backend.launch.images import check_images
 from backend.launchers.base import LaunchError
-from backend.launchers.hf_jobs import HfJobsLauncher, bound_hub_calls
+from backend.launchers.hf_jobs import bound_hub_calls
 from backend.sandbox.client import RewardTrial, SandboxError, SandboxLimits, rehearse_environment, run_rewards
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting, run_id_taken
@@ -253,7 +253,7 @@ def _check_compute(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight
     if not spec.storage.uri.startswith(("s3://", "hf://")):
         result.errors["storage.uri"] = "HF Jobs cannot reach a local folder; use an hf:// or s3:// bucket"
     try:
-        launcher = cast(HfJobsLauncher, ctx.launcher_for(run))  # the backend is hf_jobs here
+        launcher = ctx.hf_launcher(run.owner, run.hf_credential_id)
         launcher.check_flavors(spec)
         result.cost_per_hour = estimate_per_hour(spec, launcher.prices_per_hour())
     except LaunchError as error:

@@ -29,7 +29,8 @@ from typing import TypeVar, cast
 import httpx2
 from huggingface_hub import HfApi, JobInfo, set_client_factory
 from huggingface_hub.errors import HfHubHTTPError
-from huggingface_hub.utils._http import default_client_factory, parse_ratelimit_headers
+from huggingface_hub.utils import parse_ratelimit_headers  # type: ignore[attr-defined]  # public, but built lazily
+from huggingface_hub.utils._http import default_client_factory
 
 from backend.launch.bundle import bootstrap_source, build_bundle, bundle_digest, upload_bundle
 from backend.launch.plan import JobPlan

@@ -26,8 +26,8 @@ from jobs.confinement import landlock, python_paths, run_confined
 from jobs.confinement.confine import UNCONFINABLE_EXIT, Confinement
 from jobs.contract import EnvironmentSpec, RewardSpec
 
-if TYPE_CHECKING:  # what the runner writes to result.json, in its shapes
-    from backend.sandbox.runner import EnvironmentResult, RewardsResult
+if TYPE_CHECKING:  # what the runner reads from request.json and writes to result.json, in its shapes
+    from backend.sandbox.runner import EnvironmentResult, Request, RewardsResult
 
 RUNNER = Path(__file__).with_name("runner.py")
 
@@ -90,7 +90,7 @@ def run_rewards(
         for key, value in row.items():
             if key != "prompt":
                 columns.setdefault(key, []).append(value if isinstance(value, str | int | float | bool) else str(value))
-    request = {
+    request: Request = {
         "rewards": [reward.model_dump() for reward in rewards],
         "completions": completions,
         "prompts": [row.get("prompt") for row in rows],
@@ -112,14 +112,14 @@ def rehearse_environment(environment: EnvironmentSpec, rows: list[dict[str, Any]
     """Load the user's environment code in the sandbox, check its tools as TRL will use them, start an episode from
     each sample row and call every tool once (jobs/environments/loading.py's `rehearse`); the calls made, or
     SandboxError naming the field and the fix."""
-    request = {"environment": environment.model_dump(), "rows": rows}
+    request: Request = {"environment": environment.model_dump(), "rows": rows}
     result = cast("EnvironmentResult", _sandboxed(request, limits, len(rows), TOOLS))
     if result.get("error"):
         raise SandboxError(_explain_error(str(result["error"]), limits) or "")
     return [str(call) for call in result.get("calls", [])]
 
 
-def _sandboxed(request: dict[str, Any], limits: SandboxLimits, rows: int, subject: Subject = REWARDS) -> dict[str, Any]:
+def _sandboxed(request: Request, limits: SandboxLimits, rows: int, subject: Subject = REWARDS) -> dict[str, Any]:
     """Run the runner on `request` in a fresh scratch folder, confined; its result, or SandboxError saying why none."""
     with tempfile.TemporaryDirectory(prefix="reward-sandbox-") as folder:
         scratch = Path(folder)

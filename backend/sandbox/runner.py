@@ -24,7 +24,7 @@ if TYPE_CHECKING:
         environment to rehearse on sample rows."""
 
         rewards: list[dict[str, Any]]
-        completions: list[list[dict[str, Any]] | str]
+        completions: list[str] | list[list[dict[str, Any]]]  # replies' texts, or agents' episodes as messages
         prompts: list[Any]
         completion_ids: list[list[int]]
         columns: dict[str, list[Any]]

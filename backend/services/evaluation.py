@@ -252,8 +252,8 @@ class EvaluationService:
         model_path = resolve_model(spec.model)
         ensure_generates_here(spec, model_path, "a run on HF Jobs is evaluated by a job of its own there")
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
-        prompts = eval_prompts(spec, held, tokenizer)
         eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
+        prompts = eval_prompts(spec, held, tokenizer, eos)
         with local_engine(spec, model_path) as url, tempfile.TemporaryDirectory(prefix="eval-") as folder:
             return evaluate_versions(
                 url,

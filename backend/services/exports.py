@@ -102,7 +102,7 @@ class ExportService:
         if frame.empty:
             return pd.DataFrame(columns=[*SAMPLE_COLUMNS, "turns"])
         frame["turns"] = [exported_turns(row.turns) for row in rows]
-        scores = pd.DataFrame([json.loads(row.rewards_json or "{}") for row in rows]).add_prefix("reward/")
+        scores = pd.DataFrame([row.rewards for row in rows]).add_prefix("reward/")
         return pd.concat([frame, scores], axis=1)
 
     def export(self, run_id: str, fmt: ExportFormat, folder: Path | None = None) -> list[Path]:

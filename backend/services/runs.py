@@ -16,6 +16,7 @@ from sqlmodel import col, select
 
 from backend.context import PanelContext
 from backend.database.models import (
+    TERMINAL_STATUSES,
     AdapterVersion,
     Event,
     Job,
@@ -38,7 +39,6 @@ from jobs.contract.control import JOBS, STOP, UPSTREAMS, JobsRecord, StopRequest
 from jobs.store import ObjectStore, S3Store
 
 log = logging.getLogger(__name__)
-TERMINAL_STATUSES = ("finished", "failed", "stopped")
 
 
 def run_id_taken(ctx: PanelContext, run_id: str) -> bool:

@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from jobs.confinement import landlock
 
@@ -82,7 +83,7 @@ def _state(pid: int) -> str:
 
 
 def run_confined(
-    runner: Path, scratch: Path, request: dict[str, Any], seconds: float, output: IO[bytes] | int
+    runner: Path, scratch: Path, request: Mapping[str, object], seconds: float, output: IO[bytes] | int
 ) -> tuple[int | None, float]:
     """Run `runner` on `request` in a fresh interpreter that confines itself, in `scratch`; its exit code (None when
     the clock stopped it, then killed with what it started) and the CPU seconds it had used by then.

@@ -9,11 +9,12 @@ than raised in the child after the replicas started billing.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import pickle
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,11 +88,19 @@ def environment_factories(arguments: dict[str, Any]) -> dict[str | None, Callabl
     return dict(factory) if isinstance(factory, dict) else {None: factory}
 
 
-def check_environment_column(arguments: dict[str, Any], rows: Iterable[dict[str, Any]]) -> None:
+def check_environment_column(arguments: dict[str, Any], rows: Dataset | list[dict[str, Any]]) -> None:
     """With an environment per row, every row names one of them in its `environment` column (TRL stops the run at
-    the first row that does not, after the replicas started)."""
+    the first row that does not, after the replicas started). Of a training set (a `Dataset`) only the column's
+    distinct values are read, not a dict made of every row; the rows one by one only when one of them names no
+    environment, to say which."""
     factories = environment_factories(arguments)
     if factories is None or None in factories:
+        return
+    if (
+        not isinstance(rows, list)
+        and ENVIRONMENT_COLUMN in rows.column_names
+        and all(name in factories for name in rows.unique(ENVIRONMENT_COLUMN))
+    ):
         return
     names = ", ".join(str(name) for name in factories)
     for number, row in enumerate(rows, 1):
@@ -105,17 +114,6 @@ def check_environment_column(arguments: dict[str, Any], rows: Iterable[dict[str,
                 f"environment.entry_point: dataset row {number} {found}; with several environment classes, each row "
                 f"names its own in an '{ENVIRONMENT_COLUMN}' column: one of {names}"
             )
-
-
-def check_dataset_environments(arguments: dict[str, Any], rows: Dataset) -> None:
-    """`check_environment_column` for a whole training set: only the column's distinct values are read, and the rows
-    one by one only when one of them names no environment, to say which row (the same error)."""
-    factories = environment_factories(arguments)
-    if factories is None or None in factories:
-        return
-    if ENVIRONMENT_COLUMN in rows.column_names and all(name in factories for name in rows.unique(ENVIRONMENT_COLUMN)):
-        return
-    check_environment_column(arguments, rows)
 
 
 def row_tools(arguments: dict[str, Any]) -> Callable[[dict[str, Any]], list[Callable[..., Any]]]:
@@ -201,6 +199,16 @@ def load_code(source: str, names: list[str], folder: Path) -> list[Any]:
             f"'{ENVIRONMENT_COLUMN}' column), or only tool functions, not both"
         )
     return loaded
+
+
+def unload_code(folder: Path) -> None:
+    """Undo `load_code` from `folder`: its module forgotten (unless code from another folder was loaded since) and the
+    folder off the import path, so neither keeps the user's code alive nor shadows code loaded after it."""
+    module = sys.modules.get(CODE_MODULE)
+    if module is not None and getattr(module, "__file__", None) == str(folder / f"{CODE_MODULE}.py"):
+        del sys.modules[CODE_MODULE]
+    with contextlib.suppress(ValueError):
+        sys.path.remove(str(folder))
 
 
 def checked_tools(tools: list[Callable[..., Any]]) -> list[Callable[..., Any]]:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from jobs.confinement import landlock, python_paths, run_confined
 from jobs.confinement.confine import Confinement
 
-if TYPE_CHECKING:
-    from jobs.confinement.execute import Result  # what the runner writes to result.json
+if TYPE_CHECKING:  # what the runner reads from request.json and writes to result.json
+    from jobs.confinement.execute import Request, Result
 
 RUNNER = Path(__file__).resolve().parent.parent / "confinement" / "execute.py"
 SECONDS = 5.0  # CPU time, and the wall-clock deadline after start-up
@@ -36,7 +36,7 @@ def run_python(code: str) -> str:
         scratch = Path(folder)
         paths = python_paths(scratch) | {str(RUNNER): landlock.READ_FILE}
         confinement = Confinement(SECONDS, MEMORY_BYTES, MAX_OUTPUT_CHARS * 8, paths, strict=False)
-        request = {"code": code, "max_chars": MAX_OUTPUT_CHARS, "confinement": confinement.to_json()}
+        request: Request = {"code": code, "max_chars": MAX_OUTPUT_CHARS, "confinement": confinement.to_json()}
         code_exit, burned = run_confined(RUNNER, scratch, request, SECONDS, subprocess.DEVNULL)
         if code_exit is None:
             if burned >= SECONDS:

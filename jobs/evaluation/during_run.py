@@ -39,6 +39,7 @@ from jobs.contract.control import STOP, StopRequest
 from jobs.evaluation.heldout import EvalPrompts, HeldOut, eval_prompts, held_out
 from jobs.evaluation.results import (
     TOTAL,
+    EvalRecord,
     VersionEval,
     result_key,
     score_names,
@@ -284,7 +285,7 @@ class RunEvaluator:
             notice("warning", f"held-out evaluation failed: {type(error).__name__}: {error}")
 
 
-def telemetry_record(result: VersionEval, step: int, tokens: int) -> dict[str, Any]:
+def telemetry_record(result: VersionEval, step: int, tokens: int) -> EvalRecord:
     """What the panel ingests of a result (`VersionEval.record`), and the tokens generated for it (what evaluation
     costs beside the rollouts)."""
     return {**result.record(step), "tokens": tokens}
@@ -314,7 +315,7 @@ def scoring(spec: RunSpec, held: HeldOut, model_path: str) -> tuple[EvalPrompts,
     tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
     eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
     scorer = Scorer(score_names(spec), list(build_rewards(scored_functions(spec), eos)))
-    return eval_prompts(spec, held, tokenizer), scorer
+    return eval_prompts(spec, held, tokenizer, eos), scorer
 
 
 def prepare(spec: RunSpec, store: ObjectStore, proxy_url: str) -> RunEvaluator:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import sys
 import tempfile
 import weakref
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from jobs.contract import RunSpec
-from jobs.environments.loading import ENVIRONMENT_COLUMN, environment_tools, trainer_arguments
+from jobs.environments.loading import ENVIRONMENT_COLUMN, environment_tools, trainer_arguments, unload_code
 from jobs.evaluation.sampling import Completion, Sampling, SamplingError
 from jobs.trainer.episode_loop import EpisodeLoop, detached_loop, episode_seed
 from jobs.trainer.telemetry import episode_text
@@ -42,19 +41,17 @@ class Agent:
     eos_token_ids: list[int]
 
 
-def agent_for(spec: RunSpec, tokenizer: Any) -> Agent:
+def agent_for(spec: RunSpec, tokenizer: Any, eos_token_ids: list[int]) -> Agent:
     """The agent of a run with tools: its environment loaded and checked as the trainer loads it (a user's code into a
     folder of its own, removed with the agent: the panel makes one per evaluation), its tokenizer fitted as the
-    trainer fits it (the response template TRL reads tool calls by), every token id that ends its turns as the
-    trainer's."""
+    trainer fits it (the response template TRL reads tool calls by); `eos_token_ids` end its turns, the trainer's
+    (`jobs.models.eos_token_ids`, which the evaluation's rewards are built with too)."""
     from jobs.chat_templates import fit_tokenizer
-    from jobs.models import eos_token_ids, resolve_model
 
     fit_tokenizer(tokenizer, spec.model.id, tools=True)
-    eos = eos_token_ids(resolve_model(spec.model), tokenizer.eos_token_id, spec.model.revision)
     folder = Path(tempfile.mkdtemp(prefix="environment-"))  # the module TRL's loop imports the code from
     try:
-        agent = Agent(spec, trainer_arguments(spec.environment, folder), tokenizer, eos)
+        agent = Agent(spec, trainer_arguments(spec.environment, folder), tokenizer, eos_token_ids)
     except BaseException:
         _remove(folder)
         raise
@@ -63,10 +60,9 @@ def agent_for(spec: RunSpec, tokenizer: Any) -> Agent:
 
 
 def _remove(folder: Path) -> None:
-    """An agent's code folder, gone from the disk and from the import path (`load_code` put it there)."""
+    """An agent's code folder, unloaded (`load_code` imported from it) and gone from the disk."""
+    unload_code(folder)
     shutil.rmtree(folder, ignore_errors=True)
-    with contextlib.suppress(ValueError):
-        sys.path.remove(str(folder))
 
 
 def sample_episodes(

@@ -49,8 +49,9 @@ class EvalPrompts:
     agent: Agent | None = None  # for a run with tools: its prompts start episodes
 
 
-def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any) -> EvalPrompts:
-    """`held`'s rows as prompts for `spec`'s model, by its chat template as the trainer renders them."""
+def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any, eos_token_ids: list[int]) -> EvalPrompts:
+    """`held`'s rows as prompts for `spec`'s model, by its chat template as the trainer renders them; an agent's
+    turns end at `eos_token_ids` (`jobs.models.eos_token_ids`, which the caller's rewards are built with too)."""
     from datasets import Dataset
 
     records = [dict(row) for row in build_prompts(spec.dataset, Dataset.from_list(held.rows))]
@@ -61,7 +62,7 @@ def eval_prompts(spec: RunSpec, held: HeldOut, tokenizer: Any) -> EvalPrompts:
     from jobs.environments.loading import check_environment_column
     from jobs.evaluation.episodes import agent_for
 
-    agent = agent_for(spec, tokenizer)
+    agent = agent_for(spec, tokenizer, eos_token_ids)
     check_environment_column(agent.environment, records)  # held-out rows name their environments as training's do
     return EvalPrompts(records, [], texts, held.source, agent)
 

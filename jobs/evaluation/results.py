@@ -40,9 +40,9 @@ class EvalScore(IntervalJson, total=False):
 
 
 class EvalRecord(TypedDict, total=False):
-    """`VersionEval.record`: the `eval` telemetry stream's record of one version (jobs/evaluation/during_run.py adds
-    the tokens generated), which the panel reads back (backend/ingestion/ingest.py, `eval_rows`). No key is required:
-    the panel reads what any evaluator sent, and takes each key with a default."""
+    """The `eval` telemetry stream's record of one version: `VersionEval.record`, with the tokens generated added by
+    jobs/evaluation/during_run.py's `telemetry_record`, which the panel reads back (backend/ingestion/ingest.py,
+    `eval_rows`). No key is required: the panel reads what any evaluator sent, and takes each key with a default."""
 
     time: float
     version: int
@@ -52,6 +52,7 @@ class EvalRecord(TypedDict, total=False):
     k: int
     seconds: float
     scores: dict[str, EvalScore]
+    tokens: int  # generated for it, what evaluation costs beside the rollouts (`telemetry_record` adds it)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import logging
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from jobs.contract import DatasetSpec
 from jobs.store import ObjectNotFound, ObjectStore
@@ -169,10 +169,12 @@ def build_prompts(
     dropped = 0
     for row in rows:
         messages = to_messages(row[spec.prompt_column], spec.system_prompt)
-        limited = tokenizer is not None and max_prompt_tokens is not None
         tools = tools_for(row) if tools_for is not None else None
-        # `limited`: max_prompt_tokens is an int here
-        if limited and len(prompt_token_ids(tokenizer, messages, tools)) > cast(int, max_prompt_tokens):
+        if (
+            tokenizer is not None
+            and max_prompt_tokens is not None
+            and len(prompt_token_ids(tokenizer, messages, tools)) > max_prompt_tokens
+        ):
             dropped += 1
             continue
         answer = "" if spec.answer_column is None else str(column_value(row, spec.answer_column))

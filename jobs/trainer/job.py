@@ -29,7 +29,7 @@ import torch
 from jobs import pins, settings
 from jobs.chat_templates import fit_tokenizer
 from jobs.contract import RunSpec, derived, layout
-from jobs.environments.loading import check_dataset_environments, row_tools, trainer_arguments
+from jobs.environments.loading import check_environment_column, row_tools, trainer_arguments
 from jobs.evaluation.heldout import training_rows
 from jobs.models import eos_token_ids, parameter_count, resolve_model
 from jobs.ports import free_port
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         # Rows carved off for held-out evaluation are never trained on (jobs/evaluation/heldout.py).
         rows = training_rows(load_rows(spec.dataset, store), spec.eval)
         environment = trainer_arguments(spec.environment, workdir / "environment")
-        check_dataset_environments(environment, rows)
+        check_environment_column(environment, rows)
         tools_for = row_tools(environment) if spec.environment.enabled else None
         dataset = build_prompts(spec.dataset, rows, tokenizer, max_prompt, tools_for)
         if spec.eval.holdout is not None:

@@ -27,7 +27,7 @@ from backend.database.models import (
     RolloutSample,
     Run,
 )
-from backend.ingestion import ingest
+from backend.ingestion import ingest, streams
 from backend.ingestion.poller import Poller
 from backend.launchers.base import JobState
 from jobs.contract import layout
@@ -120,10 +120,10 @@ def test_a_failure_mid_ingest_loses_and_duplicates_nothing(panel, tmp_path, monk
         if calls["n"] == 3:
             raise RuntimeError("killed mid-chunk")
 
-    monkeypatch.setitem(__import__("backend.ingestion.poller").ingestion.poller.STREAM_INGESTERS, "samples", flaky)
+    monkeypatch.setitem(streams.STREAM_INGESTERS, "samples", flaky)
     with pytest.raises(RuntimeError):
         Poller(panel).poll_run("run-p")
-    monkeypatch.setitem(__import__("backend.ingestion.poller").ingestion.poller.STREAM_INGESTERS, "samples", original)
+    monkeypatch.setitem(streams.STREAM_INGESTERS, "samples", original)
     Poller(panel).poll_run("run-p")
     assert counts(panel, "run-p") == (12, 24)
 

@@ -150,6 +150,22 @@ def test_tool_functions_and_an_environment_class_in_the_users_code_are_loaded_as
     assert episode.get_reward() == 1.0
 
 
+def test_code_unloaded_from_its_folder_leaves_code_loaded_from_another_since_in_place(tmp_path: Path) -> None:
+    """An agent's code goes with it (jobs/evaluation/episodes.py): its folder off the import path, its module
+    forgotten; but not the module another folder's code was loaded into since, which that code pickles by."""
+    import sys
+
+    from jobs.environments.loading import CODE_MODULE, load_code, unload_code
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    load_code(TOOLS, ["add"], first)
+    shout = load_code(TOOLS, ["shout"], second)[0]
+    unload_code(first)
+    assert str(first) not in sys.path and sys.modules[CODE_MODULE].shout is shout
+    unload_code(second)
+    assert str(second) not in sys.path and CODE_MODULE not in sys.modules
+
+
 NO_DOCSTRING = "def add(a: int, b: int) -> int:\n    return a + b\n"
 NO_HINT = 'def add(a, b):\n    """Add.\n\n    Args:\n        a: one\n        b: two\n    """\n    return a + b\n'
 LAMBDA = "add = lambda a, b: a + b\n"
@@ -178,7 +194,7 @@ def test_several_environment_classes_give_each_row_the_one_its_environment_colum
     run, and every environment starts episodes from its own rows."""
     from transformers import AutoTokenizer
 
-    from jobs.environments.loading import check_dataset_environments, check_environment_column, rehearse, row_tools
+    from jobs.environments.loading import check_environment_column, rehearse, row_tools
     from jobs.models import builtin_model_folder
     from jobs.trainer.dataset import build_prompts, prompt_token_ids
 
@@ -203,14 +219,17 @@ def test_several_environment_classes_give_each_row_the_one_its_environment_colum
             check_environment_column(arguments, [rows[0], {"prompt": "?", **bad}])
     import datasets
 
-    # The trainer checks its training set by the column's distinct values, and names the first bad row as above.
-    check_dataset_environments(arguments, datasets.Dataset.from_list(rows * 3))
+    # The trainer's training set is checked by the column's distinct values, no row read one by one (a large
+    # dataset's every row made a dict); the first bad row is named as above.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.Dataset, "__iter__", lambda self: pytest.fail("every row was read"))
+        check_environment_column(arguments, datasets.Dataset.from_list(rows * 3))
     named_badly = datasets.Dataset.from_list([*rows, {**rows[0], "environment": "Abacus"}])
     with pytest.raises(EnvironmentCodeError, match="row 3 names environment 'Abacus'"):
-        check_dataset_environments(arguments, named_badly)
+        check_environment_column(arguments, named_badly)
     unnamed = datasets.Dataset.from_list([{"prompt": row["prompt"], "answer": ""} for row in rows])
     with pytest.raises(EnvironmentCodeError, match="row 1 has no environment column"):
-        check_dataset_environments(arguments, unnamed)
+        check_environment_column(arguments, unnamed)
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_model_folder(DEMO_MODEL_ID))
     run = spec(**code(source, "Counter, Echo"))

@@ -6,9 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backend.database.models import Run
+from backend.database.models import TERMINAL_STATUSES, Run
 from backend.ingestion.poller import Poller
-from backend.services.runs import TERMINAL_STATUSES, RunService
+from backend.services.runs import RunService
 from jobs.contract import RunSpec
 from jobs.demo.preset import demo_spec
 from tests.support.waiting import wait_until
