@@ -107,6 +107,11 @@ TRACKIO_DIR = Variable(
 )
 WANDB_MODE = Variable("WANDB_MODE", "`offline`: W&B runs are kept on disk only (wandb reads it)", when_unset="online")
 WANDB_DIR = Variable("WANDB_DIR", "where wandb writes its run folders (wandb reads it)", when_unset="the working dir")
+VLLM_PYTHON = Variable(
+    "GRPO_VLLM_PYTHON",
+    "the Python with vLLM that a replica runs its engine with, where the job's own has none (the CPU build)",
+    when_unset="this Python if it imports vllm, else `.venv-vllm` of this checkout (`scripts/setup vllm`)",
+)
 FAULT_SERVE_PREVIOUS_ADAPTER = Variable(
     "GRPO_FAULT_SERVE_PREVIOUS_ADAPTER",
     "fault injection for the policy-audit tests: the CPU engine serves an adapter's previous version",
@@ -129,6 +134,7 @@ JOB_VARIABLES = (
     STORE_READ_TIMEOUT,
     TORCH_THREADS,
     MODEL_CACHE,
+    VLLM_PYTHON,
     WANDB_API_KEY,
     TRACKIO_DIR,
     WANDB_MODE,

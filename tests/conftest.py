@@ -1,8 +1,8 @@
 """Shared fixtures: real servers on loopback, started once per session where they are expensive.
 
-Also the CI rule for skips: under `CI=true` (`.ci/run` sets it) a fault, browser or end-to-end test that skips fails
-instead, with the skip's reason in the failure, so a machine that cannot run them (no tmpfs, no libfaketime, no
-Chromium) turns CI red rather than green with less tested.
+Also the CI rule for skips: under `CI=true` (`.ci/run` sets it) a fault, browser, end-to-end or vLLM test that skips
+fails instead, with the skip's reason in the failure, so a machine that cannot run them (no tmpfs, no libfaketime, no
+Chromium, no vLLM) turns CI red rather than green with less tested.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ install_log_redaction()
 
 # Tests that must run, not skip, in CI: by marker (each of their modules sets it with `pytestmark`), and by path for
 # a skip at import time, before the module's `pytestmark` exists.
-CI_STRICT_MARKERS = ("fault", "browser", "e2e")
+CI_STRICT_MARKERS = ("fault", "browser", "e2e", "vllm")
 CI_STRICT_PATHS = ("tests/test_faults.py", "tests/test_e2e_demo.py", "tests/browser/")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from jobs.contract import BUILTIN_ENVIRONMENTS, RunSpec, derived
 from jobs.contract.flavors import flavor
-from jobs.replica.engine_command import GPU_MEMORY_UTILIZATION
+from jobs.replica.engine_command import GPU_MEMORY_UTILIZATION, EngineChoice
 
 PORT = "PORT"  # stands for a port chosen when the job starts (local jobs listen on free ports)
 _SHOWN_CHARS = 160  # a plan shown to people abbreviates longer arguments (the bootstrap's source)
@@ -73,9 +73,11 @@ class RunPlan:
         }
 
 
-def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = None) -> dict[str, Any]:
-    """How the run uses its hardware, as the jobs will compute it (jobs/contract/derived.py), for a model of
-    `parameters` where known."""
+def derived_values(
+    spec: RunSpec, trainer_cuda: bool, parameters: int | None = None, *, engine: EngineChoice
+) -> dict[str, Any]:
+    """How the run uses its hardware, as the jobs will compute it (jobs/contract/derived.py), with the replicas'
+    `engine` as they will decide it, for a model of `parameters` where known."""
     compute, grpo = spec.compute, spec.grpo
     limits = derived.rollout_limits(spec)
     window = derived.staleness_window(grpo)
@@ -100,9 +102,10 @@ def derived_values(spec: RunSpec, trainer_cuda: bool, parameters: int | None = N
         },
         "replicas": {
             "count": compute.replicas,
-            "gpus_each": flavor(compute.replica_flavor).gpus if hub else 0,
+            "gpus_each": compute.replica_gpus,
             "gpu_memory_gb": flavor(compute.replica_flavor).gpu_memory_gb if hub else 0.0,
-            "engine": compute.engine,
+            "engine": engine.engine,
+            "engine_reason": engine.reason,
             "tensor_parallel_size": derived.replica_tensor_parallel(compute),
             "dtype": spec.model.dtype,
             "max_model_len": spec.model.max_model_len,

@@ -33,6 +33,7 @@ from jobs.contract.flavors import flavor
 from jobs.evaluation.heldout import HeldOut, held_out
 from jobs.evaluation.results import function_fields, scored_functions
 from jobs.pins import missing
+from jobs.replica.engine_command import choose_engine
 from jobs.store import ObjectStore, S3Store, StoreAccessError, StoreError
 from jobs.trainer.dataset import DatasetError, build_prompts, check_columns, load_rows
 from jobs.trainer.reporting import missing_packages
@@ -241,8 +242,10 @@ def _check_compute(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight
         cores = os.cpu_count() or 1
         if spec.compute.replicas > max(2, cores):
             result.warnings.append(f"{spec.compute.replicas} replicas on {cores} cores will be slow")
-        if spec.compute.engine == "vllm":
-            result.errors["compute.engine"] = "vLLM needs a GPU; use 'cpu' or 'auto' for local runs"
+        try:
+            choose_engine(spec.compute.engine)  # the replicas will run here: is the engine asked for installed?
+        except ValueError as error:
+            result.errors["compute.engine"] = str(error)
         return
     images = check_images(spec)
     result.errors.update(images.errors)

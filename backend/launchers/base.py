@@ -26,6 +26,7 @@ from jobs import settings
 from jobs.contract import RunSpec, layout, timeout_seconds
 from jobs.contract.control import JOBS, UPSTREAMS, JobRef, JobsRecord, Upstream, UpstreamsRecord
 from jobs.contract.durations import duration
+from jobs.replica.engine_command import EngineChoice
 from jobs.runtime import spec_uri
 from jobs.store import ObjectStore, StoreCredentials
 
@@ -173,6 +174,11 @@ class Launcher(ABC):
         """Whether the trainer job will train on GPUs (which decides its batch shape and precision)."""
 
     @abstractmethod
+    def replica_engine(self, spec: RunSpec) -> EngineChoice:
+        """The engine the replicas will run and why, as they decide it where they run (jobs/replica/engine_command.py);
+        raises ValueError naming compute.engine's fix when the one asked for cannot run there."""
+
+    @abstractmethod
     def start_job(self, spec: RunSpec, role: str, secrets: RunSecrets) -> JobHandle:
         """Start one job, as `plan_job` describes it, and return at once (a replica's endpoint may only be known
         later, see `endpoint`)."""
@@ -207,7 +213,7 @@ class Launcher(ABC):
             backend=spec.compute.backend,
             namespace=spec.compute.namespace,
             jobs=[self.plan_job(spec, role, secrets) for role in roles],
-            derived=derived_values(spec, self.trainer_cuda(spec), parameters),
+            derived=derived_values(spec, self.trainer_cuda(spec), parameters, engine=self.replica_engine(spec)),
             spec=spec.model_dump(mode="json"),
         )
 

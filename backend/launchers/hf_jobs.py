@@ -49,6 +49,7 @@ from backend.launchers.base import (
 )
 from jobs.contract import RunSpec, layout, parse_storage_uri, timeout_seconds
 from jobs.hub_jobs import cancel_unless_ended
+from jobs.replica.engine_command import EngineChoice, decide_engine
 from jobs.retry import RetryPolicy, retry_call
 from jobs.store import ObjectStore, S3Store
 
@@ -211,6 +212,10 @@ class HfJobsLauncher(Launcher):
 
     def trainer_cuda(self, spec: RunSpec) -> bool:
         return spec.compute.trainer_gpus > 0
+
+    def replica_engine(self, spec: RunSpec) -> EngineChoice:
+        # The replica image brings vLLM (`vllm serve`); the flavor decides whether it has a GPU to run it on.
+        return decide_engine(spec.compute.engine, "vllm", cuda=spec.compute.replica_gpus > 0)
 
     def plan_job(self, spec: RunSpec, role: str, run_secrets: RunSecrets) -> JobPlan:
         # The bootstrap reads the bundle with the bucket keys the job holds anyway; its arguments are not secret.

@@ -29,6 +29,7 @@ from jobs.contract import RunSpec, timeout_seconds
 from jobs.contract.control import JobRef, JobsRecord
 from jobs.ports import free_port
 from jobs.processes import group_alive, terminate_group
+from jobs.replica.engine_command import EngineChoice, choose_engine
 from jobs.store.base import atomic_write
 
 CANCEL_GRACE_S = 15.0
@@ -80,6 +81,9 @@ class LocalLauncher(Launcher):
 
         available: bool = torch.cuda.is_available()
         return available
+
+    def replica_engine(self, spec: RunSpec) -> EngineChoice:
+        return choose_engine(spec.compute.engine)  # the replicas run on this machine
 
     def plan_job(self, spec: RunSpec, role: str, secrets: RunSecrets, port: int | None = None) -> JobPlan:
         """The job's command with `port` (a free port when it starts; `PORT` in a plan shown beforehand): where a

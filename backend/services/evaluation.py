@@ -245,6 +245,7 @@ class EvaluationService:
         from transformers import AutoTokenizer
 
         from jobs.models import eos_token_ids, resolve_model
+        from jobs.replica.engine_command import choose_engine
 
         refused = environment_refusal(run.id, spec.environment, on_space())
         if refused is not None:
@@ -254,7 +255,8 @@ class EvaluationService:
         tokenizer = AutoTokenizer.from_pretrained(model_path, revision=spec.model.revision)
         eos = eos_token_ids(model_path, tokenizer.eos_token_id, spec.model.revision)
         prompts = eval_prompts(spec, held, tokenizer, eos)
-        with local_engine(spec, model_path) as url, tempfile.TemporaryDirectory(prefix="eval-") as folder:
+        engine = choose_engine(spec.compute.engine)  # the run's own engine: vLLM's CPU build for a vLLM run
+        with local_engine(spec, model_path, engine) as url, tempfile.TemporaryDirectory(prefix="eval-") as folder:
             return evaluate_versions(
                 url,
                 spec,

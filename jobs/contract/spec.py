@@ -490,6 +490,11 @@ class ComputeSpec(_Section):
         return flavor(self.trainer_flavor).gpus if self.backend == "hf_jobs" else 0
 
     @property
+    def replica_gpus(self) -> int:
+        """GPUs each replica job has: its flavor's on HF Jobs; none locally."""
+        return flavor(self.replica_flavor).gpus if self.backend == "hf_jobs" else 0
+
+    @property
     def training_ranks(self) -> int:
         """Training processes (data-parallel ranks): `trainer_processes`, else one per GPU of the trainer."""
         return self.trainer_processes or max(1, self.trainer_gpus)

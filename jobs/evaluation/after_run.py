@@ -42,7 +42,7 @@ def evaluate_request(spec: RunSpec, versions: list[int], store: ObjectStore) -> 
     install_missing(spec.environment.packages, "for the environment's code")  # the job image lacks them
     prompts, scorer = scoring(spec, held, model_path)
     engine = choose_engine(spec.compute.engine)
-    log.info("evaluating %s on %d held-out prompts with %s", versions, len(prompts.records), engine)
+    log.info("evaluating %s on %d held-out prompts: %s", versions, len(prompts.records), engine.reason)
     with local_engine(spec, model_path, engine, ENGINE_START_S) as url, tempfile.TemporaryDirectory() as folder:
 
         def adapter_dir(version: int) -> Path:

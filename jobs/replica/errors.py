@@ -7,7 +7,18 @@ does: `{"error": {"message", "type", "param", "code"}}` with the HTTP status equ
 
 from __future__ import annotations
 
+import re
+
 from aiohttp import web
+
+# vLLM 0.27.1 cuts local paths, memory addresses and traceback lines out of every error it answers (its
+# `sanitize_message`): "No adapter found for /tmp/x/v3" reaches the client as "No adapter found for <path>".
+_SANITIZED = (
+    (re.compile(r" at 0x[0-9a-f]+>"), ">"),
+    (re.compile(r'\n?\s*File "[^"]+", line \d+, in \S+(\n\s+.*)?'), ""),
+    (re.compile(r"/(?:home|usr|opt|var|tmp|root|lib|mnt|srv)(?:/[\w.\-]+)+"), "<path>"),
+    (re.compile(r"(?:/[\w\-]+)+/[\w\-]+\.\w+"), "<path>"),
+)
 
 _TYPES = {
     400: "BadRequestError",
@@ -31,9 +42,18 @@ def error_response(status: int, message: str, error_type: str | None = None) -> 
     return web.json_response(error_body(status, message, error_type), status=status)
 
 
+def engine_error(status: int, message: str, error_type: str | None = None) -> web.Response:
+    """An error as vLLM's server answers it, with what it cuts out of messages cut out. The engine answers so; the
+    sidecar's own errors keep their paths, which say what to fix in the store or the cache."""
+    for pattern, replacement in _SANITIZED:
+        message = pattern.sub(replacement, message)
+    return error_response(status, message.strip(), error_type)
+
+
 def no_adapter_found(lora_name: str, lora_path: str) -> web.Response:
-    """vLLM's answer for a load whose path holds no adapter; the proxy retries on exactly this text."""
-    return error_response(404, f"Loading lora {lora_name} failed: No adapter found for {lora_path}")
+    """vLLM's answer for a load whose path holds no adapter; the proxy retries on its "No adapter found" text. A
+    `store:` reference (the sidecar's) passes through unchanged, a local path reads `<path>`."""
+    return engine_error(404, f"Loading lora {lora_name} failed: No adapter found for {lora_path}")
 
 
 def success_text(message: str) -> web.Response:

@@ -8,7 +8,7 @@ thing whatever runs behind the sidecar. Shape (`role` and `time` are added by `j
      "state": "starting" | "ready" | "stopping" | "stopped" | "failed",
      "engine": "cpu" | "vllm", "base_model": "<spec model id>", "started": <epoch s>,
      "adapters": [{"name": "<run>-v3", "run_id": "<run>", "version": 3}, ...],   # run_id/version null: local path
-     "requests_served": 120, "generated_tokens_total": 1920, "generated_tokens_per_s": 812.5,
+     "requests_served": 120, "requests_in_flight": 3, "generated_tokens_total": 1920, "generated_tokens_per_s": 812.5,
      "last_error": null | {"time": <epoch s>, "message": "..."}}
 """
 
@@ -84,6 +84,7 @@ class Heartbeat:
             "started": self.started,
             "adapters": self._adapters,
             "requests_served": self.sidecar.requests_served,
+            "requests_in_flight": self.sidecar.requests_in_flight,
             "generated_tokens_total": int(self._generated),
             "generated_tokens_per_s": round(self._rate, 1),
             "last_error": self.sidecar.last_error,

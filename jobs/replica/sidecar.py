@@ -37,6 +37,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from jobs.contract import layout
+from jobs.replica.adapter_requests import parse_load
 from jobs.replica.errors import error_body, error_response, no_adapter_found
 from jobs.store import (
     IntegrityError,
@@ -92,6 +93,9 @@ class Sidecar:
         self.token = token
         self.adapters: dict[str, LoadedAdapter] = {}
         self.requests_served = 0
+        # Generation requests handed to the engine and not yet answered: what the replica holds, even while the
+        # engine is paused (vLLM's own gauges only move when it steps).
+        self.requests_in_flight = 0
         self.last_error: dict[str, Any] | None = None
         # (run id, version) -> the `created` time of the manifest the cached copy was verified against
         self._cached: dict[tuple[str, int], float] = {}
@@ -143,10 +147,10 @@ class Sidecar:
             body = json.loads(await request.read())
         except ValueError as error:
             return error_response(400, f"The request body is not valid JSON: {error}")
-        name = body.get("lora_name") if isinstance(body, dict) else None
-        path = body.get("lora_path") if isinstance(body, dict) else None
-        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-            return error_response(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        load = parse_load(body)
+        if isinstance(load, web.Response):
+            return load
+        name, path = load.lora_name, load.lora_path
         loaded = self.adapters.get(name)
         if (
             loaded is not None
@@ -274,6 +278,8 @@ class Sidecar:
         assert self._session is not None, "the sidecar app is not running"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         data = await request.read() if request.can_read_body else None
+        generation = request.path in _GENERATION_PATHS
+        self.requests_in_flight += generation
         try:
             upstream = await self._session.request(
                 request.method,
@@ -282,18 +288,20 @@ class Sidecar:
                 data=data,
                 allow_redirects=False,
             )
+            async with upstream:
+                response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+                for key, value in upstream.headers.items():
+                    if key.lower() not in _HOP_BY_HOP:
+                        response.headers.add(key, value)
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
         except (TimeoutError, aiohttp.ClientError) as error:
             return error_response(503, f"the inference engine is not reachable ({type(error).__name__}); retry later")
-        async with upstream:
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for key, value in upstream.headers.items():
-                if key.lower() not in _HOP_BY_HOP:
-                    response.headers.add(key, value)
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-        if request.path in _GENERATION_PATHS and upstream.status == 200:
+        finally:  # answered, failed, or cancelled because the client went away
+            self.requests_in_flight -= generation
+        if generation and upstream.status == 200:
             self.requests_served += 1
         return response
 

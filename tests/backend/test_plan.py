@@ -24,8 +24,11 @@ from backend.launch.preflight import run_preflight
 from backend.services.runs import RunService
 from jobs.contract import parse_spec
 from jobs.demo.preset import demo_spec
+from jobs.replica.engine_command import EngineChoice
 
 ROOT = Path(__file__).resolve().parents[2]
+
+OURS = EngineChoice("cpu", "the engine does not matter to these checks")
 
 
 def plan_command(tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -128,13 +131,13 @@ def test_the_trainer_gpus_a_plan_shows_follow_the_hardware_on_both_branches():
     """Locally the trainer uses one GPU per process when this machine has CUDA, none otherwise; on HF Jobs it uses
     every GPU of its flavor (the CUDA branch cannot run here: the decision is a pure function, tested both ways)."""
     local = demo_spec("plan-gpus", "file:///tmp/plan-gpus", compute={"trainer_processes": 2})
-    assert derived_values(local, trainer_cuda=True)["trainer"]["gpus"] == 2
-    assert derived_values(local, trainer_cuda=False)["trainer"]["gpus"] == 0
+    assert derived_values(local, trainer_cuda=True, engine=OURS)["trainer"]["gpus"] == 2
+    assert derived_values(local, trainer_cuda=False, engine=OURS)["trainer"]["gpus"] == 0
     data = json.loads(local.to_json())
     data["compute"] = {"backend": "hf_jobs", "namespace": "me", "trainer_flavor": "h200x4", "replica_flavor": "h200"}
     data["storage"] = {"uri": "s3://some-bucket/runs", "region": "us-east-1"}
     hub = parse_spec(data)
-    assert derived_values(hub, trainer_cuda=True)["trainer"]["gpus"] == 4
+    assert derived_values(hub, trainer_cuda=True, engine=OURS)["trainer"]["gpus"] == 4
 
 
 def test_the_sharding_a_plan_shows_is_the_one_the_trainer_will_choose():
@@ -143,14 +146,17 @@ def test_the_sharding_a_plan_shows_is_the_one_the_trainer_will_choose():
     data["compute"] = {"backend": "hf_jobs", "namespace": "me", "trainer_flavor": "h200x2", "replica_flavor": "h200"}
     data["storage"] = {"uri": "s3://some-bucket/runs", "region": "us-east-1"}
     hub = parse_spec(data)
-    sharding = {size: derived_values(hub, True, size)["trainer"]["sharding"] for size in (None, 7_600_000_000, 32e9)}
+    sharding = {
+        size: derived_values(hub, True, size, engine=OURS)["trainer"]["sharding"]
+        for size in (None, 7_600_000_000, 32e9)
+    }
     assert sharding == {None: "auto", 7_600_000_000: "ddp", 32e9: "fsdp"}  # 30 GB fits 60% of 141 GB; 128 GB not
     forced = parse_spec({**data, "compute": {**data["compute"], "trainer_sharding": "fsdp"}})
-    assert derived_values(forced, True)["trainer"]["sharding"] == "fsdp"
+    assert derived_values(forced, True, engine=OURS)["trainer"]["sharding"] == "fsdp"
     single = parse_spec({**data, "compute": {**data["compute"], "trainer_flavor": "h200"}})
-    assert derived_values(single, True, 32e9)["trainer"]["sharding"] == "single"
+    assert derived_values(single, True, 32e9, engine=OURS)["trainer"]["sharding"] == "single"
     local = demo_spec("plan-shard", "file:///tmp/plan-shard", compute={"trainer_processes": 2})
-    assert derived_values(local, False)["trainer"]["sharding"] == "ddp"  # no GPU memory to outgrow
+    assert derived_values(local, False, engine=OURS)["trainer"]["sharding"] == "ddp"  # no GPU memory to outgrow
 
 
 def test_a_plan_writes_nothing(tmp_path):

@@ -409,8 +409,11 @@ def test_an_episode_keeps_to_its_token_budget_and_keeps_one_token_for_a_last_tur
 
 def test_the_plan_says_what_an_agent_run_offers_and_how_many_episodes_run_at_once(tmp_path: Path) -> None:
     from backend.launch.plan import derived_values
+    from jobs.replica.engine_command import EngineChoice
 
-    agent = derived_values(spec(kind="builtin", name="python", max_turns=3), trainer_cuda=False)["tools"]
+    OURS = EngineChoice("cpu", "the engine does not matter to these checks")
+
+    agent = derived_values(spec(kind="builtin", name="python", max_turns=3), trainer_cuda=False, engine=OURS)["tools"]
     assert agent == {
         "environment": "python",
         "offers": "run_python(code): what a Python program prints, run confined (no network, no processes)",
@@ -421,8 +424,8 @@ def test_the_plan_says_what_an_agent_run_offers_and_how_many_episodes_run_at_onc
         "packages": [],
     }
     budgeted = spec(kind="builtin", name="python", max_turns=3, max_episode_tokens=40)
-    assert derived_values(budgeted, trainer_cuda=False)["tools"]["episode_tokens"] == 40
-    assert derived_values(spec(), trainer_cuda=False)["tools"] is None
+    assert derived_values(budgeted, trainer_cuda=False, engine=OURS)["tools"]["episode_tokens"] == 40
+    assert derived_values(spec(), trainer_cuda=False, engine=OURS)["tools"] is None
 
 
 def test_packages_the_environment_imports_are_installed_by_a_job_that_lacks_them_and_left_untried_by_the_panel(

@@ -101,18 +101,19 @@ def start_harness(
     replica_options: dict[str, Any] | None = None,
     wait: bool = True,
     proxy_store: ObjectStore | None = None,
+    real_upstreams: tuple[str, ...] = (),
     **config: Any,
 ) -> Harness:
     """Fake replicas and a proxy in front of them; with `wait`, returns once every replica is admitted.
 
     The replicas read `store`; the proxy uses `proxy_store` if given (e.g. a wrapper of `store` that fails), else
-    `store`.
+    `store`. `real_upstreams` (real replicas' URLs) come first in the proxy's list, before the fakes.
     """
     replica_loop = LoopThread("replicas")
     proxy_loop = LoopThread("proxy")
     fakes = [replica_loop.run(FakeReplica(store=store, **(replica_options or {})).start()) for _ in range(replicas)]
     options = {**FAST, **config}
-    options.setdefault("upstreams", [fake.url for fake in fakes])
+    options.setdefault("upstreams", [*real_upstreams, *(fake.url for fake in fakes)])
     proxy = Proxy(ProxyConfig(port=0, **options), spec or RunSpec(run_id=RUN_ID), proxy_store or store, token)
     proxy_loop.run(proxy.start())
     harness = Harness(proxy, fakes, store, replica_loop, proxy_loop)

@@ -23,15 +23,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 HTTP_TIMEOUT = 60  # seconds for one test request; generation on the tiny model takes milliseconds
 
 
-def tiny_spec(run_id: str, storage_uri: str, endpoint: str | None = None, max_staleness: int = 1) -> RunSpec:
-    """A spec for the built-in demo model served by the CPU engine."""
+# How long a replica may take to answer /health: ours loads the tiny model in seconds; vLLM's CPU build took 42-52 s
+# on a quiet machine and 142 s beside other work (shared/reference/vllm-on-cpu.md). A bound, not a guess at the
+# time: `wait_ready` returns as soon as it answers and fails at once if the replica exits.
+READY_TIMEOUT_S = {"cpu": 90.0, "vllm": 600.0}
+
+
+def tiny_spec(
+    run_id: str, storage_uri: str, endpoint: str | None = None, max_staleness: int = 1, engine: str = "cpu"
+) -> RunSpec:
+    """A spec for the built-in demo model, served by our CPU engine or by vLLM's CPU build."""
     return RunSpec.model_validate(
         {
             "run_id": run_id,
             "model": {"id": DEMO_MODEL_ID, "max_model_len": 256, "dtype": "float32"},
             "lora": {"rank": 8},
             "grpo": {"max_staleness": max_staleness, "max_completion_length": 16},
-            "compute": {"engine": "cpu"},
+            "compute": {"engine": engine},
             "storage": {"uri": storage_uri, "endpoint": endpoint},
         }
     )
