@@ -87,13 +87,18 @@ def demo(args: argparse.Namespace) -> int:
         run_id,
         f"file://{ctx.folder / 'store'}",
         grpo={"max_steps": args.steps, "seed": args.seed},
-        compute={"replicas": args.replicas, "trainer_processes": args.trainer_processes},
+        compute={"replicas": args.replicas, "trainer_processes": args.trainer_processes, "engine": args.engine},
     )
+    try:
+        engine = ctx.local_launcher.replica_engine(spec)
+    except ValueError as error:
+        print(f"--engine {args.engine}: {error}", file=sys.stderr)
+        return 2
     service = RunService(ctx, LOCAL_OWNER)
     service.create(spec)
     print(
-        f"demo run {run_id}: {args.replicas} CPU replicas, {args.trainer_processes} trainer process(es), "
-        f"{args.steps} steps, store {spec.storage.uri}"
+        f"demo run {run_id}: {args.replicas} replicas ({engine.reason}), {args.trainer_processes} trainer "
+        f"process(es), {args.steps} steps, store {spec.storage.uri}"
     )
     started = time.monotonic()
     service.launch(run_id, wait=True)
@@ -477,6 +482,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=1,
         help="data-parallel training processes (accelerate launch, gloo on the CPU); 64 completions per step are "
         "split between them (default: %(default)s)",
+    )
+    demo_parser.add_argument(
+        "--engine",
+        choices=("cpu", "vllm", "auto"),
+        default="cpu",
+        help="the replicas' engine: our CPU engine, or vLLM's CPU build (`scripts/setup vllm`), as replicas run on HF "
+        "Jobs (default: %(default)s; docs/engines.md compares them)",
     )
     demo_parser.add_argument("--run-id", help="the new run's id (default: demo-YYYYmmdd-HHMMSS, now)")
     launch_parser = _command(

@@ -114,7 +114,7 @@ VLLM_PYTHON = Variable(
 )
 FAULT_SERVE_PREVIOUS_ADAPTER = Variable(
     "GRPO_FAULT_SERVE_PREVIOUS_ADAPTER",
-    "fault injection for the policy-audit tests: the CPU engine serves an adapter's previous version",
+    "fault injection for the policy-audit tests: a replica serves an adapter's previous version",
     set_by="tests",
 )
 

@@ -4,6 +4,7 @@ evaluator job on HF Jobs."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import tempfile
 import time
@@ -18,6 +19,7 @@ from jobs.ports import free_port
 from jobs.processes import terminate_group
 from jobs.replica.engine_command import EngineChoice, engine_command
 
+logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
 
 
@@ -36,6 +38,7 @@ def local_engine(
     `spec`'s model on this machine, stopped on exit."""
     port = free_port()
     command = engine_command(engine, spec, model_path, port)
+    logger.info("starting the evaluation engine: %s", engine.reason)
     with tempfile.TemporaryDirectory(prefix="eval-engine-") as folder:
         log = Path(folder) / "engine.log"
         with open(log, "wb") as output:

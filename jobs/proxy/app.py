@@ -152,7 +152,29 @@ class Proxy:
         await self.client.close()
 
     async def _admit(self, replica: Replica, activate: Callable[[], None]) -> None:
+        await self._adopt_block_size(replica)
         await self.adapters.admit(replica, activate)
+
+    async def _adopt_block_size(self, replica: Replica) -> None:
+        """Route by the engine's own prefix-cache block, which vLLM reports in /server_info: 16 tokens on a GPU, 128
+        on a CPU, where a 16-token model of its cache would count blocks it never reuses. Read at admission, before
+        anything is routed; an engine that does not say (ours keeps no cache across requests) leaves the setting."""
+        try:
+            response = await self.client.request(
+                replica.origin, "GET", "/server_info?config_format=json", self.auth, timeout=self.config.health_timeout
+            )
+            cache = json.loads(response.body)["vllm_config"].get("cache_config") or {}
+        except (UpstreamError, ValueError, KeyError, TypeError, AttributeError) as error:
+            log.info("replica %s did not report its prefix-cache block (%s)", replica.role, error)
+            return
+        block = cache.get("block_size")
+        if isinstance(block, int) and block > 0 and not self.router.adopt_block_size(block):
+            log.warning(
+                "replica %s caches %d-token blocks; routing keeps %d-token blocks it already tracks",
+                replica.role,
+                block,
+                self.router.block_size,
+            )
 
     # -- dispatch --------------------------------------------------------------------------------------------------
 

@@ -142,6 +142,16 @@ class Router:
         self.followed = 0
         self.saved_tokens = 0
 
+    def adopt_block_size(self, block_size: int) -> bool:
+        """Hash prompts in the engine's `block_size` from now on, if nothing has been filed yet (the replicas of a run
+        run one engine on one kind of hardware, so the first one admitted decides); False if blocks are tracked."""
+        if block_size == self.block_size:
+            return True
+        if self._young or self._old or self._chain_cache:
+            return False
+        self.block_size, self.chunk_bytes = block_size, 4 * block_size
+        return True
+
     # -- hashing ---------------------------------------------------------------------------------------------------
 
     def _namespace(self, model: str) -> Namespace:

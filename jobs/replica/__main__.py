@@ -88,6 +88,7 @@ class ReplicaJob:
             max_staleness=self.spec.grpo.max_staleness,
             cache_root=self.cache_root,
             token=settings.REPLICA_TOKEN.get(),
+            fault=settings.FAULT_SERVE_PREVIOUS_ADAPTER.get(),
         )
         self.engine: asyncio.subprocess.Process | None = None
 

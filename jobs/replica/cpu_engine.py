@@ -13,13 +13,6 @@ Differences from vLLM that a client could notice: adapters stay loaded until unl
 `max_loras` is a floor, reported for TRL's check); log-probs ignore top-k/top-p/min-p truncation (see `sampling.py`);
 `echo`, `suffix`, `best_of`, `logit_bias`, `prompt_logprobs` and stop strings are refused with 400; there is no
 prefix cache across requests, so `/reset_prefix_cache` has nothing to do.
-
-Fault injection (tests only): with `GRPO_FAULT_SERVE_PREVIOUS_ADAPTER=1` in its environment the engine answers every
-adapter load with success but loads the adapter it was asked to load *before* (the first load is honest), so it keeps
-serving v(N-1) under vN's name: the stale replica the trainer's policy audit must catch (tests/test_faults.py). With
-`GRPO_FAULT_SERVE_PREVIOUS_ADAPTER=until-emptied` the fault heals once every adapter has been unloaded (the proxy's
-clean re-load of an ejected replica does that; ordinary unloads of old versions never empty it). Only this engine
-reads the switch; vLLM replicas and the other jobs ignore it.
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ from typing import Any
 
 from aiohttp import web
 
-from jobs import settings
 from jobs.replica.adapter_requests import parse_load, parse_unload
 from jobs.replica.batcher import AdapterError, BatchEngine, EngineBusy, Sequence
 from jobs.replica.errors import engine_error, no_adapter_found, success_text
@@ -48,7 +40,6 @@ from jobs.replica.sampling import LOGPROB_FLOOR, SamplingParams, parse_sampling
 from jobs.runtime import setup_logging
 
 log = logging.getLogger("jobs.replica.cpu_engine")
-FAULT_SWITCH = settings.FAULT_SERVE_PREVIOUS_ADAPTER  # the fault-injection switch: see the docstring
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 PAUSE_MODES = ("abort", "wait", "keep")
 # Completion fields whose non-default values this engine does not implement: refused rather than silently ignored.
@@ -86,17 +77,12 @@ class CpuEngineServer:
         engine: BatchEngine,
         tokenizer: Any,
         served: ServedModel,
-        serve_previous: bool = False,
-        heal_when_emptied: bool = False,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
         self.served = served
         self.started = int(time.time())
         self._token_texts: dict[int, str] = {}
-        self.serve_previous = serve_previous  # the stale-replica fault (tests only): see the module docstring
-        self.heal_when_emptied = heal_when_emptied
-        self._last_requested: Path | None = None
 
     def token_text(self, token: int) -> str:
         """How a single token reads in `logprobs.tokens` (decoded once per token id, then remembered)."""
@@ -262,9 +248,8 @@ class CpuEngineServer:
             return engine_error(500, f"Loading lora {name} failed: unreadable adapter_config.json: {error}")
         if rank > self.served.max_lora_rank:
             return engine_error(500, f"LoRA rank {rank} is greater than max_lora_rank {self.served.max_lora_rank}.")
-        source = self._stale_source(local) if self.serve_previous else local
         try:
-            await self.engine.load_adapter(name, str(source), inplace=load.load_inplace)
+            await self.engine.load_adapter(name, str(local), inplace=load.load_inplace)
         except AdapterError as error:
             level = logging.WARNING if error.status >= 500 else logging.INFO
             log.log(level, "loading LoRA adapter %s from %s refused: %s", name, local, error)
@@ -273,14 +258,6 @@ class CpuEngineServer:
             return engine_error(503, str(error))
         log.info("loaded LoRA adapter %s from %s", name, local)
         return success_text(f"Success: LoRA adapter '{name}' added successfully.")
-
-    def _stale_source(self, requested: Path) -> Path:
-        """The stale-replica fault: the adapter asked for before this one (still on disk), else the one asked for."""
-        previous, self._last_requested = self._last_requested, requested
-        if previous is not None and (previous / "adapter_config.json").is_file():
-            log.warning("fault injection (%s): serving %s instead of %s", FAULT_SWITCH.name, previous, requested)
-            return previous
-        return requested
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
         body, problem = await _json_body(request)
@@ -293,9 +270,6 @@ class CpuEngineServer:
         if not self.engine.unload_adapter(name):
             return engine_error(404, f"The lora adapter '{name}' cannot be found.")
         log.info("unloaded LoRA adapter %s", name)
-        if self.serve_previous and self.heal_when_emptied and not self.engine.adapters():
-            self.serve_previous = False
-            log.warning("fault injection (%s): healed, every adapter unloaded", FAULT_SWITCH.name)
         return success_text(f"Success: LoRA adapter '{name}' removed successfully.")
 
     # ---- generation ------------------------------------------------------------------------------------------
@@ -653,9 +627,7 @@ async def serve(args: argparse.Namespace) -> None:
         prefill_sharing=not args.no_prefill_sharing,
     )
     engine.start()
-    fault = FAULT_SWITCH.get()
-    stale, heals = fault in ("1", "until-emptied"), fault == "until-emptied"
-    server = CpuEngineServer(engine, tokenizer, served, serve_previous=stale, heal_when_emptied=heals)
+    server = CpuEngineServer(engine, tokenizer, served)
     runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

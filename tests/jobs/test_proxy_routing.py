@@ -39,6 +39,20 @@ def test_rollouts_of_a_prompt_stick_to_one_replica_and_new_prompts_spread(make_h
     assert counters["prefix_tokens_saved"] >= 7 * 96  # 7 rollouts found 6 of their 7 blocks
 
 
+def test_the_router_hashes_prompts_in_the_engines_own_block_size(make_harness):
+    """vLLM's CPU build caches 128-token blocks (its GPU build 16): the proxy reads the block from the first replica's
+    /server_info at admission, so a 90-token prompt, one 16-token block short of nothing on a GPU, is no block on a
+    CPU: its rollouts find nothing to follow and are not counted as affinity."""
+    harness = make_harness(replica_options={"block_size": 128})
+    assert harness.get("/proxy/stats").json()["routing"]["block_size"] == 128
+    for _ in range(4):
+        harness.completion(prompt(1))
+    assert routing(harness)["affinity"] == 0 and routing(harness)["prefix_tokens_saved"] == 0
+    long = prompt(2, length=300)  # two whole 128-token blocks
+    upstreams = {harness.completion(long).headers["X-Proxy-Upstream"] for _ in range(4)}
+    assert len(upstreams) == 1 and routing(harness)["prefix_tokens_saved"] == 3 * 256
+
+
 def test_a_shared_template_is_not_affinity(make_harness):
     harness = make_harness()
     first = harness.completion(prompt(1)).headers["X-Proxy-Upstream"]

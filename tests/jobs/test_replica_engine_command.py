@@ -144,9 +144,10 @@ def test_where_vllm_is_found(tmp_path):
 
 def test_vllm_cpu_build_gets_the_gpu_flags_and_what_the_build_needs():
     spec = hub_spec(rank=16, max_staleness=2)
-    gpu = vllm_command(spec, "/models/m", 8103, {"VLLM_CPU_KVCACHE_SPACE": "4"})
+    environ = {"VLLM_CPU_KVCACHE_SPACE": "4", "PYTHONPATH": "/the/panel/checkout"}
+    gpu = vllm_command(spec, "/models/m", 8103, environ)
     choice = EngineChoice("vllm", "asked for", vllm_cpu_python="/opt/vllm/bin/python")
-    cpu = engine_command(choice, spec, "/models/m", 8103, threads=2, environ={"VLLM_CPU_KVCACHE_SPACE": "4"})
+    cpu = engine_command(choice, spec, "/models/m", 8103, threads=2, environ=environ)
     # The build's console script fails (its distribution is vllm-cpu): its module takes the same flags.
     assert cpu.argv[:5] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/m"]
     extra, env = cpu_build_settings("0.27.1", threads=2)
@@ -155,6 +156,7 @@ def test_vllm_cpu_build_gets_the_gpu_flags_and_what_the_build_needs():
         k: v for k, v in env.items() if k != "VLLM_CPU_KVCACHE_SPACE"
     }
     assert cpu.env["VLLM_CPU_KVCACHE_SPACE"] == "4", "what the job's environment sets wins"
+    assert "PYTHONPATH" not in cpu.env, "the build runs in its own environment"
 
 
 def test_the_cpu_build_workarounds_depend_on_the_release():

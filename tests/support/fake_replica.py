@@ -287,6 +287,7 @@ class FakeReplica:
                     "lora_config": {"max_lora_rank": self.max_lora_rank, "max_loras": self.max_loras},
                     "parallel_config": {"data_parallel_size": self.data_parallel_size, "tensor_parallel_size": 1},
                     "model_config": {"dtype": "torch.bfloat16", "model": self.model},
+                    "cache_config": {"block_size": self.block_size, "enable_prefix_caching": True},
                 }
             }
         )
