@@ -144,7 +144,12 @@ def plan(args: argparse.Namespace) -> int:
     if spec is None:
         return 2
     run = run_row(spec, LOCAL_OWNER, "draft", *_credential_ids(ctx, args))
-    print(json.dumps(ctx.plan(run).to_json(full=args.full), indent=2, ensure_ascii=False))
+    try:
+        plan = ctx.plan(run)
+    except ValueError as error:  # an engine that cannot run where the replicas would
+        print(f"compute.engine: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_json(full=args.full), indent=2, ensure_ascii=False))
     return 0
 
 

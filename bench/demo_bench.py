@@ -6,6 +6,7 @@
     .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --trainer-processes 1 2 --sharding ddp fsdp
     .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 40 --limits auto 64/256   # in flight / queued
     .venv/bin/python bench/demo_bench.py --seeds 0 1 2 --steps 40 --eval off demo auto   # held-out evaluation's cost
+    .venv/bin/python bench/demo_bench.py --seeds 0 1 --steps 40 --engine cpu vllm   # our engine vs vLLM's CPU build
 
 With several `--limits` each seed runs once per pair of rollout limits (`auto`: derived from the staleness window,
 jobs/contract/derived.py's `rollout_limits`), side by side. "trained on" is the share of the samples the trainer
@@ -14,6 +15,13 @@ pulled that it trained on rather than dropped as too stale; "CPU" the CPU-second
 With several `--eval` each seed runs once per setting, one after the other (paired rounds): `off`, `demo` (the
 preset's, every tenth version) or `auto` (the interval derived to keep it within a tenth of the rollout tokens).
 "eval tokens" are the tokens generated for held-out evaluation over those generated for rollouts.
+
+With several `--engine` each seed runs once per engine, one after the other: `cpu` (ours) or `vllm` (vLLM's CPU
+build, `scripts/setup vllm`). "replica start" is the slowest replica's time from its sidecar listening to its engine
+answering /health (from the replica jobs' logs); "replicas' memory" the most the replica jobs' processes held
+together, sampled once a second; "tokens/s" the tokens the replicas generated (their heartbeats' counters: rollouts,
+dropped ones and held-out evaluation included) over the run's time from Launch less the replica start (Launch starts
+the replicas within a second or two).
 
 With several `--trainer-processes` each seed runs once per count, one after the other, so the rows compare the same
 seed under the same load: the 2-process rows are the trainer under `accelerate launch` (2 ranks over gloo), each
@@ -29,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import math
 import os
 import resource
 import statistics
@@ -49,8 +59,9 @@ from backend.database.models import TERMINAL_STATUSES
 from backend.ingestion.poller import Poller
 from backend.services.queries import QueryService
 from backend.services.runs import RunService
-from jobs.contract import RunSpec
+from jobs.contract import RunSpec, layout
 from jobs.demo.preset import demo_spec
+from jobs.processes import job_processes
 from jobs.store import LocalStore
 from jobs.telemetry import read_stream
 
@@ -69,6 +80,20 @@ def _wait_for_children_to_exit(limit_s: float = 120.0) -> None:
         if not children:
             return
         time.sleep(0.5)
+
+
+def _replica_rss(jobs: Path) -> int:
+    """Bytes resident in every process of the run's replica jobs now (engines in a session of their own included)."""
+    pids: set[int] = set()
+    for pgid in jobs.glob("replica-*/pgid"):
+        pids |= set(job_processes(int(pgid.read_text())))
+    total = 0
+    for pid in pids:
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * resource.getpagesize()
+        except (OSError, IndexError, ValueError):
+            pass  # ended meanwhile
+    return total
 
 
 def _parent(stat: Path) -> str | None:
@@ -96,6 +121,7 @@ class FinishedRun:
     wall_s: float  # from Launch to the poll that saw the run end
     first_reward_s: float | None  # from Launch to the first poll that saw a reward
     cpu_s: float  # CPU-seconds of every job process of the run
+    replica_rss_gb: float  # the largest memory the replica jobs held together (every process of theirs), sampled
 
 
 @contextmanager
@@ -113,8 +139,9 @@ def finished_run(run_id: str, make_spec: Callable[[str, str], RunSpec]) -> Itera
             service.create(spec)
             started, cpu_before = time.monotonic(), _children_cpu_s()
             service.launch(run_id, wait=True)
-            poller, first_reward = Poller(ctx), None
+            poller, first_reward, replica_rss = Poller(ctx), None, 0
             while True:
+                replica_rss = max(replica_rss, _replica_rss(root / "jobs" / run_id))
                 poller.poll_run(run_id)
                 run = service.get(run_id)
                 if first_reward is None and run.latest_reward is not None:
@@ -125,20 +152,49 @@ def finished_run(run_id: str, make_spec: Callable[[str, str], RunSpec]) -> Itera
             wall = time.monotonic() - started
             poller.poll_run(run_id)  # once more: whatever the jobs wrote as they ended
             _wait_for_children_to_exit()
-            yield FinishedRun(ctx, root, spec, wall, first_reward, _children_cpu_s() - cpu_before)
+            cpu = _children_cpu_s() - cpu_before
+            yield FinishedRun(ctx, root, spec, wall, first_reward, cpu, replica_rss / 2**30)
         finally:
             ctx.db.close()
 
 
+def replica_start_s(root: Path, run_id: str) -> float:
+    """The slowest replica's time from its sidecar listening to its engine ready, from the replica jobs' logs (NaN if
+    one never was: the run's status says why)."""
+    slowest = 0.0
+    for log in (root / "jobs" / run_id).glob("replica-*/log"):
+        stamps = {}
+        for line in log.read_text(errors="replace").splitlines():
+            for mark in ("sidecar listening", "engine ready"):
+                if mark in line and mark not in stamps:
+                    stamps[mark] = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1e3
+        if "engine ready" not in stamps:
+            return math.nan
+        slowest = max(slowest, stamps["engine ready"] - stamps["sidecar listening"])
+    return slowest
+
+
+def generated_tokens(store: LocalStore, run_id: str, replicas: int) -> int:
+    """Tokens the replicas generated over the run, by their last heartbeats."""
+    beats = (json.loads(store.get_bytes(layout.status_key(run_id, f"replica-{i}"))) for i in range(replicas))
+    return sum(beat["generated_tokens_total"] for beat in beats)
+
+
 def run_demo(
-    steps: int, seed: int, processes: int = 1, sharding: str = "auto", limits: str = "auto", evaluation: str = "demo"
+    steps: int,
+    seed: int,
+    processes: int = 1,
+    sharding: str = "auto",
+    limits: str = "auto",
+    evaluation: str = "demo",
+    engine: str = "cpu",
 ) -> dict[str, Any]:
     run_id = f"bench-{steps}-{seed}-{processes}-{sharding}"
     grpo: dict[str, Any] = {"max_steps": steps, "seed": seed}
     if limits != "auto":
         inflight, queue = limits.split("/")
         grpo.update(max_inflight=int(inflight), queue_size=int(queue))
-    compute: dict[str, Any] = {"trainer_processes": processes, "trainer_sharding": sharding}
+    compute: dict[str, Any] = {"trainer_processes": processes, "trainer_sharding": sharding, "engine": engine}
     chosen = EVALUATION[evaluation]
     sections = {"eval": chosen} if chosen else {}
     with finished_run(run_id, lambda name, uri: demo_spec(name, uri, grpo=grpo, compute=compute, **sections)) as run:
@@ -149,8 +205,15 @@ def run_demo(
         ratios = [v for _, v in queries.metric_series(run_id, "ratio", max_points=None)]
         lengths = [v for _, v in queries.metric_series(run_id, "completions/mean_length", max_points=None)]
         rollout_tokens = sum(lengths) * run.spec.grpo.completions_per_step
-        evaluations = read_stream(LocalStore(run.root / "store"), run_id, "eval")
+        store = LocalStore(run.root / "store")
+        evaluations = read_stream(store, run_id, "eval")
+        start_s = replica_start_s(run.root, run_id)
+        serving_s = run.wall_s - start_s  # Launch starts the replicas at once; the trainer waits for them
         return {
+            "engine": engine,
+            "replica_start_s": start_s,
+            "tokens_per_s": generated_tokens(store, run_id, run.spec.compute.replicas) / serving_s,
+            "replica_rss_gb": run.replica_rss_gb,
             "steps": steps,
             "seed": seed,
             "processes": processes if processes == 1 else f"{processes} ({sharding})",
@@ -184,24 +247,27 @@ def main() -> None:
     parser.add_argument(
         "--eval", nargs="+", choices=list(EVALUATION), default=["demo"], help="held-out evaluation during the run"
     )
+    parser.add_argument("--engine", nargs="+", choices=["cpu", "vllm"], default=["cpu"], help="the replicas' engine")
     args = parser.parse_args()
     print(
-        "| steps | seed | trainer processes | in flight/queued | eval | evaluations | eval tokens | status "
-        "| first reward | wall | steps/min | reward first 5 → last 5 | trained on | CPU | sync p50 | step p50 "
-        "| ratio range | load avg |"
+        "| steps | seed | engine | trainer processes | in flight/queued | eval | evaluations | eval tokens | status "
+        "| replica start | replicas' memory | first reward | wall | steps/min | tokens/s | reward first 5 → last 5 "
+        "| trained on | CPU | sync p50 | step p50 | ratio range | load avg |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for steps in args.steps:
         for seed in args.seeds:
             layouts = [(n, sharding) for n in args.trainer_processes for sharding in ([] if n == 1 else args.sharding)]
-            for (processes, sharding), limits, evaluation in itertools.product(
-                [(1, "auto")] * (1 in args.trainer_processes) + layouts, args.limits, args.eval
+            for (processes, sharding), limits, evaluation, engine in itertools.product(
+                [(1, "auto")] * (1 in args.trainer_processes) + layouts, args.limits, args.eval, args.engine
             ):
-                r = run_demo(steps, seed, processes, sharding, limits, evaluation)
+                r = run_demo(steps, seed, processes, sharding, limits, evaluation, engine)
                 print(
-                    f"| {r['steps']} | {r['seed']} | {r['processes']} | {r['limits']} | {r['evaluation']} "
-                    f"| {r['evaluations']} | {r['eval_share']:.1%} | {r['status']} "
-                    f"| {r['first_reward_s']:.0f} s | {r['wall_s']:.0f} s | {r['steps_per_min']:.1f} "
+                    f"| {r['steps']} | {r['seed']} | {r['engine']} | {r['processes']} | {r['limits']} "
+                    f"| {r['evaluation']} | {r['evaluations']} | {r['eval_share']:.1%} | {r['status']} "
+                    f"| {r['replica_start_s']:.0f} s | {r['replica_rss_gb']:.1f} GB | {r['first_reward_s']:.0f} s "
+                    f"| {r['wall_s']:.0f} s "
+                    f"| {r['steps_per_min']:.1f} | {r['tokens_per_s']:.0f} "
                     f"| {r['first5']:.3f} → {r['last5']:.3f} "
                     f"| {r['trained_share']:.0%} | {r['cpu_s']:.0f} s | {r['sync_p50']:.2f} s | {r['step_p50']:.2f} s "
                     f"| {r['ratio_min']:.3f}–{r['ratio_max']:.3f} | {r['load']:.1f} |",

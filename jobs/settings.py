@@ -109,8 +109,8 @@ WANDB_MODE = Variable("WANDB_MODE", "`offline`: W&B runs are kept on disk only (
 WANDB_DIR = Variable("WANDB_DIR", "where wandb writes its run folders (wandb reads it)", when_unset="the working dir")
 VLLM_PYTHON = Variable(
     "GRPO_VLLM_PYTHON",
-    "the Python with vLLM that a replica runs its engine with, where the job's own has none (the CPU build)",
-    when_unset="this Python if it imports vllm, else `.venv-vllm` of this checkout (`scripts/setup vllm`)",
+    "the Python with vLLM's CPU build, which a replica without a GPU runs vLLM with (compute.engine: vllm)",
+    when_unset="`.venv-vllm` of this checkout (`scripts/setup vllm`)",
 )
 FAULT_SERVE_PREVIOUS_ADAPTER = Variable(
     "GRPO_FAULT_SERVE_PREVIOUS_ADAPTER",

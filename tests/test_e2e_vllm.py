@@ -26,7 +26,7 @@ from backend.services.queries import QueryService
 from backend.services.runs import RunService
 from jobs.contract import layout
 from jobs.demo.preset import agent_demo_spec, demo_spec
-from jobs.replica.engine_command import find_vllm_python
+from jobs.replica.engine_command import find_cpu_build
 from jobs.store import LocalStore, list_published
 from tests.support.fault_runs import OBSERVE_INTERVAL, OWNER, FaultRun, audit_verdicts, replica_stats, stale_hook
 from tests.support.runs import follow_to_end
@@ -54,7 +54,7 @@ class VllmRun:
 
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory):
-    if find_vllm_python() is None:
+    if find_cpu_build() is None:
         pytest.skip("vLLM's CPU build is not installed here: run scripts/setup vllm")
     data = tmp_path_factory.mktemp("vllm-run")
     hook = stale_hook(data / "stale-hook", STALE, "until-emptied")
@@ -163,7 +163,7 @@ def test_held_out_evaluation_scores_versions_through_vllm_during_and_after_the_r
 def test_an_agent_run_calls_its_tool_through_vllm_completions(tmp_path):
     """The agent demo on one vLLM replica for a few steps: TRL's rollout loop sends each turn to vLLM's completions
     and parses the tool calls in what vLLM generated; the episodes reach the panel turn by turn."""
-    if find_vllm_python() is None:
+    if find_cpu_build() is None:
         pytest.skip("vLLM's CPU build is not installed here: run scripts/setup vllm")
     from backend.context import PanelContext
     from backend.database.connection import Database

@@ -23,7 +23,7 @@ from backend.credentials.vault import CredentialError
 from backend.database.models import Run
 from backend.launch.images import check_images
 from backend.launchers.base import LaunchError
-from backend.launchers.hf_jobs import bound_hub_calls
+from backend.launchers.hf_jobs import bound_hub_calls, hub_replica_engine
 from backend.sandbox.client import RewardTrial, SandboxError, SandboxLimits, rehearse_environment, run_rewards
 from backend.services.costs import estimate_per_hour
 from backend.services.runs import RunStateError, check_hosting, run_id_taken
@@ -247,6 +247,10 @@ def _check_compute(ctx: PanelContext, run: Run, spec: RunSpec, result: Preflight
         except ValueError as error:
             result.errors["compute.engine"] = str(error)
         return
+    try:
+        hub_replica_engine(spec)
+    except ValueError as error:
+        result.errors["compute.engine"] = str(error)
     images = check_images(spec)
     result.errors.update(images.errors)
     result.warnings.extend(images.warnings)

@@ -145,6 +145,12 @@ def bound_hub_calls(timeout: float = HUB_TIMEOUT) -> None:
 _bounded: float | None = None
 
 
+def hub_replica_engine(spec: RunSpec) -> EngineChoice:
+    """The replicas' engine on HF Jobs: the image brings vLLM built for GPUs (`vllm serve`); the replica flavor decides
+    whether there is a GPU to run it on. ValueError for `vllm` on a flavor without one."""
+    return decide_engine(spec.compute.engine, gpu_build=True, cpu_build=None, cuda=spec.compute.replica_gpus > 0)
+
+
 class HfJobsLauncher(Launcher):
     backend = "hf_jobs"
     startup_deadline = 900.0  # a cold vLLM image pull and model load take minutes
@@ -214,8 +220,7 @@ class HfJobsLauncher(Launcher):
         return spec.compute.trainer_gpus > 0
 
     def replica_engine(self, spec: RunSpec) -> EngineChoice:
-        # The replica image brings vLLM (`vllm serve`); the flavor decides whether it has a GPU to run it on.
-        return decide_engine(spec.compute.engine, "vllm", cuda=spec.compute.replica_gpus > 0)
+        return hub_replica_engine(spec)
 
     def plan_job(self, spec: RunSpec, role: str, run_secrets: RunSecrets) -> JobPlan:
         # The bootstrap reads the bundle with the bucket keys the job holds anyway; its arguments are not secret.

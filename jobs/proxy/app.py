@@ -163,11 +163,10 @@ class Proxy:
             response = await self.client.request(
                 replica.origin, "GET", "/server_info?config_format=json", self.auth, timeout=self.config.health_timeout
             )
-            cache = json.loads(response.body)["vllm_config"].get("cache_config") or {}
-        except (UpstreamError, ValueError, KeyError, TypeError, AttributeError) as error:
+            block = json.loads(response.body)["vllm_config"]["cache_config"]["block_size"]
+        except (UpstreamError, ValueError, KeyError, TypeError) as error:
             log.info("replica %s did not report its prefix-cache block (%s)", replica.role, error)
             return
-        block = cache.get("block_size")
         if isinstance(block, int) and block > 0 and not self.router.adopt_block_size(block):
             log.warning(
                 "replica %s caches %d-token blocks; routing keeps %d-token blocks it already tracks",

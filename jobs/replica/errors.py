@@ -11,6 +11,8 @@ import re
 
 from aiohttp import web
 
+from jobs.contract.layout import STORE_REF_SCHEME
+
 # vLLM 0.27.1 cuts local paths, memory addresses and traceback lines out of every error it answers (its
 # `sanitize_message`): "No adapter found for /tmp/x/v3" reaches the client as "No adapter found for <path>".
 _SANITIZED = (
@@ -52,8 +54,11 @@ def engine_error(status: int, message: str, error_type: str | None = None) -> we
 
 def no_adapter_found(lora_name: str, lora_path: str) -> web.Response:
     """vLLM's answer for a load whose path holds no adapter; the proxy retries on its "No adapter found" text. A
-    `store:` reference (the sidecar's) passes through unchanged, a local path reads `<path>`."""
-    return engine_error(404, f"Loading lora {lora_name} failed: No adapter found for {lora_path}")
+    local path reads `<path>`, as vLLM writes it; a `store:` reference (the sidecar's own answer) stays whole."""
+    message = f"Loading lora {lora_name} failed: No adapter found for {lora_path}"
+    if lora_path.startswith(STORE_REF_SCHEME):
+        return error_response(404, message)
+    return engine_error(404, message)
 
 
 def success_text(message: str) -> web.Response:

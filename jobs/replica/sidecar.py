@@ -202,10 +202,12 @@ class Sidecar:
                 f"lora_path {path!r} must be a store reference (store:runs/<run_id>/adapters/vNNNNNN/) or an absolute "
                 "path on the replica without '..'",
             )
+        asked = body["lora_path"]
         if self.serve_previous:
-            body = {**body, "lora_path": self._stale_source(body["lora_path"])}
+            body = {**body, "lora_path": self._stale_source(asked)}
         status, data, content_type = await self._engine_post("/v1/load_lora_adapter", body)
         if status == 200:
+            self._last_requested = asked
             self.adapters[name] = record
             log.info("loaded adapter %s from %s", name, record.path if record.run_id is None else path)
         elif status >= 500:  # the caller's mistakes (4xx) are answered, not counted against the replica
@@ -230,8 +232,8 @@ class Sidecar:
         return web.Response(status=status, body=data, content_type=content_type)
 
     def _stale_source(self, requested: str) -> str:
-        """The stale-replica fault: the adapter asked for before this one (still on disk), else the one asked for."""
-        previous, self._last_requested = self._last_requested, requested
+        """The stale-replica fault: the adapter loaded before this one (still on disk), else the one asked for."""
+        previous = self._last_requested
         if previous is not None and (Path(previous) / "adapter_config.json").is_file():
             log.warning("fault injection: serving %s instead of %s", previous, requested)
             return previous
@@ -305,14 +307,18 @@ class Sidecar:
         generation = request.path in _GENERATION_PATHS
         self.requests_in_flight += generation
         try:
-            upstream = await self._session.request(
-                request.method,
-                self.engine_url + str(request.rel_url),
-                headers=headers,
-                data=data,
-                allow_redirects=False,
-            )
-            async with upstream:
+            try:
+                upstream = await self._session.request(
+                    request.method,
+                    self.engine_url + str(request.rel_url),
+                    headers=headers,
+                    data=data,
+                    allow_redirects=False,
+                )
+            except (TimeoutError, aiohttp.ClientError) as error:
+                message = f"the inference engine is not reachable ({type(error).__name__}); retry later"
+                return error_response(503, message)
+            async with upstream:  # an engine that fails mid-answer cuts the client's answer short
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for key, value in upstream.headers.items():
                     if key.lower() not in _HOP_BY_HOP:
@@ -321,8 +327,6 @@ class Sidecar:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
                 await response.write_eof()
-        except (TimeoutError, aiohttp.ClientError) as error:
-            return error_response(503, f"the inference engine is not reachable ({type(error).__name__}); retry later")
         finally:  # answered, failed, or cancelled because the client went away
             self.requests_in_flight -= generation
         if generation and upstream.status == 200:

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 OURS = EngineChoice("cpu", "the engine does not matter to these checks")
 
 
-def plan_command(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "GRPO_PANEL_DATA": str(tmp_path / "data")}
+def plan_command(tmp_path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GRPO_PANEL_DATA": str(tmp_path / "data"), **(env or {})}
     command = [sys.executable, "-m", "backend", "plan", *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
@@ -103,6 +103,25 @@ def test_a_plan_the_spec_refuses_names_the_field_and_submits_nothing(tmp_path):
     unknown = plan_command(tmp_path, "--preset", "math", "--set", "compute.replica_flavor=h100x9")
     assert unknown.returncode == 2 and "compute.replica_flavor" in unknown.stderr
     assert "is not an HF Jobs flavor" in unknown.stderr
+
+
+def test_the_plan_says_which_engine_the_replicas_run_and_why_and_refuses_one_that_cannot_run(tmp_path):
+    """The engine is decided where the replicas run: vLLM on an HF Jobs GPU flavor, refused on a CPU one (the image's
+    vLLM is built for GPUs); locally, `cpu` whatever else is set, `vllm` where its CPU build is installed."""
+    hub = json.loads(plan_command(tmp_path, "--preset", "math").stdout)["derived"]["replicas"]
+    assert (hub["engine"], hub["engine_reason"]) == ("vllm", "compute.engine is auto: vLLM on the GPU")
+    cpu_flavor = plan_command(tmp_path, "--preset", "math", "--set", "compute.replica_flavor=cpu-basic")
+    assert json.loads(cpu_flavor.stdout)["derived"]["replicas"]["engine"] == "cpu"  # auto: ours
+    refused = plan_command(
+        tmp_path, "--preset", "math", "--set", "compute.replica_flavor=cpu-basic", "--set", "compute.engine=vllm"
+    )
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert "compute.engine: the vLLM here is built for GPUs and there is no GPU" in refused.stderr
+    local = json.loads(plan_command(tmp_path, "--preset", "demo").stdout)["derived"]["replicas"]
+    assert (local["engine"], local["engine_reason"]) == ("cpu", "compute.engine is cpu: our CPU engine")
+    wrong = {"GRPO_VLLM_PYTHON": str(tmp_path / "no-python")}
+    done = plan_command(tmp_path, "--preset", "demo", "--set", "compute.engine=vllm", env=wrong)
+    assert done.returncode == 2 and f"GRPO_VLLM_PYTHON={wrong['GRPO_VLLM_PYTHON']} is not an executable" in done.stderr
 
 
 def test_the_demo_plans_local_processes_with_the_cpu_batch_shape(tmp_path):

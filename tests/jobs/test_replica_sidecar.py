@@ -17,10 +17,15 @@ from pathlib import Path
 
 import pytest
 import requests
+from aiohttp import web
 
 from jobs.contract import layout, parse_storage_uri
+from jobs.ports import free_port
 from jobs.replica.heartbeat import counter_value
+from jobs.replica.sidecar import Sidecar
 from jobs.store import LocalStore, ObjectStore, S3Store, publish_directory
+from tests.support.fake_replica import FakeReplica
+from tests.support.loop_thread import LoopThread
 from tests.support.replica import (
     HTTP_TIMEOUT,
     ReplicaProcess,
@@ -254,3 +259,45 @@ def test_sigterm_stops_the_replica_and_its_engine_cleanly(setup, adapter):
     assert all(not Path(f"/proc/{pid}").exists() for pid in children), "no process left behind"
     assert setup.status()["state"] == "stopped"
     assert setup.cached_versions("last-run") == []
+
+
+@pytest.mark.parametrize("mode", ["1", "until-emptied"])
+def test_the_stale_replica_fault_hands_the_engine_the_version_before(tmp_path, mode):
+    """The fault the policy-audit tests inject (`GRPO_FAULT_SERVE_PREVIOUS_ADAPTER`), in the sidecar so that it works
+    in front of either engine: every load after the first gets the adapter loaded before under its own name; with
+    `until-emptied` the fault heals once every adapter is unloaded, as the proxy's clean re-load does."""
+    loop = LoopThread("sidecar-fault")
+    engine = loop.run(FakeReplica().start())
+    sidecar = Sidecar(engine.url, LocalStore(tmp_path / "store"), 1, tmp_path / "cache", fault=mode)
+
+    async def serve() -> web.AppRunner:
+        runner = web.AppRunner(sidecar.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    port = free_port()
+    runner = loop.run(serve())
+    url = f"http://127.0.0.1:{port}"
+    folders = [make_adapter(tmp_path / f"v{v}", seed=v) for v in (1, 2, 3)]
+
+    def load(name: str, folder: Path) -> None:
+        body = {"lora_name": name, "lora_path": str(folder)}
+        assert requests.post(url + "/v1/load_lora_adapter", json=body, timeout=HTTP_TIMEOUT).status_code == 200
+
+    try:
+        load("v1", folders[0])
+        refused = {"lora_name": "v1", "lora_path": str(folders[2])}  # the same name again: the engine refuses it
+        assert requests.post(url + "/v1/load_lora_adapter", json=refused, timeout=HTTP_TIMEOUT).status_code == 400
+        load("v2", folders[1])
+        assert engine.adapters == {"v1": str(folders[0]), "v2": str(folders[0])}, "v2's name serves v1"
+        for name in ("v1", "v2"):
+            assert requests.post(url + "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=60).ok
+        load("v3", folders[2])
+        healed = mode == "until-emptied"
+        assert engine.adapters == {"v3": str(folders[2] if healed else folders[1])}
+    finally:
+        loop.run(runner.cleanup())
+        loop.run(engine.stop())
+        engine.close()
+        loop.close()

@@ -17,15 +17,15 @@ import requests
 from jobs.demo.tiny_model import ensure_tiny_model
 from jobs.ports import free_port
 from jobs.processes import terminate_group
-from jobs.replica.engine_command import VLLM_VERSION, EngineChoice, cpu_build_settings, engine_command, find_vllm_python
-from tests.support.replica import READY_TIMEOUT_S, tiny_spec
+from jobs.replica.engine_command import VLLM_VERSION, EngineChoice, cpu_build_settings, engine_command, find_cpu_build
+from tests.support.replica import READY_TIMEOUT_S, answers_health, tiny_spec
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 
 
 def test_a_seeded_prompt_prefilled_in_chunks_kills_the_cpu_build(tmp_path):
-    python = find_vllm_python()
+    python = find_cpu_build()
     if python is None:
         pytest.skip("vLLM's CPU build is not installed here: run scripts/setup vllm")
     workaround = "--no-enable-chunked-prefill"
@@ -42,7 +42,7 @@ def test_a_seeded_prompt_prefilled_in_chunks_kills_the_cpu_build(tmp_path):
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url) or engine.poll() is not None, READY_TIMEOUT_S["vllm"], what="vLLM ready")
+        wait_until(lambda: answers_health(url) or engine.poll() is not None, READY_TIMEOUT_S["vllm"], what="vLLM ready")
         assert engine.poll() is None, log.read_text()[-3000:]
         body = {"model": spec.model.id, "prompt": list(range(3, 103)), "max_tokens": 4, "seed": 1}
         unseeded = requests.post(url + "/v1/completions", json={**body, "seed": None}, timeout=120)
@@ -50,14 +50,7 @@ def test_a_seeded_prompt_prefilled_in_chunks_kills_the_cpu_build(tmp_path):
         seeded = requests.post(url + "/v1/completions", json=body, timeout=120)
         assert seeded.status_code >= 500
         wait_until(lambda: "CPU Generator does not use offset" in log.read_text(errors="replace"), 60, what="the error")
-        wait_until(lambda: not _healthy(url), 60, what="the engine dead")
+        wait_until(lambda: not answers_health(url), 60, what="the engine dead")
     finally:
         terminate_group(engine.pid, grace=10.0)
         engine.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return requests.get(url + "/health", timeout=2).status_code == 200
-    except requests.RequestException:
-        return False

@@ -54,6 +54,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from jobs.contract import layout, parse_storage_uri
+from jobs.replica.adapter_requests import parse_load
 from jobs.store import ObjectStore, VersionNotPublished, download_published, open_store
 
 
@@ -336,9 +337,10 @@ class FakeReplica:
         return response
 
     async def _load_answer(self, body: dict) -> web.Response:
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if not name or not path:
-            return _error(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        load = parse_load(body)  # vLLM's 400s for a body it refuses
+        if isinstance(load, web.Response):
+            return load
+        name, path = load.lora_name, load.lora_path
         if name in self.adapters:
             repeat = path.startswith(layout.STORE_REF_SCHEME) and self._sources.get(name) == path
             if repeat and self.idempotent_loads:

@@ -45,6 +45,14 @@ def tiny_spec(
     )
 
 
+def answers_health(url: str) -> bool:
+    """Whether the server at `url` answers /health with 200 now."""
+    try:
+        return requests.get(url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 def write_spec(store: ObjectStore, spec: RunSpec) -> str:
     """Store `spec` and return the spec URI a replica is started with."""
     store.put_bytes(layout.spec_key(spec.run_id), spec.to_json().encode())
@@ -108,7 +116,7 @@ class ReplicaProcess:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S["cpu"]) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
