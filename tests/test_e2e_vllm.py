@@ -11,7 +11,6 @@ engine) with vLLM serving.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +56,6 @@ def vllm_run(tmp_path_factory):
     if find_cpu_build() is None:
         pytest.skip("vLLM's CPU build is not installed here: run scripts/setup vllm")
     data = tmp_path_factory.mktemp("vllm-run")
-    hook = stale_hook(data / "stale-hook", STALE, "until-emptied")
     spec = demo_spec(
         RUN_ID,
         f"file://{data / 'store'}",
@@ -68,9 +66,7 @@ def vllm_run(tmp_path_factory):
     run = FaultRun(data, spec)
     store = LocalStore(data / "store")
     try:
-        with pytest.MonkeyPatch.context() as patch:  # only the jobs started here get the hook
-            patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
-            run.launch()
+        run.launch(PYTHONPATH=stale_hook(data / "stale-hook", STALE, "until-emptied"))
 
         def healed() -> bool:
             verdicts = audit_verdicts(store, RUN_ID)[1]

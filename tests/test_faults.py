@@ -650,9 +650,7 @@ def store_faults(tmp_path_factory, moto_server):
         return faulty.injected - before
 
     try:
-        with pytest.MonkeyPatch.context() as patch:  # only the jobs started here
-            patch.setenv("GRPO_STORE_READ_TIMEOUT", str(STORE_READ_TIMEOUT))
-            run.launch()
+        run.launch(GRPO_STORE_READ_TIMEOUT=str(STORE_READ_TIMEOUT))
         # Row 6: a read of the proxy's replica list hangs past the store client's read timeout (the proxy re-reads
         # it in the background, so the run goes on meanwhile); later, for a while, every store call answers 503,
         # then every connection is reset.
@@ -818,9 +816,7 @@ def clock_skew(tmp_path_factory):
     store = LocalStore(data / "store")
     seen: dict[str, Any] = {}
     try:
-        with pytest.MonkeyPatch.context() as patch:  # only the jobs started here get the hook
-            patch.setenv("PYTHONPATH", skewed_path)
-            run.launch()
+        run.launch(PYTHONPATH=skewed_path)
 
         def checkpoint() -> int:
             steps = [
@@ -948,14 +944,11 @@ class StaleRun:
 def stale_replica_run(tmp_path: Path, run_id: str, steps: int, mode: str, record_property) -> Iterator[StaleRun]:
     """Run the demo to its end with STALE_REPLICA's engine serving the version before (`mode`: the fault switch's
     value), auditing every version; what it left, recorded for the reliability report."""
-    hook = stale_hook(tmp_path / "stale-hook", STALE_REPLICA, mode)
     spec = demo_spec(run_id, f"file://{tmp_path / 'store'}", grpo={"max_steps": steps, "audit_every": 1, "seed": 0})
     run = FaultRun(tmp_path, spec)
     store = LocalStore(tmp_path / "store")
     try:
-        with pytest.MonkeyPatch.context() as patch:  # only the jobs started here get the hook
-            patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
-            run.launch()
+        run.launch(PYTHONPATH=stale_hook(tmp_path / "stale-hook", STALE_REPLICA, mode))
         final = run.finish()
         orphans = run.processes.running()
         report(record_property, "a replica serving v(N-1) under vN's name", orphans=len(orphans))

@@ -63,7 +63,7 @@ def decide_engine(requested: str, gpu_build: bool, cpu_build: str | None, cuda: 
     """The engine for a spec's `compute.engine`, from three facts about where the replica runs: whether its own Python
     imports vLLM (`gpu_build`: the job image's, built for GPUs), which interpreter has vLLM's CPU build (`cpu_build`,
     None: none), and whether a GPU is visible. `auto` is vLLM on a GPU and our engine without one: on these CPUs ours
-    trains the tiny demo model about 4x as fast as vLLM's CPU build (docs/engines.md); `vllm` asks for vLLM's fidelity
+    trains the tiny demo model 3.5-4x as fast as vLLM's CPU build (docs/engines.md); `vllm` asks for vLLM's fidelity
     at that cost. Raises ValueError, saying what to do, when the engine asked for cannot run there."""
     if requested == "cpu":
         return EngineChoice("cpu", "compute.engine is cpu: our CPU engine")

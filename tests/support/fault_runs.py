@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
 from backend.context import PanelContext
@@ -55,8 +56,13 @@ class FaultRun:
         self.processes = RunProcesses(self.ctx.local_launcher.workdir / self.run_id)
         self.statuses: list[tuple[str, int]] = []  # (status, step) each time the status changed
 
-    def launch(self) -> None:
-        self.service.launch(self.run_id, wait=True)
+    def launch(self, **env: str) -> None:
+        """Launch the run as the panel does, its jobs started with `env` set (this process's environment is left
+        as it was)."""
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)
+            self.service.launch(self.run_id, wait=True)
         self.processes.snapshot()
 
     def observe(self, poll: bool) -> Run:
@@ -156,9 +162,9 @@ def audit_verdicts(store: ObjectStore, run_id: str) -> tuple[dict[int, dict], di
     return audits, {v: {role: r["verdict"] for role, r in a["replicas"].items()} for v, a in sorted(audits.items())}
 
 
-def stale_hook(folder: Path, role: str, mode: str) -> Path:
-    """A folder to put on the jobs' PYTHONPATH: `role` alone turns on the sidecar's fault switch (`mode`: its value,
-    jobs/replica/sidecar.py), so its engine is handed the adapter asked for before under each new version's name."""
+def stale_hook(folder: Path, role: str, mode: str) -> str:
+    """The jobs' PYTHONPATH with a hook in `folder` first: `role` alone turns on the sidecar's fault switch (`mode`:
+    its value, jobs/replica/sidecar.py), so its engine is handed the adapter loaded before under each new name."""
     folder.mkdir()
     (folder / "sitecustomize.py").write_text(STALE_HOOK.replace("__ROLE__", repr(role)).replace("__MODE__", repr(mode)))
-    return folder
+    return os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
