@@ -48,7 +48,7 @@ STEPS = 40
 # first 5 by 0.55-0.87 at 40 steps (0.29-0.57 at 30), measured with bench/demo_bench.py (docs/benchmarks/demo.md);
 # the margin leaves room for slow, loaded CI machines.
 REWARD_MARGIN = 0.3
-AGENT_STEPS = 20  # the agent demo: its reward rose by 0.58-0.64 in 20 steps over seeds 0-3 (docs/benchmarks/agent.md)
+AGENT_STEPS = 20  # the agent demo: its reward rose by 0.32-0.62 in 20 steps over seeds 0-3, 0.57 on seed 0 (docs/benchmarks/agent.md)
 
 
 def start_demo(
@@ -700,8 +700,8 @@ def test_the_agent_demo_learns_to_look_the_answer_up_and_each_turn_names_the_ver
     """Issue 31: the warm-started agent demo model, in the `codebook` environment, learns over a real run that calling
     the tool pays (the share of episodes calling it, and the reward, rise); its episodes reach the panel turn by turn,
     each reply with the adapter version whose name its request carried, and a weight sync landing mid-episode shows
-    as a later version on the later turns. Margins from bench/agent_bench.py over 4 seeds at 20 steps (reward
-    0.26–0.31 → 0.88–0.91, tool calls per episode 0.24–0.29 → 0.94–0.97; docs/benchmarks/agent.md)."""
+    as a later version on the later turns. Margins from bench/agent_bench.py over 4 seeds at 20 steps (seed 0: reward
+    0.31 → 0.88, tool calls per episode 0.32 → 0.96; docs/benchmarks/agent.md)."""
     run_id = "agent-e2e"
     ctx = PanelContext(Database(tmp_path / "panel.sqlite3"), tmp_path)
     spec = agent_demo_spec(run_id, f"file://{tmp_path / 'store'}", grpo={"max_steps": AGENT_STEPS, "seed": 0})
@@ -747,7 +747,7 @@ def test_the_agent_demo_learns_to_look_the_answer_up_and_each_turn_names_the_ver
     # each turn naming the version evaluated, during the run (through the proxy) and from the panel afterwards.
     held = {score.version: score for score in queries.held_out_series(run_id)}
     last = max(held)
-    assert set(held) == {0, 11, last} and held[last].mean - held[0].mean > 0.15, held  # measured 0.31-0.57
+    assert set(held) == {0, 11, last} and held[last].mean - held[0].mean > 0.15, held  # measured 0.37-0.53
     here = EvaluationService(ctx, OWNER).evaluate(run_id, [last], {"k": 2})  # other settings: drawn here
     assert here.cached == [False]
     episodes = here.results[0].completions
