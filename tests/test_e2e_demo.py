@@ -48,7 +48,8 @@ STEPS = 40
 # first 5 by 0.55-0.87 at 40 steps (0.29-0.57 at 30), measured with bench/demo_bench.py (docs/benchmarks/demo.md);
 # the margin leaves room for slow, loaded CI machines.
 REWARD_MARGIN = 0.3
-AGENT_STEPS = 20  # the agent demo: its reward rose by 0.32-0.62 in 20 steps over seeds 0-3, 0.57 on seed 0 (docs/benchmarks/agent.md)
+# The agent demo: its reward rose by 0.32-0.62 in 20 steps over seeds 0-3, 0.57 on seed 0 (docs/benchmarks/agent.md).
+AGENT_STEPS = 20
 
 
 def start_demo(
