@@ -60,6 +60,7 @@ class AgentRun:
     mid_sync: float
     episodes: int
     held_out: tuple[float, float]  # the base model's and the last version's
+    first_step: tuple[float, float]  # reward and tool calls per episode at step 1: the base model's episodes
     routing: Mapping[str, object] | None  # the proxy's counts since it started, from its last snapshot
     load: float
 
@@ -71,6 +72,7 @@ def run_agent_demo(steps: int, seed: int) -> AgentRun:
         queries = QueryService(run.ctx, "bench")
         summary = queries.summary(run_id)
         calls = [value for _, value in queries.metric_series(run_id, "tools/call_frequency", max_points=None)]
+        rewards = [value for _, value in queries.metric_series(run_id, "reward", max_points=None)]
         held = queries.held_out_series(run_id)
         snapshots = queries.proxy_snapshots(run_id, limit=1)
         with run.ctx.db.session() as session:
@@ -95,6 +97,7 @@ def run_agent_demo(steps: int, seed: int) -> AgentRun:
         mid_sync=_share([s for s in samples if s.turns_json], _spans_a_sync),
         episodes=sum(1 for s in samples if s.turns_json),
         held_out=(held[0].mean, held[-1].mean) if held else (float("nan"), float("nan")),
+        first_step=(rewards[0], calls[0]),
         routing=snapshots[-1]["routing"] if snapshots else None,
         load=os.getloadavg()[0],
     )
@@ -124,15 +127,17 @@ def main() -> None:
     args = parser.parse_args()
     print(
         "| steps | seed | status | wall | steps/min | reward first 5 → last 5 | tool calls | correct lookups "
-        "| copied (last 5) | episodes spanning a sync | held-out reward v0 → last | proxy routing | load avg |"
+        "| step 1: reward, tool calls | copied (last 5) | episodes spanning a sync | held-out reward v0 → last "
+        "| proxy routing | load avg |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for seed in args.seeds:
         r = run_agent_demo(args.steps, seed)
         print(
             f"| {r.steps} | {r.seed} | {r.status} | {r.wall_s:.0f} s | {r.steps_per_min:.1f} "
             f"| {r.reward[0]:.3f} → {r.reward[1]:.3f} | {r.calls[0]:.2f} → {r.calls[1]:.2f} "
-            f"| {r.lookups[0]:.2f} → {r.lookups[1]:.2f} | {r.copied:.2f} "
+            f"| {r.lookups[0]:.2f} → {r.lookups[1]:.2f} | {r.first_step[0]:.3f}, {r.first_step[1]:.2f} "
+            f"| {r.copied:.2f} "
             f"| {r.mid_sync:.0%} of {r.episodes} | {r.held_out[0]:.3f} → {r.held_out[1]:.3f} "
             f"| {_routing(r.routing)} | {r.load:.1f} |",
             flush=True,

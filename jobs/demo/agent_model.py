@@ -6,7 +6,7 @@ environment and dataset): a question about a thing, then a call to `lookup` with
 copied into the reply. Copying is what takes a model this small long to learn, so the phase first shows only such
 episodes, until the model writes nine in ten of them right, then mixes in replies that guess without the tool until it
 starts fewer than 30 % of its replies with a call. Both phases end on what the model does, not after a fixed number of
-steps: fixed, the build was a lottery (issue 45). The model comes out calling the tool in about a tenth of its
+steps: fixed, the build was a lottery (issue 45). The model comes out calling the tool in one to two in ten of its
 episodes, nearly always correctly when it does; GRPO then has one thing to learn, that calling the tool pays, and the
 share of episodes with a correct tool call rises over a real run (docs/benchmarks/agent.md).
 
